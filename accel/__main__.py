@@ -1,0 +1,107 @@
+"""Command line: `python -m accel {doctor,demo,bench,cache}`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .device import describe, detect
+    from .policy import choose, probe_packages
+
+    gpu = detect()
+    print(describe(gpu))
+    for note in gpu.notes:
+        print(f"  note: {note}")
+    installed = probe_packages()
+    print("packages: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in installed.items()))
+    plan = choose(gpu, args.backend, installed)
+    print(plan.summary())
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    out: dict = {}
+    if args.kernels:
+        from kernels.bench import bench_kernels
+
+        out["kernels"] = bench_kernels()
+        for r in out["kernels"]:
+            print(r)
+    if args.vae:
+        from .vae_bench import bench_vae
+
+        out["vae"] = bench_vae(tiny=args.tiny)
+        for r in out["vae"]:
+            print(r)
+    if not (args.kernels or args.vae) or args.unet:
+        from . import bench
+
+        modes = [] if args.no_compile or args.tiny else ["default", "reduce-overhead"]
+        rows = bench.run([m for m in args.models.split(",") if m], args.tiny, args.iters, modes, [p for p in args.paths.split(",") if p],
+                         log=(lambda s: print(s, file=sys.stderr)), profile=args.profile)
+        out["unet"] = bench.as_dicts(rows)
+        print(bench.table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import main
+
+    return main(args)
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from .cache_cli import main
+
+    return main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m accel", description="sd-accel: fast Stable Diffusion UNet and VAE.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("doctor", help="the GPU, its family, the installed backends, the chosen plan and why")
+    d.add_argument("--backend", default=None, help="auto|torch|onnxruntime|tensorrt|off (default: SD_ACCEL_BACKEND or auto)")
+    d.set_defaults(fn=_doctor)
+    b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD1.5 and SDXL UNets")
+    b.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sd21, sdxl (default: sd15,sdxl)")
+    b.add_argument("--paths", default="torch,onnxruntime,tensorrt", help="sd-accel paths to time")
+    b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")
+    b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
+    b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
+    b.add_argument("--kernels", action="store_true", help="micro-benchmark the Triton kernels (GB/s)")
+    b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
+    b.add_argument("--unet", action="store_true", help="with --kernels/--vae: time the UNets too")
+    b.add_argument("--profile", action="store_true", help="GPU kernel time per step by operator class")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    b.set_defaults(fn=_bench)
+    m = sub.add_parser("demo", help="detect, plan, build, sample plain and accelerated, compare, save a PNG")
+    m.add_argument("--checkpoint", help="a .safetensors SD1.x/SD2.x/SDXL checkpoint (default: random weights)")
+    m.add_argument("--backend", default=None, help="auto|torch|onnxruntime|tensorrt|off")
+    m.add_argument("--steps", type=int, default=None, help="sampling steps (default 20 on a GPU, 8 on the CPU)")
+    m.add_argument("--size", type=int, default=None, help="image side in pixels (default 512 on a GPU, 128 on the CPU)")
+    m.add_argument("--out", default="sd-accel-demo.png", help="where to save the image")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=_demo)
+    c = sub.add_parser("cache", help="the engine cache: ls | info KEY | clear | prune [--root DIR]")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(fn=_cache)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from .errors import AccelError
+
+    try:
+        return args.fn(args)
+    except AccelError as e:  # the user's input: say what is wrong and what to do, no stack trace
+        print(f"sd-accel: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

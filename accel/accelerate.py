@@ -1,0 +1,103 @@
+"""The one entry point hosts use: detect the GPU, choose a plan, build the engine, and always keep a way to
+produce an image: whatever an accelerated path cannot serve runs on the torch path or the plain model, and
+the user is told once, in words, why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import backends
+from .device import GpuInfo, detect
+from .errors import AccelError, BackendUnavailable, BadInput
+from .policy import Plan, choose
+from .progress import NullProgress, Progress
+from .unet import CanonicalUNet
+
+log = logging.getLogger("sd-accel")
+
+
+class AcceleratedUNet:
+    """Canonical-call UNet that runs through the chosen engine and falls back instead of failing."""
+
+    def __init__(self, unet: CanonicalUNet, plan: Plan, gpu: GpuInfo, engine=None, fallback=None,
+                 build_seconds: float = 0.0) -> None:
+        self.unet = unet
+        self.plan = plan
+        self.gpu = gpu
+        self.engine = engine
+        self.fallback = fallback  # a torch engine, when the main engine is another backend
+        self.build_seconds = build_seconds
+        self._told: set[str] = set()
+
+    @property
+    def backend(self) -> str:
+        return self.engine.backend if self.engine is not None else "off"
+
+    def tell_once(self, key: str, message: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            log.warning("sd-accel: %s", message)
+
+    def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+                 y: torch.Tensor | None = None, control: dict | None = None, **kwargs: Any) -> torch.Tensor:
+        self.unet.check(x, context, y)
+        if self.engine is None:
+            return self.unet(x, timesteps, context, y, control, **kwargs)
+        if x.shape[-1] % 8 or x.shape[-2] % 8:
+            self.tell_once("multiple-of-8", (
+                f"latent size {x.shape[-2]}x{x.shape[-1]} is not a multiple of 8 (image size not a multiple of 64); "
+                "this call runs on the plain model. Pick a width and height that are multiples of 64 to accelerate."))
+            return self.unet(x, timesteps, context, y, control, **kwargs)
+        try:
+            return self.engine(x, timesteps, context, y, control, **kwargs)
+        except BackendUnavailable as e:
+            self.tell_once(f"fallback:{e.problem}", f"{e} This call and others like it run on the torch path.")
+        except torch.OutOfMemoryError:
+            self.tell_once("oom", f"out of GPU memory on the {self.backend} path; freeing its graphs and running "
+                           "this call on the plain model. Lower the batch or resolution, or set max_graphs lower.")
+            self.engine.release()
+            return self.unet(x, timesteps, context, y, control, **kwargs)
+        runner = self.fallback if self.fallback is not None else self.unet
+        return runner(x, timesteps, context, y, control, **kwargs)
+
+    def release(self) -> None:
+        for e in (self.engine, self.fallback):
+            if e is not None:
+                e.release()
+
+
+def accelerate(model: nn.Module, preference: str | None = None, options: dict | None = None,
+               progress: Progress | None = None, gpu: GpuInfo | None = None) -> AcceleratedUNet:
+    """Wrap a diffusers or ldm-style UNet in the best available engine for this GPU.
+
+    Raises UnsupportedModel for a module that is not a UNet (the host then keeps its plain model)."""
+    progress = progress or NullProgress()
+    unet = model if isinstance(model, CanonicalUNet) else CanonicalUNet(model)
+    gpu = gpu or detect()
+    plan = choose(gpu, preference, options=options)
+    dtype_name = str(unet.dtype).replace("torch.", "")
+    if plan.backend != "off" and dtype_name not in gpu.dtypes:
+        log.warning("sd-accel: %s cannot run %s on %s; the plain model runs. Load the model in one of: %s.",
+                    plan.backend, dtype_name, gpu.name or gpu.family, ", ".join(gpu.dtypes))
+        return AcceleratedUNet(unet, plan, gpu)
+    if plan.backend == "off":
+        return AcceleratedUNet(unet, plan, gpu)
+    start = time.perf_counter()
+    fallback = None
+    try:
+        engine = backends.load(plan.backend).build(unet, dict(plan.options), progress)
+    except (AccelError, ImportError, RuntimeError) as e:
+        if plan.backend == "torch":
+            log.warning("sd-accel: building the torch path failed (%s); the plain model runs.", e)
+            return AcceleratedUNet(unet, plan, gpu)
+        log.warning("sd-accel: building the %s path failed (%s); the torch path runs instead.", plan.backend, e)
+        engine = backends.load("torch").build(unet, {}, progress)
+    if engine.backend != "torch":
+        fallback = backends.load("torch").build(unet, {}, NullProgress())
+    return AcceleratedUNet(unet, plan, gpu, engine, fallback, time.perf_counter() - start)

@@ -1,0 +1,78 @@
+"""Attention kernel choice: which PyTorch SDPA backends may run, best first, or the flash_attn package.
+
+Choosing happens around the UNet call (a context), so diffusers' default SDPA processor and ComfyUI's
+PyTorch attention both pick it up without any module being replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+_SDPA = {
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+
+
+def sdpa_order(preferred: str) -> list[str]:
+    """SDPA backends to allow, `preferred` first; the others stay allowed so that a head size or dtype the
+    preferred kernel does not cover still runs."""
+    order = ["cudnn", "flash", "efficient", "math"]
+    if preferred in order:
+        order.remove(preferred)
+        order.insert(0, preferred)
+    return order
+
+
+@contextlib.contextmanager
+def sdpa_kernels(preferred: str) -> Iterator[None]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = [n for n in sdpa_order(preferred) if hasattr(SDPBackend, _SDPA[n])]
+    backends = [getattr(SDPBackend, _SDPA[n]) for n in names]
+    try:
+        ctx = sdpa_kernel(backends, set_priority=True)
+    except TypeError:  # torch < 2.6 has no priority order: keep the preferred one and math as the safety net
+        ctx = sdpa_kernel([backends[0], SDPBackend.MATH])
+    with ctx:
+        yield
+
+
+class FlashAttnProcessor:
+    """diffusers attention processor that calls the flash_attn package (NVIDIA Ampere+, fp16/bf16)."""
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_func
+
+        self._fa = flash_attn_func
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kwargs):
+        residual = hidden_states
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            b, c, h, w = hidden_states.shape
+            hidden_states = hidden_states.view(b, c, h * w).transpose(1, 2)
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        if encoder_hidden_states is not None and attn.norm_cross:
+            context = attn.norm_encoder_hidden_states(context)
+        q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        bsz, heads = q.shape[0], attn.heads
+        q, k, v = (t.view(bsz, -1, heads, t.shape[-1] // heads) for t in (q, k, v))
+        if attention_mask is not None or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attention_mask).transpose(1, 2)
+        else:
+            out = self._fa(q, k, v, softmax_scale=attn.scale)
+        out = attn.to_out[1](attn.to_out[0](out.reshape(bsz, -1, heads * out.shape[-1])))
+        if input_ndim == 4:
+            out = out.transpose(-1, -2).reshape(b, c, h, w)
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor

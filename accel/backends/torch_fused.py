@@ -1,0 +1,165 @@
+"""The torch path: best attention kernel for the GPU, channels_last, per-shape CUDA/HIP graphs, optional
+torch.compile. The fallback for every other path, so it must run wherever torch runs.
+
+Everything it changes on the user's module is recorded and undone by `release()`, like ComfyUI's
+ModelPatcher: attention processors and the memory format of the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..attention import FlashAttnProcessor, sdpa_kernels
+from ..graphs import GraphCache, WeightsWatch
+from ..progress import NullProgress, Progress
+from ..unet import CanonicalUNet
+
+log = logging.getLogger("sd-accel")
+
+DEFAULTS: dict[str, Any] = {
+    "attention": "flash",
+    "channels_last": True,
+    "cuda_graphs": True,
+    "triton_kernels": True,
+    "fusions": ["groupnorm", "geglu"],
+    "compile": False,
+    "max_graphs": 4,
+    "cudnn_benchmark": True,
+}
+
+# Blocks that repeat through the UNet (diffusers and ldm names): compiling each of them rather than the whole
+# model lets one compiled graph serve every instance of the same shape, so compile time is a fraction.
+REPEATED_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D", "ResBlock", "Transformer2DModel", "SpatialTransformer")
+
+
+def available(gpu) -> tuple[bool, str]:
+    return True, "PyTorch runs on every device"
+
+
+def build(unet: CanonicalUNet, options: dict | None = None, progress: Progress | None = None) -> "TorchEngine":
+    return TorchEngine(unet, {**DEFAULTS, **(options or {})}, progress or NullProgress())
+
+
+def _flatten_control(control: dict | None) -> tuple[list[torch.Tensor], tuple]:
+    """ControlNet residuals as a flat tensor list plus the structure to rebuild them (None entries kept)."""
+    if not control:
+        return [], ()
+    tensors, layout = [], []
+    for name in sorted(control):
+        row = []
+        for t in control[name]:
+            row.append(t is not None)
+            if t is not None:
+                tensors.append(t)
+        layout.append((name, tuple(row)))
+    return tensors, tuple(layout)
+
+
+def _unflatten_control(tensors: list[torch.Tensor], layout: tuple) -> dict | None:
+    if not layout:
+        return None
+    it = iter(tensors)
+    return {name: [next(it) if present else None for present in row] for name, row in layout}
+
+
+class TorchEngine:
+    backend = "torch"
+
+    def __init__(self, unet: CanonicalUNet, options: dict, progress: Progress) -> None:
+        self.unet = unet
+        self.options = options
+        module = unet.unet
+        self._undo: list = []
+        device = unet.device
+        self.on_gpu = device.type == "cuda"
+        progress.stage("prepare torch path", total=3)
+        if options.get("attention") == "flash_attn" and unet.spec.form == "diffusers":
+            try:
+                original = dict(module.attn_processors)
+                module.set_attn_processor(FlashAttnProcessor())
+                self._undo.append(lambda: module.set_attn_processor(original))
+            except ImportError:
+                log.warning("sd-accel: flash_attn is not importable; using PyTorch's flash attention instead.")
+                options["attention"] = "flash"
+        progress.advance()
+        if options.get("channels_last") and self.on_gpu:
+            module.to(memory_format=torch.channels_last)
+            self._undo.append(lambda: module.to(memory_format=torch.contiguous_format))
+        progress.advance()
+        if options.get("cudnn_benchmark") and self.on_gpu:
+            previous = torch.backends.cudnn.benchmark
+            torch.backends.cudnn.benchmark = True
+            self._undo.append(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
+        if options.get("triton_kernels") and self.on_gpu:
+            from .. import fusions
+
+            undo, counts = fusions.apply(module, list(options.get("fusions", [])))
+            self._undo.append(undo)
+            log.info("sd-accel: fused kernels in %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
+        if options.get("compile"):
+            self._compile_blocks(module)
+        self._forward = unet
+        self.graphs = GraphCache(self._graph_fn, max_graphs=int(options.get("max_graphs", 4))) \
+            if options.get("cuda_graphs") and self.on_gpu else None
+        self._layout: tuple = ()
+        self._weights = WeightsWatch(module)
+        progress.advance()
+        progress.done()
+
+    def _compile_blocks(self, module: torch.nn.Module) -> None:
+        blocks = [m for m in module.modules() if type(m).__name__ in REPEATED_BLOCKS]
+        # A block inside a compiled block is traced with its parent.
+        inner = {id(c) for b in blocks for c in b.modules() if c is not b}
+        # Every distinct block shape is one cache entry of the shared code; SD1.5 has ~20, SDXL more.
+        import torch._dynamo
+
+        cfg = torch._dynamo.config
+        cfg.cache_size_limit = max(cfg.cache_size_limit, 128)
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 1024)
+        for b in blocks:
+            if id(b) not in inner:
+                b.compile(dynamic=False)
+                self._undo.append(lambda b=b: setattr(b, "_compiled_call_impl", None))
+
+    def _run(self, x, timesteps, context, y=None, control=None, **kwargs) -> torch.Tensor:
+        if self.options.get("channels_last") and self.on_gpu:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            if not x.is_cuda:  # the SDPA choice is for CUDA/ROCm; other devices keep their own kernels
+                return self._forward(x, timesteps, context, y, control, **kwargs)
+            with sdpa_kernels(self.options.get("attention", "flash")):
+                return self._forward(x, timesteps, context, y, control, **kwargs)
+
+    def _graph_fn(self, x, timesteps, context, *rest) -> torch.Tensor:
+        has_y = self._layout[0]
+        y = rest[0] if has_y else None
+        control = _unflatten_control(list(rest[1:] if has_y else rest), self._layout[1])
+        return self._run(x, timesteps, context, y, control)
+
+    def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+                 y: torch.Tensor | None = None, control: dict | None = None, **kwargs: Any) -> torch.Tensor:
+        dtype = self.unet.dtype
+        x_in, ctx = x.to(dtype), context.to(dtype)
+        y = None if y is None else y.to(dtype)
+        if timesteps.dim() == 0:
+            timesteps = timesteps.expand(x.shape[0])
+        if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device:
+            return self._run(x_in, timesteps, ctx, y, control, **kwargs).to(x.dtype)
+        ctrl, layout = _flatten_control(control)
+        self._layout = (y is not None, layout)
+        tensors = [x_in, timesteps, ctx] + ([y] if y is not None else []) + [c.to(dtype) for c in ctrl]
+        # The layout is part of the signature: the same shapes with another control structure is another graph.
+        sig_token = (self._weights.token(), self._layout)
+        return self.graphs(tensors, sig_token).to(x.dtype)
+
+    def release(self) -> None:
+        """Frees every graph and undoes what was changed on the module (in reverse order)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        while self._undo:
+            self._undo.pop()()
+        if self.on_gpu:
+            torch.cuda.empty_cache()

@@ -1,0 +1,223 @@
+"""`python -m accel bench`: SD1.5 and SDXL UNets from their published configs with seeded random weights,
+timed against stock-PyTorch baselines in the same run.
+
+Rows: eager (diffusers' way: fp16, PyTorch SDPA), eager + channels_last + CUDA graph, torch.compile default
+and "reduce-overhead" (with compile times), and each available sd-accel path. Per row: ms per UNet step
+(batch 2 = classifier-free guidance), speed-up over eager, peak memory and relative L2 error against an
+fp32 reference of the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from .configs import SHAPES, build_unet, example_inputs
+from .unet import CanonicalUNet
+
+
+@dataclass
+class Row:
+    model: str
+    variant: str
+    ms: float | None = None
+    speedup: float | None = None
+    peak_gb: float | None = None
+    rel_err: float | None = None
+    setup_s: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds per call, after warm-up (CUDA events on the GPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _peak_reset(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def _graphed(fn: Callable, args: tuple) -> Callable[[], torch.Tensor]:
+    """Stock CUDA-graph capture of fn(*args), the way a user would do it by hand."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(*args)
+
+    def replay() -> torch.Tensor:
+        g.replay()
+        return out
+    return replay
+
+
+def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, compile_modes: list[str],
+               paths: list[str], log: Callable[[str], None] = print, profile: bool = False) -> list[Row]:
+    rows: list[Row] = []
+    tokens, latent = SHAPES[name]
+    t0 = time.perf_counter()
+    ref_model = build_unet(name, seed=0, device=device, dtype=torch.float32)
+    x, t, ctx, y = example_inputs(ref_model, batch=2, latent=latent, tokens=tokens, device=device)
+    with torch.inference_mode():
+        ref = CanonicalUNet(ref_model)(x, t, ctx, y)
+    model = copy.deepcopy(ref_model).to(dtype)
+    del ref_model
+    build_s = time.perf_counter() - t0
+    log(f"[{name}] built from config in {build_s:.1f}s")
+    xh, ch = x.to(dtype), ctx.to(dtype)
+    yh = None if y is None else y.to(dtype)
+    args = (xh, t, ch, yh)
+    canon = CanonicalUNet(model)
+
+    def add(variant: str, fn: Callable[[], torch.Tensor], setup_s: float | None = None, note: str = "", **extra) -> None:
+        _peak_reset(device)
+        with torch.inference_mode():
+            out = fn()
+            ms = time_ms(fn, device, iters)
+        err = rel_l2(out, ref)
+        base = rows[0].ms if rows else ms
+        rows.append(Row(name, variant, ms, base / ms, _peak_gb(device), err, setup_s, note, extra))
+        log(f"[{name}] {variant}: {ms:.2f} ms/step, x{base / ms:.2f}, err {err:.2e}")
+
+    add("eager (SDPA)", lambda: canon(*args))
+    if profile and device.type == "cuda":
+        rows[-1].extra["profile_ms"] = _profile(lambda: canon(*args))
+        log(f"[{name}] eager profile (ms/step): {rows[-1].extra['profile_ms']}")
+    if device.type == "cuda":
+        model.to(memory_format=torch.channels_last)
+        xl = xh.contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            replay = _graphed(canon, (xl, t, ch, yh))
+        add("eager + channels_last + CUDA graph", replay)
+        del replay
+        model.to(memory_format=torch.contiguous_format)
+    for mode in compile_modes:
+        torch._dynamo.reset()
+        compiled = torch.compile(canon, mode=None if mode == "default" else mode)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            compiled(*args)
+            compiled(*args)
+        _sync(device)
+        add(f"torch.compile {mode}", lambda: compiled(*args), setup_s=time.perf_counter() - start)
+        del compiled
+        torch._dynamo.reset()
+    for path in paths:
+        rows.extend(_bench_path(name, path, canon, args, ref, device, iters, rows[0].ms, log, profile))
+    del model, canon
+    _peak_reset(device)
+    return rows
+
+
+def _profile(fn: Callable[[], object]) -> dict[str, float]:
+    from .profile import profile_step
+
+    with torch.inference_mode():
+        return {k: round(v, 3) for k, v in profile_step(fn).items()}
+
+
+def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profile=False) -> list[Row]:
+    from .accelerate import accelerate
+
+    _peak_reset(device)
+    start = time.perf_counter()
+    acc = accelerate(canon, preference=path)
+    if acc.backend != path:
+        log(f"[{name}] sd-accel {path}: not available here ({'; '.join(acc.plan.reasons)})")
+        acc.release()
+        return [Row(name, f"sd-accel {path}", note="not available: " + "; ".join(acc.plan.reasons))]
+    with torch.inference_mode():
+        out = acc(*args)
+        _sync(device)
+        first_s = time.perf_counter() - start
+        # Another shape, then the first again: the first must be served from what was built, not rebuilt.
+        x2 = args[0][..., : args[0].shape[-2] // 2, :].contiguous()
+        acc(x2, *args[1:])
+        _sync(device)
+        again = time.perf_counter()
+        acc(*args)
+        _sync(device)
+        seen_s = time.perf_counter() - again
+        ms = time_ms(lambda: acc(*args), device, iters)
+    err = rel_l2(out, ref)
+    row = Row(name, f"sd-accel {path}", ms, base_ms / ms, _peak_gb(device), err, first_s,
+              "setup = build + first call at a new shape", {"seen_shape_s": seen_s, "reasons": acc.plan.reasons})
+    log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step, x{base_ms / ms:.2f}, err {err:.2e}, "
+        f"first call {first_s:.1f}s, seen shape {seen_s * 1e3:.0f} ms")
+    if profile and device.type == "cuda":
+        row.extra["profile_ms"] = _profile(lambda: acc(*args))
+        log(f"[{name}] sd-accel {path} profile (ms/step): {row.extra['profile_ms']}")
+    acc.release()
+    return [row]
+
+
+def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], paths: list[str],
+        log: Callable[[str], None] = print, profile: bool = False) -> list[Row]:
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    rows: list[Row] = []
+    for name in models:
+        rows += bench_unet(("tiny-" + name) if tiny else name, device, dtype, iters, compile_modes, paths, log, profile)
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'model':<10} {'variant':<36} {'ms/step':>8} {'speedup':>8} {'peak GB':>8} {'rel err':>9} {'setup s':>8}"
+    lines = [head, "-" * len(head)]
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    for r in rows:
+        lines.append(f"{r.model:<10} {r.variant:<36} {fmt(r.ms, '8.2f')} {fmt(r.speedup, '8.2f')} "
+                     f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
+        if r.note.startswith("not available"):
+            lines.append(f"{'':<10} {r.note}")
+    return "\n".join(lines)
+
+
+def as_dicts(rows: list[Row]) -> list[dict]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,35 @@
+"""GEGLU (ONNX Runtime's BiasSplitGelu): the feed-forward projection's bias, split, exact GELU and product in
+one pass after a bias-free GEMM, instead of a GEMM with bias, a GELU kernel and a multiply kernel.
+
+Covers diffusers' and ldm/ComfyUI's GEGLU modules (both hold `proj` and compute
+`hidden, gate = proj(x).chunk(2, -1); hidden * gelu(gate)`).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Undo, patch_forward
+
+
+def _forward(self: nn.Module, x, *args, **kwargs):
+    from kernels import geglu
+
+    h = F.linear(x, self.proj.weight)
+    if geglu.supported(h):
+        return geglu.geglu(h, self.proj.bias)
+    if self.proj.bias is not None:
+        h = h + self.proj.bias
+    hidden, gate = h.chunk(2, dim=-1)
+    return hidden * F.gelu(gate)
+
+
+def apply(model: nn.Module, undo: Undo) -> int:
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ == "GEGLU" and isinstance(getattr(m, "proj", None), nn.Linear) \
+                and getattr(m, "approximate", "none") == "none":
+            patch_forward(m, _forward, undo)
+            n += 1
+    return n

@@ -1,0 +1,75 @@
+"""One progress interface for long work (builds, tiled decodes), reported by stage and fraction.
+
+Hosts adapt it: tqdm in the CLI, comfy.utils.ProgressBar in ComfyUI, gradio's progress in A1111.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+
+class Progress(Protocol):
+    def stage(self, name: str, total: int = 1) -> None: ...
+    def advance(self, n: int = 1) -> None: ...
+    def done(self) -> None: ...
+
+
+class NullProgress:
+    def stage(self, name: str, total: int = 1) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+@dataclass
+class CallbackProgress:
+    """Calls `callback(stage, fraction, eta_seconds)` on every step; the base for host adapters."""
+
+    callback: Callable[[str, float, float | None], None]
+    _name: str = ""
+    _total: int = 1
+    _count: int = 0
+    _start: float = field(default_factory=time.perf_counter)
+
+    def stage(self, name: str, total: int = 1) -> None:
+        self._name, self._total, self._count = name, max(1, total), 0
+        self._start = time.perf_counter()
+        self.callback(name, 0.0, None)
+
+    def advance(self, n: int = 1) -> None:
+        self._count = min(self._total, self._count + n)
+        frac = self._count / self._total
+        elapsed = time.perf_counter() - self._start
+        eta = elapsed * (1 - frac) / frac if frac > 0 else None
+        self.callback(self._name, frac, eta)
+
+    def done(self) -> None:
+        self.callback(self._name, 1.0, 0.0)
+
+
+class TqdmProgress:
+    """Progress on the terminal for the CLI."""
+
+    def __init__(self) -> None:
+        self._bar = None
+
+    def stage(self, name: str, total: int = 1) -> None:
+        from tqdm import tqdm
+
+        self.done()
+        self._bar = tqdm(total=total, desc=name, leave=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def done(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,25 @@
+"""Fused Triton kernels (NVIDIA and AMD ROCm), each beside its torch reference.
+
+groupnorm: GroupNorm (+SiLU) for NCHW and channels_last, and its split statistics for the tiled VAE.
+geglu:     diffusers' GEGLU activation (with the projection bias folded in).
+layernorm: LayerNorm, LayerNorm after a residual add (SkipLayerNorm), bias + residual add.
+
+Importing this package imports nothing heavy; each module imports Triton if it can and says through `supported(x)`
+whether its kernel can run on a tensor. Set TRITON_INTERPRET=1 before the first import to run them on the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "group_norm": "groupnorm", "group_norm_stats": "groupnorm", "group_norm_apply": "groupnorm",
+    "mean_rstd": "groupnorm", "geglu": "geglu", "layer_norm": "layernorm", "add_bias_residual": "layernorm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

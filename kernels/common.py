@@ -1,0 +1,81 @@
+"""What every kernel module shares: the optional Triton import, where a kernel can run, block-size arithmetic.
+
+Triton is optional: without it the kernel modules still import (so `supported()` can say no), their `@jit`
+functions stay plain Python and are never launched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from accel.errors import BackendUnavailable, BadInput
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_ERROR = ""
+except Exception as e:  # a broken install can raise more than ImportError; either way we run without it
+    triton = None
+    TRITON_ERROR = f"{type(e).__name__}: {e}"
+
+    class tl:  # type: ignore[no-redef]  # only what kernel signatures evaluate when they are defined
+        constexpr = Any
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Elements one program holds in registers per step: 16 per thread at 8 warps, enough loads in flight to hide latency.
+TILE = 4096
+
+
+def jit(fn: Callable) -> Callable:
+    return triton.jit(fn) if triton is not None else fn
+
+
+def interpreted(kernel: Callable) -> bool:
+    """Whether `kernel` was built for Triton's CPU interpreter.
+
+    Triton decides this when the module is imported (TRITON_INTERPRET=1 at that moment), not at launch time.
+    """
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def supported_tensor(x: torch.Tensor, kernel: Callable) -> bool:
+    """True when `kernel` can run on `x`: a CUDA or ROCm tensor (torch calls both "cuda"), or a CPU tensor when the
+    kernels were built for the interpreter."""
+    if triton is None or x.dtype not in DTYPES:
+        return False
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreted(kernel))
+
+
+def require(x: torch.Tensor, kernel: Callable, name: str) -> None:
+    if triton is None:
+        raise BackendUnavailable(f"{name}: Triton is not importable ({TRITON_ERROR}).",
+                                 "Install it (pip install triton; on ROCm the PyTorch wheel brings pytorch-triton-rocm) "
+                                 "or use the torch reference.")
+    if x.dtype not in DTYPES:
+        raise BadInput(f"{name}: tensor dtype {x.dtype} is not supported.", "Pass float16, bfloat16 or float32.")
+    if not supported_tensor(x, kernel):
+        raise BackendUnavailable(f"{name}: Triton cannot run on a {x.device.type} tensor here.",
+                                 "Move the tensor to a CUDA/ROCm GPU, or set TRITON_INTERPRET=1 before importing "
+                                 "kernels to run on the CPU (slow; for tests).")
+
+
+def on_device(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current device: make it the tensor's."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def warps(elems: int) -> int:
+    """num_warps for a tile of `elems` elements: about 16 per thread, 1 to 16 warps."""
+    return max(1, min(16, elems // 512))

@@ -1,0 +1,401 @@
+"""GroupNorm with optional fused SiLU, for NCHW and channels_last (NHWC) tensors, in two passes over memory.
+
+Pass 1 (`_stats_*`) cuts every (sample, group) into chunks and reduces each chunk, in parallel, to a partial
+(count, mean, M2). Pass 2 (`_apply_*`) merges a group's partials (Chan et al.) and normalizes. x is read twice and
+the output written once, whatever the group size: a VAE decoder at 4096 px has 64M elements in a group, far more
+than one program could hold. Means and M2 are merged, never raw sums of squares, so a large offset (x = 1000 + noise)
+does not cancel away the variance in fp32.
+
+The tiled VAE needs statistics over the whole image but normalizes tile by tile: it calls `group_norm_stats` on each
+tile, adds the results, turns them into mean and rstd with `mean_rstd`, and calls `group_norm_apply` per tile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from accel.errors import BadInput
+
+from .common import TILE, cdiv, jit, on_device, pow2, require, supported_tensor, tl, warps
+
+# Partials per group at most: each apply program merges them all, so they must stay few.
+MAX_PARTIALS = 64
+# A chunk reduced by one stats program holds at least this many elements (fewer only when the group is smaller).
+MIN_CHUNK = 4096
+# Programs to aim for: about one wave of resident programs on a large GPU for the stats pass, more for the apply pass.
+STATS_PROGRAMS = 1024
+APPLY_PROGRAMS = 4096
+# Under the CPU interpreter every program costs Python time: few, large programs.
+INTERPRET_PROGRAMS = 4
+
+
+@jit
+def _merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    n = n_a + n_b
+    w = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
+    delta = mean_b - mean_a
+    return n, mean_a + delta * w, m2_a + m2_b + delta * delta * n_a * w
+
+
+@jit
+def _stats_nchw_kernel(x_ptr, part_ptr, group_len, span, P, BLOCK: tl.constexpr):
+    # NCHW: the group (n, g) is one contiguous run of Cg*HW elements.
+    ng = tl.program_id(0)
+    p = tl.program_id(1)
+    base = x_ptr + ng.to(tl.int64) * group_len
+    start = p * span
+    end = tl.minimum(start + span, group_len)
+    offs = tl.arange(0, BLOCK)
+    n_acc = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+    mean_acc = n_acc
+    m2_acc = n_acc
+    for i in range(start, end, BLOCK):
+        mask = i + offs < end
+        x = tl.load(base + i + offs, mask=mask, other=0.0).to(tl.float32)
+        cnt = tl.sum(mask.to(tl.float32), 0)
+        mean_b = tl.sum(x, 0) / cnt
+        d = tl.where(mask, x - mean_b, 0.0)
+        n_acc, mean_acc, m2_acc = _merge(n_acc, mean_acc, m2_acc, cnt, mean_b, tl.sum(d * d, 0))
+    out = part_ptr + (ng * P + p) * 3
+    tl.store(out, n_acc)
+    tl.store(out + 1, mean_acc)
+    tl.store(out + 2, m2_acc)
+
+
+@jit
+def _stats_nhwc_kernel(x_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
+    # NHWC: a row of C channels per pixel; the tile is [pixels, groups, channels of a group], reduced over axes 0, 2.
+    p = tl.program_id(0)
+    n = tl.program_id(1)
+    gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
+    r = tl.arange(0, BLOCK_R)[:, None, None]
+    g = gs[None, :, None]
+    j = tl.arange(0, BLOCK_CG)[None, None, :]
+    col_mask = (g < G) & (j < CG)
+    cols = g * CG + j
+    r0 = p * rows_per_prog
+    r1 = tl.minimum(r0 + rows_per_prog, HW)
+    x_ptr += n.to(tl.int64) * HW * C
+    tile = r * C + cols
+    n_acc = tl.zeros([BLOCK_G], tl.float32)
+    mean_acc = tl.zeros([BLOCK_G], tl.float32)
+    m2_acc = tl.zeros([BLOCK_G], tl.float32)
+    for i in range(0, r1 - r0, BLOCK_R):
+        # i is a Python int under the interpreter: offset from the tensor r0 before widening to int64.
+        row = r0 + i
+        mask = (row + r < r1) & col_mask
+        x = tl.load(x_ptr + row.to(tl.int64) * C + tile, mask=mask, other=0.0).to(tl.float32)
+        cnt = tl.sum(tl.sum(mask.to(tl.float32), 2), 0)
+        mean_b = tl.sum(tl.sum(x, 2), 0) / tl.maximum(cnt, 1.0)
+        d = tl.where(mask, x - mean_b[None, :, None], 0.0)
+        n_acc, mean_acc, m2_acc = _merge(n_acc, mean_acc, m2_acc, cnt, mean_b, tl.sum(tl.sum(d * d, 2), 0))
+    out = part_ptr + ((n * G + gs) * P + p) * 3
+    gmask = gs < G
+    tl.store(out, n_acc, mask=gmask)
+    tl.store(out + 1, mean_acc, mask=gmask)
+    tl.store(out + 2, m2_acc, mask=gmask)
+
+
+@jit
+def _mean_rstd(a_ptr, b_ptr, idx, mask, P, eps, FROM_PARTIALS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """mean and rstd of the groups `idx` (a vector of n*G+g): merged from P partials, or read as given."""
+    if FROM_PARTIALS:
+        pp = tl.arange(0, BLOCK_P)[None, :]
+        m = mask[:, None] & (pp < P)
+        off = (idx[:, None] * P + pp) * 3
+        cnt = tl.load(a_ptr + off, mask=m, other=0.0)
+        mu = tl.load(a_ptr + off + 1, mask=m, other=0.0)
+        m2 = tl.load(a_ptr + off + 2, mask=m, other=0.0)
+        total = tl.maximum(tl.sum(cnt, 1), 1.0)
+        mean = tl.sum(cnt * mu, 1) / total
+        dev = mu - mean[:, None]
+        var = (tl.sum(m2, 1) + tl.sum(cnt * dev * dev, 1)) / total
+        rstd = tl.rsqrt(var + eps)
+    else:
+        mean = tl.load(a_ptr + idx, mask=mask, other=0.0)
+        rstd = tl.load(b_ptr + idx, mask=mask, other=0.0)
+    return mean, rstd
+
+
+@jit
+def _silu(y):
+    return y / (1.0 + tl.exp(-y))
+
+
+@jit
+def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, a_ptr, s_ptr, C, HW, G, hw_per_prog, P, eps,
+                       CG: tl.constexpr, FROM_PARTIALS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                       SILU: tl.constexpr, BLOCK_CH: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_P: tl.constexpr):
+    # Tile [channels, pixels]; several channels per tile when HW is small, one channel and a pixel range otherwise.
+    p = tl.program_id(0)
+    n = tl.program_id(1)
+    c0 = tl.program_id(2) * BLOCK_CH
+    cs = c0 + tl.arange(0, BLOCK_CH)
+    cmask = cs < C
+    mean, rstd = _mean_rstd(a_ptr, s_ptr, n * G + cs // CG, cmask, P, eps, FROM_PARTIALS, BLOCK_P)
+    scale = rstd
+    if HAS_W:
+        scale = scale * tl.load(w_ptr + cs, mask=cmask, other=0.0).to(tl.float32)
+    shift = -mean * scale
+    if HAS_B:
+        shift = shift + tl.load(b_ptr + cs, mask=cmask, other=0.0).to(tl.float32)
+    scale = scale[:, None]
+    shift = shift[:, None]
+    base = (n.to(tl.int64) * C + c0) * HW
+    x_ptr += base
+    y_ptr += base
+    rows = tl.arange(0, BLOCK_CH)[:, None] * HW
+    hw = tl.arange(0, BLOCK_HW)[None, :]
+    h0 = p * hw_per_prog
+    h1 = tl.minimum(h0 + hw_per_prog, HW)
+    for i in range(h0, h1, BLOCK_HW):
+        mask = cmask[:, None] & (i + hw < h1)
+        off = rows + i + hw
+        y = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32) * scale + shift
+        if SILU:
+            y = _silu(y)
+        tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, a_ptr, s_ptr, HW, C, G, rows_per_prog, P, eps,
+                       CG: tl.constexpr, FROM_PARTIALS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                       SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr,
+                       BLOCK_P: tl.constexpr):
+    p = tl.program_id(0)
+    n = tl.program_id(1)
+    gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = gs < G
+    mean, rstd = _mean_rstd(a_ptr, s_ptr, n * G + gs, gmask, P, eps, FROM_PARTIALS, BLOCK_P)
+    j = tl.arange(0, BLOCK_CG)[None, :]
+    cols = gs[:, None] * CG + j
+    col_mask = gmask[:, None] & (j < CG)
+    scale = rstd[:, None] + tl.zeros([BLOCK_G, BLOCK_CG], tl.float32)
+    if HAS_W:
+        scale = scale * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    shift = -mean[:, None] * scale
+    if HAS_B:
+        shift = shift + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    scale = scale[None, :, :]
+    shift = shift[None, :, :]
+    cols = cols[None, :, :]
+    col_mask = col_mask[None, :, :]
+    r = tl.arange(0, BLOCK_R)[:, None, None]
+    r0 = p * rows_per_prog
+    r1 = tl.minimum(r0 + rows_per_prog, HW)
+    x_ptr += n.to(tl.int64) * HW * C
+    y_ptr += n.to(tl.int64) * HW * C
+    tile = r * C + cols
+    for i in range(0, r1 - r0, BLOCK_R):
+        mask = (r0 + i + r < r1) & col_mask
+        row = (r0 + i).to(tl.int64) * C
+        y = tl.load(x_ptr + row + tile, mask=mask, other=0.0).to(tl.float32) * scale + shift
+        if SILU:
+            y = _silu(y)
+        tl.store(y_ptr + row + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def supported(x: torch.Tensor) -> bool:
+    """True when the Triton kernels can run on `x` (CUDA/ROCm, or CPU under TRITON_INTERPRET=1)."""
+    return supported_tensor(x, _apply_nhwc_kernel)
+
+
+def _check(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
+    require(x, _apply_nhwc_kernel, "group_norm")
+    if x.dim() < 3:
+        raise BadInput(f"group_norm: expected (N, C, ...) with spatial dims, got shape {tuple(x.shape)}.",
+                       "Pass a 4-D (N, C, H, W) tensor.")
+    C = x.shape[1]
+    if num_groups <= 0 or C % num_groups:
+        raise BadInput(f"group_norm: {C} channels cannot be split into {num_groups} groups.",
+                       "Use a num_groups that divides the channel count (SD uses 32).")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.numel() != C or t.device != x.device):
+            raise BadInput(f"group_norm: {name} has {t.numel()} elements on {t.device}, expected {C} on {x.device}.",
+                           f"Pass the GroupNorm module's {name} for this tensor's channels, on the same device.")
+
+
+def _layout(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(x in a layout the kernels read, True when that layout is channels_last)."""
+    if x.is_contiguous():
+        return x, False
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return x, True
+    return x.contiguous(), False
+
+
+def _programs(x: torch.Tensor, normal: int) -> int:
+    return INTERPRET_PROGRAMS if x.device.type == "cpu" else normal
+
+
+def _nhwc_blocks(G: int, CG: int, HW: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_G, BLOCK_CG) for the channels_last tiles: whole groups, rows of up to 1024 lanes."""
+    block_cg = pow2(CG)
+    block_g = min(pow2(G), max(1, 1024 // block_cg))
+    block_r = min(pow2(HW), max(1, TILE // (block_g * block_cg)))
+    return block_r, block_g, block_cg
+
+
+def _partials(x: torch.Tensor, G: int, nhwc: bool) -> tuple[torch.Tensor, int]:
+    """Pass 1: (partials of shape (N*G, P, 3) holding count, mean, M2 per chunk, P)."""
+    N, C = x.shape[:2]
+    HW = x.numel() // (N * C)
+    CG = C // G
+    target = _programs(x, STATS_PROGRAMS)
+    if nhwc:
+        block_r, block_g, block_cg = _nhwc_blocks(G, CG, HW)
+        n_gb = cdiv(G, block_g)
+        P = max(1, min(cdiv(target, N * n_gb), MAX_PARTIALS, cdiv(HW * block_g * CG, MIN_CHUNK)))
+        rows = cdiv(cdiv(HW, P), block_r) * block_r
+        P = cdiv(HW, rows)
+        part = torch.empty((N * G, P, 3), device=x.device, dtype=torch.float32)
+        _stats_nhwc_kernel[(P, N, n_gb)](x, part, HW, C, G, rows, P, CG=CG, BLOCK_R=block_r, BLOCK_G=block_g,
+                                         BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg))
+        return part, P
+    L = CG * HW
+    block = min(pow2(L), TILE)
+    P = max(1, min(cdiv(target, N * G), MAX_PARTIALS, cdiv(L, MIN_CHUNK)))
+    span = cdiv(cdiv(L, P), block) * block
+    P = cdiv(L, span)
+    part = torch.empty((N * G, P, 3), device=x.device, dtype=torch.float32)
+    _stats_nchw_kernel[(N * G, P)](x, part, L, span, P, BLOCK=block, num_warps=warps(block))
+    return part, P
+
+
+def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+           eps: float, silu: bool, stats: tuple[torch.Tensor, torch.Tensor], P: int) -> torch.Tensor:
+    """Pass 2. With P > 0, stats is (partials, partials); with P == 0 it is (mean, rstd), each (N*G,) fp32."""
+    N, C = x.shape[:2]
+    HW = x.numel() // (N * C)
+    CG = C // G
+    y = torch.empty_like(x, memory_format=torch.channels_last if nhwc else torch.contiguous_format)
+    w = weight.contiguous() if weight is not None else x
+    b = bias.contiguous() if bias is not None else x
+    flags = dict(CG=CG, FROM_PARTIALS=P > 0, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu,
+                 BLOCK_P=pow2(P))
+    target = _programs(x, APPLY_PROGRAMS)
+    if nhwc:
+        block_r, block_g, block_cg = _nhwc_blocks(G, CG, HW)
+        n_gb = cdiv(G, block_g)
+        progs = max(1, min(cdiv(target, N * n_gb), cdiv(HW, block_r)))
+        rows = cdiv(cdiv(HW, progs), block_r) * block_r
+        _apply_nhwc_kernel[(cdiv(HW, rows), N, n_gb)](
+            x, y, w, b, stats[0], stats[1], HW, C, G, rows, P, eps, BLOCK_R=block_r, BLOCK_G=block_g,
+            BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg), **flags)
+        return y
+    block_hw = min(pow2(HW), TILE)
+    block_ch = min(pow2(C), max(1, TILE // block_hw))
+    n_cb = cdiv(C, block_ch)
+    progs = max(1, min(cdiv(target, N * n_cb), cdiv(HW, block_hw)))
+    span = cdiv(cdiv(HW, progs), block_hw) * block_hw
+    _apply_nchw_kernel[(cdiv(HW, span), N, n_cb)](
+        x, y, w, b, stats[0], stats[1], C, HW, G, span, P, eps, BLOCK_CH=block_ch, BLOCK_HW=block_hw,
+        num_warps=warps(block_ch * block_hw), **flags)
+    return y
+
+
+def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, silu: bool = False) -> torch.Tensor:
+    """F.group_norm (then F.silu when `silu`) for (N, C, H, W) in NCHW or channels_last; same layout out."""
+    _check(x, num_groups, weight, bias)
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    x, nhwc = _layout(x)
+    with on_device(x):
+        part, P = _partials(x, num_groups, nhwc)
+        return _apply(x, nhwc, num_groups, weight, bias, eps, silu, (part, part), P)
+
+
+def group_norm_stats(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum, sum of squares, count) of each group, each (N, G) fp32: add them over tiles, then `mean_rstd`.
+
+    Summed squares cancel when |mean| >> std (fp32 keeps ~7 digits of mean**2): fine for VAE activations, whose
+    means are of the order of their spread; within one call the statistics are merged stably.
+    """
+    _check(x, num_groups, None, None)
+    x, nhwc = _layout(x)
+    with on_device(x):
+        part, _ = _partials(x, num_groups, nhwc)
+    cnt, mu, m2 = part.unbind(-1)
+    total = cnt.sum(1)
+    mean = (cnt * mu).sum(1) / total
+    m2_total = m2.sum(1) + (cnt * (mu - mean[:, None]) ** 2).sum(1)
+    shape = (x.shape[0], num_groups)
+    return (mean * total).view(shape), (m2_total + total * mean * mean).view(shape), total.view(shape)
+
+
+def mean_rstd(total: torch.Tensor, total_sq: torch.Tensor, count: torch.Tensor,
+              eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn (sum, sum of squares, count) from `group_norm_stats` (summed over tiles) into (mean, rstd)."""
+    mean = total / count
+    var = (total_sq / count - mean * mean).clamp_min(0.0)
+    return mean, torch.rsqrt(var + eps)
+
+
+def group_norm_apply(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                     bias: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
+    """Normalize x with given per-(N, G) mean and rstd (e.g. gathered over all tiles), then affine and SiLU."""
+    if mean.dim() != 2 or mean.shape != rstd.shape or mean.shape[0] != x.shape[0]:
+        raise BadInput(f"group_norm_apply: mean {tuple(mean.shape)} and rstd {tuple(rstd.shape)} must both be "
+                       f"(N, G) with N = {x.shape[0]}.", "Pass the (N, G) tensors that mean_rstd returns.")
+    G = mean.shape[1]
+    _check(x, G, weight, bias)
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    x, nhwc = _layout(x)
+    stats = (mean.to(x.device, torch.float32).contiguous(), rstd.to(x.device, torch.float32).contiguous())
+    with on_device(x):
+        return _apply(x, nhwc, G, weight, bias, 0.0, silu, stats, 0)
+
+
+def group_norm_ref(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None, eps: float = 1e-5, silu: bool = False) -> torch.Tensor:
+    """The torch reference (what the unfused path runs)."""
+    y = F.group_norm(x, num_groups, weight, bias, eps)
+    return F.silu(y) if silu else y
+
+
+def group_norm_stats_ref(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of `group_norm_stats` (also the fallback where Triton cannot run)."""
+    g = x.reshape(x.shape[0], num_groups, -1).float()
+    n = g.shape[-1]
+    var, mean = torch.var_mean(g, dim=-1, correction=0)
+    count = torch.full_like(mean, float(n))
+    return mean * n, (var + mean * mean) * n, count
+
+
+def group_norm_apply_ref(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                         bias: Optional[torch.Tensor] = None, silu: bool = False) -> torch.Tensor:
+    """Torch reference of `group_norm_apply` (also the fallback where Triton cannot run)."""
+    N, C = x.shape[:2]
+    G = mean.shape[1]
+    g = x.reshape(N, G, -1).float()
+    y = ((g - mean[..., None].float()) * rstd[..., None].float()).reshape(x.shape)
+    shape = (1, C) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.float().reshape(shape)
+    if bias is not None:
+        y = y + bias.float().reshape(shape)
+    if silu:
+        y = F.silu(y)
+    return y.to(x.dtype).contiguous(memory_format=_format(x))
+
+
+def _format(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def bytes_moved(x: torch.Tensor) -> int:
+    """Compulsory traffic of a GroupNorm: read x once, write y once."""
+    return 2 * x.numel() * x.element_size()
+
+
+__all__ = ["group_norm", "group_norm_stats", "mean_rstd", "group_norm_apply", "group_norm_ref",
+           "group_norm_stats_ref", "group_norm_apply_ref", "supported"]

@@ -1,0 +1,77 @@
+"""A1111 / Forge extension entry: an "sd-accel" choice under Settings > Stable Diffusion > SD Unet, and a
+setting for the backend. Thin: all the work is in accel/.
+
+A1111 runs this file with the extension folder first on sys.path, so `accel` imports from the checkout.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import ldm.modules.diffusionmodules.openaimodel as openaimodel
+from modules import devices, script_callbacks, sd_unet, shared
+
+from accel.accelerate import accelerate
+from accel.errors import AccelError
+
+log = logging.getLogger("sd-accel")
+BACKENDS = ["auto", "torch", "onnxruntime", "tensorrt", "off"]
+
+
+class AccelUnet(sd_unet.SdUnet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.acc = None
+
+    def activate(self) -> None:
+        diffusion_model = shared.sd_model.model.diffusion_model
+        # A1111 parks the built-in UNet on the CPU before activating an option; ours runs that same module.
+        diffusion_model.to(devices.device)
+        # A1111 routes UNetModel.forward to the active SdUnet; the engine must call the real forward, or every
+        # step would come back here.
+        diffusion_model.forward = types.MethodType(openaimodel.copy_of_UNetModel_forward_for_webui, diffusion_model)
+        try:
+            self.acc = accelerate(diffusion_model, preference=shared.opts.data.get("sd_accel_backend", "auto"))
+            print(f"sd-accel: {self.acc.backend} path active\n" + self.acc.plan.summary())
+        except AccelError as e:
+            print(f"sd-accel: {e} The built-in UNet runs.")
+            self.acc = None
+
+    def forward(self, x, timesteps, context, *args, **kwargs):
+        if self.acc is None:
+            return shared.sd_model.model.diffusion_model(x, timesteps, context, *args, **kwargs)
+        y = kwargs.pop("y", None)
+        control = kwargs.pop("control", None)
+        return self.acc(x, timesteps, context, y, control, **kwargs)
+
+    def deactivate(self) -> None:
+        if self.acc is not None:
+            self.acc.release()
+            self.acc = None
+        shared.sd_model.model.diffusion_model.__dict__.pop("forward", None)
+
+
+class AccelUnetOption(sd_unet.SdUnetOption):
+    model_name = "sd-accel"
+    label = "sd-accel (fastest path for this GPU)"
+
+    def create_unet(self) -> AccelUnet:
+        return AccelUnet()
+
+
+def _list_unets(unets: list) -> None:
+    unets.append(AccelUnetOption())
+
+
+def _settings() -> None:
+    import gradio as gr
+
+    section = ("sd_accel", "sd-accel")
+    shared.opts.add_option("sd_accel_backend", shared.OptionInfo(
+        "auto", "Acceleration path (choose 'sd-accel' under SD Unet to use it)", gr.Dropdown,
+        {"choices": BACKENDS}, section=section))
+
+
+script_callbacks.on_list_unets(_list_unets)
+script_callbacks.on_ui_settings(_settings)

@@ -1,0 +1,50 @@
+"""The commands a user types: doctor, bench --tiny and demo run on a CPU-only machine and say what they did."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "accel", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_doctor_names_device_and_plan():
+    r = run("doctor")
+    assert r.returncode == 0, r.stderr
+    assert "CPU" in r.stdout and "backend: torch" in r.stdout
+
+
+def test_bench_tiny_writes_rows_with_errors(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "--tiny", "--iters", "2", "--paths", "torch", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["unet"]
+    variants = {(row["model"], row["variant"]) for row in rows}
+    assert ("tiny-sd15", "sd-accel torch") in variants and ("tiny-sdxl", "eager (SDPA)") in variants
+    ours = [row for row in rows if row["variant"] == "sd-accel torch"]
+    assert all(row["rel_err"] <= 1e-5 and row["ms"] > 0 for row in ours)
+    assert "speedup" in r.stdout
+
+
+def test_demo_saves_png_and_reports(tmp_path):
+    png = tmp_path / "demo.png"
+    r = run("demo", "--out", str(png), "--steps", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "agreement:" in r.stdout and "OK" in r.stdout and "path:        torch" in r.stdout
+
+
+def test_demo_refuses_pickled_checkpoint(tmp_path):
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes(b"not really")
+    r = run("demo", "--checkpoint", str(ckpt))
+    assert r.returncode != 0
+    assert "pickled checkpoints" in (r.stdout + r.stderr) and "Traceback" not in r.stderr

@@ -1,0 +1,225 @@
+"""Path policy over GPU families x installed packages x preferences."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from accel.device import GpuInfo, cpu_info, info_from_properties
+from accel.errors import BadInput
+from accel.policy import ENV, ORT_PROVIDERS, PREFERENCES, Plan, choose, probe_packages
+
+PK = {"triton": True, "flash_attn": False}
+
+
+def _nv(major, minor):
+    return info_from_properties(SimpleNamespace(name=f"nv{major}{minor}", major=major, minor=minor, total_memory=1 << 34),
+                                "cuda", torch_version="2.11", packages=PK)
+
+
+def _amd(arch):
+    return info_from_properties(SimpleNamespace(name=arch, total_memory=1 << 34, gcnArchName=arch), "hip",
+                                packages=PK, env={})
+
+
+GPUS = {
+    "hopper": _nv(9, 0),
+    "ada": _nv(8, 9),
+    "turing": _nv(7, 5),
+    "blackwell": _nv(12, 0),
+    "pascal": _nv(6, 1),
+    "cdna3": _amd("gfx942"),
+    "rdna3": _amd("gfx1100"),
+    "rdna2": _amd("gfx1030"),
+    "gfx1010": _amd("gfx1010"),
+    "xpu": info_from_properties(SimpleNamespace(name="Arc", total_memory=1 << 34, has_bf16=True), "xpu"),
+    "mps": GpuInfo("apple", "mps", "Apple GPU", "mps", "mps", 0, ("float16", "float32")),
+    "cpu": cpu_info(),
+}
+
+INSTALLED = {
+    "none": {},
+    "ort-cpu": {"onnxruntime": True, "onnxruntime_gpu": False, "ort_cuda": False, "ort_migraphx": False},
+    "ort-gpu": {"onnxruntime": True, "onnxruntime_gpu": True},
+    "ort-cuda": {"onnxruntime": True, "onnxruntime_gpu": True, "ort_cuda": True},
+    "tensorrt": {"tensorrt": True},
+    "triton": {"triton": True},
+    "all": {"onnxruntime": True, "onnxruntime_gpu": True, "ort_cuda": True, "tensorrt": True, "triton": True,
+            "flash_attn": True},
+}
+
+# gpu, installed, preference -> backend, ONNX Runtime provider (None when not ORT), a phrase the reasons must hold
+TABLE = [
+    ("hopper", "none", "auto", "torch", None, "pip install tensorrt"),
+    ("hopper", "tensorrt", "auto", "tensorrt", None, "TensorRT is installed"),
+    ("ada", "tensorrt", "auto", "tensorrt", None, "TensorRT is installed"),
+    ("turing", "all", "auto", "tensorrt", None, "not chosen automatically"),
+    ("blackwell", "tensorrt", "auto", "tensorrt", None, "NVIDIA blackwell"),
+    ("pascal", "tensorrt", "auto", "torch", None, "Turing (7.5) or newer"),
+    ("pascal", "tensorrt", "tensorrt", "torch", None, "Turing (7.5) or newer"),
+    ("cdna3", "all", "auto", "torch", None, "only on NVIDIA"),
+    ("cdna3", "tensorrt", "tensorrt", "torch", None, "only on NVIDIA"),
+    ("hopper", "ort-cuda", "auto", "torch", None, "measured faster"),
+    ("hopper", "ort-cuda", "onnxruntime", "onnxruntime", "CUDAExecutionProvider", "runs here with"),
+    ("hopper", "ort-gpu", "onnxruntime", "onnxruntime", "CUDAExecutionProvider", "runs here with"),
+    ("hopper", "ort-cpu", "onnxruntime", "torch", None, "pip install onnxruntime-gpu"),
+    ("hopper", "none", "onnxruntime", "torch", None, "pip install onnxruntime-gpu"),
+    ("hopper", "none", "tensorrt", "torch", None, "pip install tensorrt"),
+    ("hopper", "all", "torch", "torch", None, "the torch path was asked for"),
+    ("cdna3", "ort-gpu", "onnxruntime", "onnxruntime", "MIGraphXExecutionProvider", "runs here with"),
+    ("cdna3", "ort-cuda", "onnxruntime", "torch", None, "onnxruntime-migraphx"),
+    ("rdna3", "ort-cpu", "onnxruntime", "torch", None, "CPU build"),
+    ("xpu", "ort-gpu", "onnxruntime", "onnxruntime", "DmlExecutionProvider", "runs here with"),
+    ("cpu", "ort-cpu", "onnxruntime", "onnxruntime", "CPUExecutionProvider", "runs here with"),
+    ("cpu", "none", "onnxruntime", "torch", None, "pip install onnxruntime"),
+    ("mps", "all", "onnxruntime", "torch", None, "no ONNX Runtime execution provider"),
+    ("mps", "all", "tensorrt", "torch", None, "only on NVIDIA"),
+    ("gfx1010", "all", "auto", "torch", None, "not recognised"),
+    ("hopper", "all", "off", "off", None, "plain model"),
+    ("cpu", "none", "off", "off", None, "plain model"),
+]
+
+
+@pytest.mark.parametrize("gpu,installed,pref,backend,provider,phrase", TABLE)
+def test_table(gpu, installed, pref, backend, provider, phrase):
+    plan = choose(GPUS[gpu], pref, INSTALLED[installed])
+    assert plan.backend == backend
+    assert plan.options.get("provider") == provider
+    assert any(phrase in r for r in plan.reasons), plan.reasons
+    assert plan.fallback == ("torch" if backend in ("onnxruntime", "tensorrt") else "off")
+
+
+@pytest.mark.parametrize("gpu,installed,pref", itertools.product(GPUS, INSTALLED, PREFERENCES))
+def test_every_combination(gpu, installed, pref):
+    g, inst = GPUS[gpu], INSTALLED[installed]
+    plan = choose(g, pref, inst)
+    assert plan.reasons and all(isinstance(r, str) and r for r in plan.reasons)
+    assert plan.backend in ("torch", "onnxruntime", "tensorrt", "off")
+    if pref == "off":
+        assert plan.backend == "off"
+        return
+    if plan.backend == "tensorrt":
+        assert g.vendor == "nvidia" and g.known and inst.get("tensorrt") and pref in ("auto", "tensorrt")
+    if plan.backend == "onnxruntime":
+        assert pref == "onnxruntime" and inst.get("onnxruntime")
+    if pref in ("onnxruntime", "tensorrt") and plan.backend == "torch":
+        assert any(f"{pref} was asked for" in r for r in plan.reasons)
+    if pref == "auto":
+        assert any("ONNX Runtime is not chosen automatically" in r for r in plan.reasons)
+    o = plan.options
+    assert o["dtype"] in g.dtypes and o["attention"] in g.attention and o["compile"] is False
+    tuned = g.known and g.vendor in ("nvidia", "amd")
+    assert o["cuda_graphs"] == tuned and o["channels_last"] == tuned
+    assert o["triton_kernels"] == (tuned and g.triton and bool(inst.get("triton")))
+    assert plan.backend in plan.summary() and "\n" in plan.summary()
+
+
+@pytest.mark.parametrize("gpu,dtype", [("hopper", "float16"), ("cdna3", "float16"), ("mps", "float16"),
+                                       ("xpu", "float16"), ("pascal", "float16"), ("cpu", "float32")])
+def test_default_dtype(gpu, dtype):
+    assert choose(GPUS[gpu], "torch", {}).options["dtype"] == dtype
+
+
+def test_bf16_when_asked_and_the_gpu_has_it():
+    assert choose(GPUS["hopper"], "torch", {}, {"dtype": "bf16"}).options["dtype"] == "bfloat16"
+    plan = choose(GPUS["turing"], "torch", {}, {"dtype": "bfloat16"})
+    assert plan.options["dtype"] == "float16" and any("bfloat16 was asked for" in r for r in plan.reasons)
+
+
+def test_fp32_when_the_gpu_lacks_fp16():
+    maxwell = _nv(5, 0)
+    plan = choose(maxwell, "torch", {})
+    assert plan.options["dtype"] == "float32" and any("no float16" in r for r in plan.reasons)
+
+
+def test_generic_options_off_the_tuned_gpus():
+    for name in ("cpu", "mps", "xpu", "pascal", "gfx1010"):
+        o = choose(GPUS[name], "auto", INSTALLED["all"]).options
+        assert not (o["cuda_graphs"] or o["triton_kernels"] or o["channels_last"]), name
+
+
+def test_tuned_options_on_hopper():
+    o = choose(GPUS["hopper"], "torch", INSTALLED["triton"]).options
+    assert o == {"attention": "cudnn", "dtype": "float16", "channels_last": True, "cuda_graphs": True,
+                 "compile": False, "triton_kernels": True}
+
+
+def test_flash_attn_only_when_installed():
+    ampere = info_from_properties(SimpleNamespace(name="A100", major=8, minor=0, total_memory=1 << 34), "cuda",
+                                  torch_version="2.11", packages={"triton": True, "flash_attn": True})
+    assert choose(ampere, "torch", {"flash_attn": True}).options["attention"] == "flash_attn"
+    assert choose(ampere, "torch", {"flash_attn": False}).options["attention"] == "flash"
+
+
+def test_options_override_and_pass_through():
+    plan = choose(GPUS["hopper"], "torch", INSTALLED["triton"],
+                  {"cuda_graphs": False, "compile": True, "attention": "efficient", "max_graphs": 2})
+    o = plan.options
+    assert (o["cuda_graphs"], o["compile"], o["attention"], o["max_graphs"]) == (False, True, "efficient", 2)
+    plan = choose(GPUS["cpu"], "torch", {}, {"cuda_graphs": True})
+    assert plan.options["cuda_graphs"] is False and any("cuda_graphs was asked for" in r for r in plan.reasons)
+
+
+def test_compile_on_a_gpu_needs_triton():
+    plan = choose(GPUS["hopper"], "torch", {}, {"compile": True})
+    assert plan.options["compile"] is False and any("pip install triton" in r for r in plan.reasons)
+
+
+def test_attention_the_gpu_lacks_falls_back_with_a_reason():
+    plan = choose(GPUS["turing"], "torch", {}, {"attention": "cudnn"})
+    assert plan.options["attention"] == "efficient" and any("attention cudnn" in r for r in plan.reasons)
+
+
+@pytest.mark.parametrize("options,word", [({"attention": "xformers"}, "flash_attn, cudnn"),
+                                          ({"dtype": "int8"}, "float16, bfloat16 or float32")])
+def test_bad_options_say_what_is_valid(options, word):
+    with pytest.raises(BadInput, match=word):
+        choose(GPUS["hopper"], "torch", {}, options)
+
+
+def test_env_var_sets_the_preference(monkeypatch):
+    monkeypatch.setenv(ENV, "off")
+    assert choose(GPUS["hopper"], installed={}).backend == "off"
+    monkeypatch.setenv(ENV, " TensorRT ")
+    plan = choose(GPUS["hopper"], installed={"tensorrt": True})
+    assert plan.backend == "tensorrt" and any(f"{ENV}=tensorrt" in r for r in plan.reasons)
+    assert choose(GPUS["hopper"], "torch", {"tensorrt": True}).backend == "torch"  # the argument wins
+    monkeypatch.setenv(ENV, "")
+    assert choose(GPUS["hopper"], installed={"tensorrt": True}).backend == "tensorrt"  # empty means auto
+    monkeypatch.delenv(ENV)
+    assert choose(GPUS["hopper"], installed={}).backend == "torch"
+
+
+def test_bad_preference_names_the_valid_values(monkeypatch):
+    monkeypatch.setenv(ENV, "trt")
+    with pytest.raises(BadInput) as e:
+        choose(GPUS["hopper"], installed={})
+    assert ENV in str(e.value) and "auto, torch, onnxruntime, tensorrt, off" in str(e.value)
+    with pytest.raises(BadInput, match="auto, torch, onnxruntime, tensorrt, off"):
+        choose(GPUS["hopper"], "fast", {})
+
+
+def test_summary_for_doctor():
+    plan = choose(GPUS["hopper"], "onnxruntime", INSTALLED["ort-cuda"])
+    text = plan.summary()
+    assert text.splitlines()[0] == "backend: onnxruntime (falls back to torch)"
+    assert "provider CUDAExecutionProvider" in text and "attention cudnn" in text
+    assert all(f"- {r}" in text for r in plan.reasons)
+    assert isinstance(plan, Plan) and choose(GPUS["cpu"], "off", {}).summary().startswith("backend: off")
+
+
+def test_probe_packages_matches_this_environment():
+    found = probe_packages()
+    for name in ("onnxruntime", "tensorrt", "triton", "flash_attn"):
+        assert found[name] == (importlib.util.find_spec(name) is not None)
+    if found["onnxruntime"]:
+        import onnxruntime
+
+        providers = onnxruntime.get_available_providers()
+        assert all(found[k] == (p in providers) for k, p in ORT_PROVIDERS.items())
+    assert found["onnxruntime_gpu"] == any(found[k] for k in ORT_PROVIDERS)
+    # the default probe is what choose() uses when `installed` is not given
+    assert choose(cpu_info(), "onnxruntime").backend == ("onnxruntime" if found["onnxruntime"] else "torch")

@@ -1,0 +1,114 @@
+"""The torch path computes the same function as the plain UNet (CPU, fp32) and, on a GPU, keeps its
+graphs honest: recaptured when weights are swapped, bounded in number and memory, freed on release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from accel.backends import torch_fused
+from accel.configs import build_unet, example_inputs
+from accel.unet import CanonicalUNet
+from ldm_unet import tiny_ldm_unet
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl"])
+def test_diffusers_unet_same_function_on_cpu(name):
+    unet = CanonicalUNet(build_unet(name, seed=3))
+    x, t, ctx, y = example_inputs(unet.unet, latent=16, seed=4)
+    ref = unet(x, t, ctx, y)
+    engine = torch_fused.build(unet)
+    assert rel(engine(x, t, ctx, y), ref) <= 1e-5
+    engine.release()
+
+
+@pytest.mark.parametrize("sdxl", [False, True])
+def test_ldm_unet_same_function_on_cpu(sdxl):
+    unet = CanonicalUNet(tiny_ldm_unet(sdxl=sdxl, seed=2))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 16, 16, generator=g)
+    ctx = torch.randn(2, 77, unet.spec.context_dim, generator=g)
+    y = torch.randn(2, unet.spec.adm_channels, generator=g) if sdxl else None
+    t = torch.tensor([900.0, 20.0])
+    engine = torch_fused.build(unet)
+    assert rel(engine(x, t, ctx, y), unet(x, t, ctx, y)) <= 1e-5
+
+
+def _down_residual_shapes(unet: torch.nn.Module, x, t, ctx):
+    """Shapes of the skip connections and of the mid-block output, read off a plain forward pass."""
+    skips, mid = [], []
+    hooks = [unet.conv_in.register_forward_hook(lambda m, a, o: skips.append(o.shape))]
+    for block in unet.down_blocks:
+        hooks.append(block.register_forward_hook(lambda m, a, o: skips.extend(s.shape for s in o[1])))
+    hooks.append(unet.mid_block.register_forward_hook(lambda m, a, o: mid.append(o.shape)))
+    unet(x, t, ctx)
+    for h in hooks:
+        h.remove()
+    return skips, mid[0]
+
+
+def test_control_residuals_reach_the_unet():
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=5))
+    x, t, ctx, _ = example_inputs(unet.unet, latent=16, seed=6)
+    skips, mid = _down_residual_shapes(unet.unet, x, t, ctx)
+    g = torch.Generator().manual_seed(7)
+    control = {"output": [torch.randn(s, generator=g) for s in skips], "middle": [torch.randn(mid, generator=g)]}
+    engine = torch_fused.build(unet)
+    with_control = engine(x, t, ctx, None, control)
+    assert rel(with_control, unet(x, t, ctx, None, control)) <= 1e-5
+    assert rel(with_control, unet(x, t, ctx)) > 1e-3
+
+
+@gpu
+def test_fp16_engine_within_1e2_of_fp32_reference():
+    ref_unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda"))
+    x, t, ctx, y = example_inputs(ref_unet.unet, latent=32, device="cuda")
+    ref = ref_unet(x, t, ctx, y)
+    half = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
+    engine = torch_fused.build(half)
+    for _ in range(3):  # capture, then replays
+        assert rel(engine(x, t, ctx, y), ref) <= 1e-2
+    engine.release()
+
+
+@gpu
+def test_graph_recaptures_when_a_parameter_is_replaced():
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
+    x, t, ctx, y = example_inputs(unet.unet, latent=32, device="cuda", dtype=torch.float16)
+    engine = torch_fused.build(unet)
+    before = engine(x, t, ctx, y)
+    lin = unet.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q
+    # ComfyUI's LoRA patching assigns a new Parameter: a replayed graph would still read the old one.
+    lin.weight = torch.nn.Parameter(lin.weight.detach() * 3, requires_grad=False)
+    after = engine(x, t, ctx, y)
+    assert rel(after, before) > 1e-3
+    assert rel(after, unet(x, t, ctx, y)) <= 1e-2
+    assert engine.graphs.captures == 2
+    engine.release()
+
+
+@gpu
+def test_graph_memory_stays_bounded_over_20_shapes():
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
+    engine = torch_fused.build(unet, {"max_graphs": 4})
+    ctx = torch.randn(3, 77, 32, device="cuda", dtype=torch.float16)
+    sizes = [(b, s) for b in (1, 2, 3) for s in range(16, 72, 8)][:20]
+    sizes.sort(key=lambda bs: -bs[0] * bs[1] ** 2)  # the largest first: they set the bound
+    with torch.inference_mode():
+        for i, (b, s) in enumerate(sizes):
+            x = torch.randn(b, 4, s, s, device="cuda", dtype=torch.float16)
+            engine(x, torch.full((b,), 10.0, device="cuda"), ctx[:b])
+            torch.cuda.synchronize()
+            if i == 3:
+                bound = torch.cuda.memory_allocated()
+    assert len(engine.graphs) == 4
+    assert torch.cuda.memory_allocated() <= 1.1 * bound
+    engine.release()
+    weights = sum(p.numel() * p.element_size() for p in unet.unet.parameters())
+    assert torch.cuda.memory_allocated() <= weights + 64 * 2**20

@@ -41,7 +41,8 @@ def _bench(args: argparse.Namespace) -> int:
         from . import bench
 
         modes = [] if args.no_compile or args.tiny else ["default", "reduce-overhead"]
-        rows = bench.run([m for m in args.models.split(",") if m], args.tiny, args.iters, modes, [p for p in args.paths.split(",") if p],
+        paths = [p for p in args.paths.split(",") if p and not (p.endswith("-compile") and (args.no_compile or args.tiny))]
+        rows = bench.run([m for m in args.models.split(",") if m], args.tiny, args.iters, modes, paths,
                          log=(lambda s: print(s, file=sys.stderr)), profile=args.profile)
         out["unet"] = bench.as_dicts(rows)
         print(bench.table(rows))
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=_doctor)
     b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD1.5 and SDXL UNets")
     b.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sd21, sdxl (default: sd15,sdxl)")
-    b.add_argument("--paths", default="torch,onnxruntime,tensorrt", help="sd-accel paths to time")
+    b.add_argument("--paths", default="torch,torch-compile,onnxruntime,tensorrt",
+                   help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile)")
     b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")

@@ -167,8 +167,9 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
 
     _peak_reset(device)
     start = time.perf_counter()
-    acc = accelerate(canon, preference=path)
-    if acc.backend != path:
+    backend, _, variant = path.partition("-")
+    acc = accelerate(canon, preference=backend, options={"compile": True} if variant == "compile" else None)
+    if acc.backend != backend:
         log(f"[{name}] sd-accel {path}: not available here ({'; '.join(acc.plan.reasons)})")
         acc.release()
         return [Row(name, f"sd-accel {path}", note="not available: " + "; ".join(acc.plan.reasons))]
@@ -186,7 +187,7 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
         seen_s = time.perf_counter() - again
         ms = time_ms(lambda: acc(*args), device, iters)
     err = rel_l2(out, ref)
-    row = Row(name, f"sd-accel {path}", ms, base_ms / ms, _peak_gb(device), err, first_s,
+    row = Row(name, f"sd-accel {backend}" + (" + regional compile" if variant else ""), ms, base_ms / ms, _peak_gb(device), err, first_s,
               "setup = build + first call at a new shape", {"seen_shape_s": seen_s, "reasons": acc.plan.reasons})
     log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step, x{base_ms / ms:.2f}, err {err:.2e}, "
         f"first call {first_s:.1f}s, seen shape {seen_s * 1e3:.0f} ms")

@@ -1,6 +1,13 @@
 import os
 import sys
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be chosen before triton is first
+# imported. With a GPU they run for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -24,7 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "channels_last": True,
     "cuda_graphs": True,
     "triton_kernels": True,
-    "fusions": ["groupnorm", "geglu"],
+    "fusions": ["layout", "groupnorm", "geglu"],
     "compile": False,
     "max_graphs": 4,
     "cudnn_benchmark": True,
@@ -93,7 +93,8 @@ class TorchEngine:
             previous = torch.backends.cudnn.benchmark
             torch.backends.cudnn.benchmark = True
             self._undo.append(lambda: setattr(torch.backends.cudnn, "benchmark", previous))
-        if options.get("triton_kernels") and self.on_gpu:
+        # Inductor makes its own fused kernels for compiled blocks; ours would only be traced through.
+        if options.get("triton_kernels") and self.on_gpu and not options.get("compile"):
             from .. import fusions
 
             undo, counts = fusions.apply(module, list(options.get("fusions", [])))
@@ -162,4 +163,8 @@ class TorchEngine:
         while self._undo:
             self._undo.pop()()
         if self.on_gpu:
+            # The graphs' warm-up stream got cuBLAS workspaces of its own; they would outlive the engine.
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()

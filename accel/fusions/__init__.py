@@ -11,9 +11,9 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Undo
-from . import geglu, groupnorm, qkv
+from . import geglu, groupnorm, layout, qkv
 
-FUSIONS = {"groupnorm": groupnorm.apply, "geglu": geglu.apply, "qkv": qkv.apply}
+FUSIONS = {"layout": layout.apply, "groupnorm": groupnorm.apply, "geglu": geglu.apply, "qkv": qkv.apply}
 
 
 def apply(model: nn.Module, names: list[str] | None = None) -> tuple[Undo, dict[str, int]]:

@@ -25,10 +25,14 @@ class Undo:
         return len(self._steps)
 
 
+def patch_method(module: nn.Module, name: str, fn: Callable, undo: Undo) -> None:
+    """Give one instance its own method; deleting the instance attribute brings back its class's."""
+    setattr(module, name, types.MethodType(fn, module))
+    undo.add(lambda: module.__dict__.pop(name, None))
+
+
 def patch_forward(module: nn.Module, forward: Callable, undo: Undo) -> None:
-    """Give one instance a new forward; deleting the instance attribute brings back its class's forward."""
-    module.forward = types.MethodType(forward, module)
-    undo.add(lambda: module.__dict__.pop("forward", None))
+    patch_method(module, "forward", forward, undo)
 
 
 def replace_child(parent: nn.Module, name: str, new: nn.Module, undo: Undo) -> None:

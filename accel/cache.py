@@ -85,6 +85,9 @@ def default_root(host_root: str | os.PathLike | None = None) -> Path:
     return Path(base).expanduser() / "sd-accel"
 
 
+_DISTS: dict[str, list[str]] | None = None  # import name -> distributions, read once per process
+
+
 def _distributions() -> dict[str, list[str]]:
     global _DISTS
     if _DISTS is None:
@@ -92,9 +95,6 @@ def _distributions() -> dict[str, list[str]]:
 
         _DISTS = dict(md.packages_distributions())
     return _DISTS
-
-
-_DISTS: dict[str, list[str]] | None = None
 
 
 def library_versions(backend: str | None = None) -> dict[str, str]:
@@ -339,18 +339,19 @@ class EngineCache:
         """Hold the key's lock across several calls (get_or_build, then loading the artefact), so that no
         other process evicts or rebuilds it meanwhile. Yields False when busy and wait is False; yields
         True without a lock when the root cannot be written (get_or_build then runs uncached)."""
+        lock = None
         try:
             lock = self._acquire(key, wait, progress or NullProgress())
+            held = True
         except _Busy:
-            yield False
-            return
+            held = False
         except OSError:
-            yield True
-            return
+            held = True
         try:
-            yield True
+            yield held
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
 
     # -- the main call
 
@@ -391,12 +392,10 @@ class EngineCache:
         if problem is None:
             self._touch(key)
             return CacheResult(self.entry(key), hit=True, key=key, check_seconds=time.perf_counter() - t0)
-        if problem:
-            reason = f"the cached engine was rebuilt because {problem}"
-            self._remove_entry(self.entry(key))
-        else:
-            reason = self._explain_miss(parts)
+        reason = f"the cached engine was rebuilt because {problem}" if problem else self._explain_miss(parts)
         try:
+            if problem:
+                self._remove_entry(self.entry(key))
             tmp = self._new_temp(key)
         except OSError as e:
             return self._uncached(key, build, progress, self._disk_message(e))
@@ -416,7 +415,8 @@ class EngineCache:
             self._install(key, parts, tmp, build_s, progress)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            self._remove_entry(self.entry(key))
+            with contextlib.suppress(OSError):
+                self._remove_entry(self.entry(key))
             if e.errno not in _DISK_ERRNOS:
                 raise
             return self._uncached(key, build, progress, self._disk_message(e))
@@ -606,13 +606,14 @@ class EngineCache:
         return sum(e.size for e in self._entries())
 
     def discard(self, key: str) -> bool:
-        """Remove one entry (waits for its lock). True when there was one."""
+        """Remove one entry (waits for its lock). True when it is gone, False when it could not be removed."""
+        folder = self.entry(key)
         with self.hold(key):
-            folder = self.entry(key)
-            if not folder.exists():
-                return False
-            self._remove_entry(folder)
-            return True
+            try:
+                self._remove_entry(folder)
+            except OSError:
+                pass
+            return not folder.exists()
 
     def clear(self) -> Cleanup:
         """Remove every entry and leftover build folder that no process is using."""
@@ -734,10 +735,14 @@ def cached_build(cache: EngineCache, parts: Mapping[str, Any], build_artifact: C
         except Exception as err:
             if not result.hit:
                 raise
-            cache.discard(key)
-            log.warning("sd-accel: the cached engine %s failed to load (%s); rebuilding it", key[:12], err)
-            result = cache.get_or_build(key, parts, build, progress)
-            result.reason = f"the cached engine failed to load ({type(err).__name__}: {err}), so it was rebuilt"
+            why = f"the cached engine failed to load ({type(err).__name__}: {err})"
+            log.warning("sd-accel: %s; rebuilding it", why)
+            if cache.discard(key):
+                result = cache.get_or_build(key, parts, build, progress)
+                result.reason = f"{why}, so it was rebuilt"
+            else:
+                result = cache._uncached(key, build, progress, f"{why} and the cache folder {cache.root} cannot be "
+                                         "changed; running uncached. Set SD_ACCEL_CACHE to a writable folder.")
             return load(result.path), result
 
 

@@ -34,9 +34,13 @@ def _sample_index(numel: int, device: torch.device, memo: dict) -> torch.Tensor 
 
 def _sample(t: torch.Tensor, memo: dict) -> torch.Tensor:
     t = t.detach()
-    flat = t.reshape(-1)  # a view when contiguous; a copy in logical order otherwise (channels_last convs: small)
-    idx = _sample_index(flat.numel(), flat.device, memo)
-    picked = flat if idx is None else flat[idx]
+    idx = _sample_index(t.numel(), t.device, memo)
+    if idx is None:
+        picked = t.reshape(-1)
+    elif t.is_contiguous():
+        picked = t.view(-1)[idx]
+    else:  # channels_last and other strided layouts: gather the logical positions without copying the tensor
+        picked = t[torch.unravel_index(idx, t.shape)]
     return picked.contiguous().view(torch.uint8)
 
 

@@ -109,7 +109,8 @@ class GraphCache:
             for _ in range(self.warmup):  # lazy init, cuDNN autotuning and allocator warm-up stay out of the graph
                 self.fn(*static)
         torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
+        if self._pool is None or not self._entries:
+            # A pool is released with the last graph that used it: start a new one when none is left.
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -28,6 +28,9 @@ except Exception as e:  # a broken install can raise more than ImportError; eith
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements one program holds in registers per step: 16 per thread at 8 warps, enough loads in flight to hide latency.
 TILE = 4096
+# Under the CPU interpreter every program and every loop step costs Python time, while numpy takes large blocks in
+# its stride: one big step instead.
+INTERPRET_TILE = 1 << 16
 
 
 def jit(fn: Callable) -> Callable:
@@ -37,17 +40,18 @@ def jit(fn: Callable) -> Callable:
 def interpreted(kernel: Callable) -> bool:
     """Whether `kernel` was built for Triton's CPU interpreter.
 
-    Triton decides this when the module is imported (TRITON_INTERPRET=1 at that moment), not at launch time.
+    Triton decides this when the function is defined (TRITON_INTERPRET=1 at that moment), not at launch time: for
+    its own library when triton is first imported, for ours when the kernel module is.
     """
     return type(kernel).__name__ == "InterpretedFunction"
 
 
 def supported_tensor(x: torch.Tensor, kernel: Callable) -> bool:
     """True when `kernel` can run on `x`: a CUDA or ROCm tensor (torch calls both "cuda"), or a CPU tensor when the
-    kernels were built for the interpreter."""
+    kernel and Triton's own library (tl.zeros stands for it) were both built for the interpreter."""
     if triton is None or x.dtype not in DTYPES:
         return False
-    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreted(kernel))
+    return x.device.type == "cuda" or (x.device.type == "cpu" and interpreted(kernel) and interpreted(tl.zeros))
 
 
 def require(x: torch.Tensor, kernel: Callable, name: str) -> None:
@@ -59,13 +63,18 @@ def require(x: torch.Tensor, kernel: Callable, name: str) -> None:
         raise BadInput(f"{name}: tensor dtype {x.dtype} is not supported.", "Pass float16, bfloat16 or float32.")
     if not supported_tensor(x, kernel):
         raise BackendUnavailable(f"{name}: Triton cannot run on a {x.device.type} tensor here.",
-                                 "Move the tensor to a CUDA/ROCm GPU, or set TRITON_INTERPRET=1 before importing "
-                                 "kernels to run on the CPU (slow; for tests).")
+                                 "Move the tensor to a CUDA/ROCm GPU (or, for tests, set TRITON_INTERPRET=1 before "
+                                 "triton is first imported to run on the CPU, slowly).")
 
 
 def on_device(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """Triton launches on the current device: make it the tensor's."""
     return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def tile_for(x: torch.Tensor) -> int:
+    """Elements per program step for a launch on x's device (CPU means the interpreter)."""
+    return INTERPRET_TILE if x.device.type == "cpu" else TILE
 
 
 def cdiv(a: int, b: int) -> int:

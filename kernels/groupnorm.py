@@ -1,10 +1,10 @@
 """GroupNorm with optional fused SiLU, for NCHW and channels_last (NHWC) tensors, in two passes over memory.
 
 Pass 1 (`_stats_*`) cuts every (sample, group) into chunks and reduces each chunk, in parallel, to a partial
-(count, mean, M2). Pass 2 (`_apply_*`) merges a group's partials (Chan et al.) and normalizes. x is read twice and
-the output written once, whatever the group size: a VAE decoder at 4096 px has 64M elements in a group, far more
-than one program could hold. Means and M2 are merged, never raw sums of squares, so a large offset (x = 1000 + noise)
-does not cancel away the variance in fp32.
+(count, mean, M2); `_finalize_kernel` merges a group's partials (Chan et al.) into mean and rstd; pass 2 (`_apply_*`)
+normalizes. x is read twice and the output written once, whatever the group size: a VAE decoder at 4096 px has 64M
+elements in a group, far more than one program could hold. Means and M2 are merged, never raw sums of squares, so a
+large offset (x = 1000 + noise) does not cancel away the variance in fp32.
 
 The tiled VAE needs statistics over the whole image but normalizes tile by tile: it calls `group_norm_stats` on each
 tile, adds the results, turns them into mean and rstd with `mean_rstd`, and calls `group_norm_apply` per tile.
@@ -12,7 +12,6 @@ tile, adds the results, turns them into mean and rstd with `mean_rstd`, and call
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -20,17 +19,17 @@ import torch.nn.functional as F
 
 from accel.errors import BadInput
 
-from .common import TILE, cdiv, jit, on_device, pow2, require, supported_tensor, tl, warps
+from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
 
-# Partials per group at most: each apply program merges them all, so they must stay few.
-MAX_PARTIALS = 64
 # A chunk reduced by one stats program holds at least this many elements (fewer only when the group is smaller).
 MIN_CHUNK = 4096
 # Programs to aim for: about one wave of resident programs on a large GPU for the stats pass, more for the apply pass.
 STATS_PROGRAMS = 1024
 APPLY_PROGRAMS = 4096
+# Partials one finalize step loads per group.
+FINALIZE_BLOCK = 512
 # Under the CPU interpreter every program costs Python time: few, large programs.
-INTERPRET_PROGRAMS = 4
+INTERPRET_PROGRAMS = 1
 
 
 @jit
@@ -42,28 +41,30 @@ def _merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 @jit
-def _stats_nchw_kernel(x_ptr, part_ptr, group_len, span, P, BLOCK: tl.constexpr):
-    # NCHW: the group (n, g) is one contiguous run of Cg*HW elements.
-    ng = tl.program_id(0)
+def _stats_nchw_kernel(x_ptr, part_ptr, NG, group_len, span, P, BLOCK_GRP: tl.constexpr, BLOCK: tl.constexpr):
+    # NCHW: the group n*G+g is one contiguous run of Cg*HW elements; a tile holds BLOCK_GRP of them (more than one
+    # only when groups are small) and BLOCK elements of each.
+    rows = tl.program_id(0) * BLOCK_GRP + tl.arange(0, BLOCK_GRP)
+    rmask = rows < NG
     p = tl.program_id(1)
-    base = x_ptr + ng.to(tl.int64) * group_len
+    row_ptr = x_ptr + rows.to(tl.int64)[:, None] * group_len
     start = p * span
     end = tl.minimum(start + span, group_len)
-    offs = tl.arange(0, BLOCK)
-    n_acc = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-    mean_acc = n_acc
-    m2_acc = n_acc
+    offs = tl.arange(0, BLOCK)[None, :]
+    n_acc = tl.zeros([BLOCK_GRP], tl.float32)
+    mean_acc = tl.zeros([BLOCK_GRP], tl.float32)
+    m2_acc = tl.zeros([BLOCK_GRP], tl.float32)
     for i in range(start, end, BLOCK):
-        mask = i + offs < end
-        x = tl.load(base + i + offs, mask=mask, other=0.0).to(tl.float32)
-        cnt = tl.sum(mask.to(tl.float32), 0)
-        mean_b = tl.sum(x, 0) / cnt
-        d = tl.where(mask, x - mean_b, 0.0)
-        n_acc, mean_acc, m2_acc = _merge(n_acc, mean_acc, m2_acc, cnt, mean_b, tl.sum(d * d, 0))
-    out = part_ptr + (ng * P + p) * 3
-    tl.store(out, n_acc)
-    tl.store(out + 1, mean_acc)
-    tl.store(out + 2, m2_acc)
+        mask = rmask[:, None] & (i + offs < end)
+        x = tl.load(row_ptr + i + offs, mask=mask, other=0.0).to(tl.float32)
+        cnt = tl.sum(mask.to(tl.float32), 1)
+        mean_b = tl.sum(x, 1) / tl.maximum(cnt, 1.0)
+        d = tl.where(mask, x - mean_b[:, None], 0.0)
+        n_acc, mean_acc, m2_acc = _merge(n_acc, mean_acc, m2_acc, cnt, mean_b, tl.sum(d * d, 1))
+    out = part_ptr + (rows * P + p) * 3
+    tl.store(out, n_acc, mask=rmask)
+    tl.store(out + 1, mean_acc, mask=rmask)
+    tl.store(out + 2, m2_acc, mask=rmask)
 
 
 @jit
@@ -77,11 +78,10 @@ def _stats_nhwc_kernel(x_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.const
     g = gs[None, :, None]
     j = tl.arange(0, BLOCK_CG)[None, None, :]
     col_mask = (g < G) & (j < CG)
-    cols = g * CG + j
     r0 = p * rows_per_prog
     r1 = tl.minimum(r0 + rows_per_prog, HW)
     x_ptr += n.to(tl.int64) * HW * C
-    tile = r * C + cols
+    tile = r * C + g * CG + j
     n_acc = tl.zeros([BLOCK_G], tl.float32)
     mean_acc = tl.zeros([BLOCK_G], tl.float32)
     m2_acc = tl.zeros([BLOCK_G], tl.float32)
@@ -102,24 +102,32 @@ def _stats_nhwc_kernel(x_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.const
 
 
 @jit
-def _mean_rstd(a_ptr, b_ptr, idx, mask, P, eps, FROM_PARTIALS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """mean and rstd of the groups `idx` (a vector of n*G+g): merged from P partials, or read as given."""
-    if FROM_PARTIALS:
-        pp = tl.arange(0, BLOCK_P)[None, :]
-        m = mask[:, None] & (pp < P)
-        off = (idx[:, None] * P + pp) * 3
-        cnt = tl.load(a_ptr + off, mask=m, other=0.0)
-        mu = tl.load(a_ptr + off + 1, mask=m, other=0.0)
-        m2 = tl.load(a_ptr + off + 2, mask=m, other=0.0)
-        total = tl.maximum(tl.sum(cnt, 1), 1.0)
-        mean = tl.sum(cnt * mu, 1) / total
-        dev = mu - mean[:, None]
-        var = (tl.sum(m2, 1) + tl.sum(cnt * dev * dev, 1)) / total
-        rstd = tl.rsqrt(var + eps)
-    else:
-        mean = tl.load(a_ptr + idx, mask=mask, other=0.0)
-        rstd = tl.load(b_ptr + idx, mask=mask, other=0.0)
-    return mean, rstd
+def _finalize_kernel(part_ptr, mean_ptr, rstd_ptr, NG, P, eps, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
+    # Merge the P partials of each group. Deviations are taken from the first partial's mean, so the weighted sum
+    # stays small when the mean is large.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < NG
+    row_ptr = part_ptr + rows[:, None] * P * 3
+    pp = tl.arange(0, BLOCK_P)[None, :]
+    shift = tl.load(part_ptr + rows * P * 3 + 1, mask=rmask, other=0.0)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    dev_sum = tl.zeros([BLOCK_N], tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        m = rmask[:, None] & (p0 + pp < P)
+        cnt = tl.load(row_ptr + (p0 + pp) * 3, mask=m, other=0.0)
+        mu = tl.load(row_ptr + (p0 + pp) * 3 + 1, mask=m, other=0.0)
+        total += tl.sum(cnt, 1)
+        dev_sum += tl.sum(cnt * (mu - shift[:, None]), 1)
+    total = tl.maximum(total, 1.0)
+    mean = shift + dev_sum / total
+    m2 = tl.zeros([BLOCK_N], tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        m = rmask[:, None] & (p0 + pp < P)
+        cnt = tl.load(row_ptr + (p0 + pp) * 3, mask=m, other=0.0)
+        dev = tl.load(row_ptr + (p0 + pp) * 3 + 1, mask=m, other=0.0) - mean[:, None]
+        m2 += tl.sum(tl.load(row_ptr + (p0 + pp) * 3 + 2, mask=m, other=0.0) + cnt * dev * dev, 1)
+    tl.store(mean_ptr + rows, mean, mask=rmask)
+    tl.store(rstd_ptr + rows, tl.rsqrt(m2 / total + eps), mask=rmask)
 
 
 @jit
@@ -128,20 +136,19 @@ def _silu(y):
 
 
 @jit
-def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, a_ptr, s_ptr, C, HW, G, hw_per_prog, P, eps,
-                       CG: tl.constexpr, FROM_PARTIALS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                       SILU: tl.constexpr, BLOCK_CH: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_P: tl.constexpr):
+def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, HW, G, hw_per_prog, CG: tl.constexpr,
+                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr, BLOCK_CH: tl.constexpr,
+                       BLOCK_HW: tl.constexpr):
     # Tile [channels, pixels]; several channels per tile when HW is small, one channel and a pixel range otherwise.
     p = tl.program_id(0)
     n = tl.program_id(1)
     c0 = tl.program_id(2) * BLOCK_CH
     cs = c0 + tl.arange(0, BLOCK_CH)
     cmask = cs < C
-    mean, rstd = _mean_rstd(a_ptr, s_ptr, n * G + cs // CG, cmask, P, eps, FROM_PARTIALS, BLOCK_P)
-    scale = rstd
+    scale = tl.load(rstd_ptr + n * G + cs // CG, mask=cmask, other=0.0)
     if HAS_W:
         scale = scale * tl.load(w_ptr + cs, mask=cmask, other=0.0).to(tl.float32)
-    shift = -mean * scale
+    shift = -tl.load(mean_ptr + n * G + cs // CG, mask=cmask, other=0.0) * scale
     if HAS_B:
         shift = shift + tl.load(b_ptr + cs, mask=cmask, other=0.0).to(tl.float32)
     scale = scale[:, None]
@@ -163,34 +170,31 @@ def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, a_ptr, s_ptr, C, HW, G, hw_pe
 
 
 @jit
-def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, a_ptr, s_ptr, HW, C, G, rows_per_prog, P, eps,
-                       CG: tl.constexpr, FROM_PARTIALS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                       SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr,
-                       BLOCK_P: tl.constexpr):
+def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog, CG: tl.constexpr,
+                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
     p = tl.program_id(0)
     n = tl.program_id(1)
     gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
     gmask = gs < G
-    mean, rstd = _mean_rstd(a_ptr, s_ptr, n * G + gs, gmask, P, eps, FROM_PARTIALS, BLOCK_P)
     j = tl.arange(0, BLOCK_CG)[None, :]
     cols = gs[:, None] * CG + j
     col_mask = gmask[:, None] & (j < CG)
-    scale = rstd[:, None] + tl.zeros([BLOCK_G, BLOCK_CG], tl.float32)
+    scale = tl.load(rstd_ptr + n * G + gs, mask=gmask, other=0.0)[:, None] + tl.zeros([BLOCK_G, BLOCK_CG], tl.float32)
     if HAS_W:
         scale = scale * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    shift = -mean[:, None] * scale
+    shift = -tl.load(mean_ptr + n * G + gs, mask=gmask, other=0.0)[:, None] * scale
     if HAS_B:
         shift = shift + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     scale = scale[None, :, :]
     shift = shift[None, :, :]
-    cols = cols[None, :, :]
     col_mask = col_mask[None, :, :]
     r = tl.arange(0, BLOCK_R)[:, None, None]
+    tile = r * C + cols[None, :, :]
     r0 = p * rows_per_prog
     r1 = tl.minimum(r0 + rows_per_prog, HW)
     x_ptr += n.to(tl.int64) * HW * C
     y_ptr += n.to(tl.int64) * HW * C
-    tile = r * C + cols
     for i in range(0, r1 - r0, BLOCK_R):
         mask = (r0 + i + r < r1) & col_mask
         row = (r0 + i).to(tl.int64) * C
@@ -220,24 +224,28 @@ def _check(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor], bia
                            f"Pass the GroupNorm module's {name} for this tensor's channels, on the same device.")
 
 
+def _format(x: torch.Tensor) -> torch.memory_format:
+    """channels_last when x is laid out so (and not also plain contiguous), else contiguous: what the output gets."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 def _layout(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(x in a layout the kernels read, True when that layout is channels_last)."""
-    if x.is_contiguous():
-        return x, False
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return x, True
-    return x.contiguous(), False
+    """(x in a layout the kernels read, copied only when it is in neither, True when that layout is NHWC)."""
+    fmt = _format(x)
+    return x.contiguous(memory_format=fmt), fmt == torch.channels_last
 
 
 def _programs(x: torch.Tensor, normal: int) -> int:
     return INTERPRET_PROGRAMS if x.device.type == "cpu" else normal
 
 
-def _nhwc_blocks(G: int, CG: int, HW: int) -> tuple[int, int, int]:
+def _nhwc_blocks(G: int, CG: int, HW: int, tile: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_G, BLOCK_CG) for the channels_last tiles: whole groups, rows of up to 1024 lanes."""
     block_cg = pow2(CG)
     block_g = min(pow2(G), max(1, 1024 // block_cg))
-    block_r = min(pow2(HW), max(1, TILE // (block_g * block_cg)))
+    block_r = min(pow2(HW), max(1, tile // (block_g * block_cg)))
     return block_r, block_g, block_cg
 
 
@@ -248,9 +256,9 @@ def _partials(x: torch.Tensor, G: int, nhwc: bool) -> tuple[torch.Tensor, int]:
     CG = C // G
     target = _programs(x, STATS_PROGRAMS)
     if nhwc:
-        block_r, block_g, block_cg = _nhwc_blocks(G, CG, HW)
+        block_r, block_g, block_cg = _nhwc_blocks(G, CG, HW, tile_for(x))
         n_gb = cdiv(G, block_g)
-        P = max(1, min(cdiv(target, N * n_gb), MAX_PARTIALS, cdiv(HW * block_g * CG, MIN_CHUNK)))
+        P = max(1, min(cdiv(target, N * n_gb), cdiv(HW * block_g * CG, MIN_CHUNK)))
         rows = cdiv(cdiv(HW, P), block_r) * block_r
         P = cdiv(HW, rows)
         part = torch.empty((N * G, P, 3), device=x.device, dtype=torch.float32)
@@ -258,43 +266,57 @@ def _partials(x: torch.Tensor, G: int, nhwc: bool) -> tuple[torch.Tensor, int]:
                                          BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg))
         return part, P
     L = CG * HW
-    block = min(pow2(L), TILE)
-    P = max(1, min(cdiv(target, N * G), MAX_PARTIALS, cdiv(L, MIN_CHUNK)))
+    block = min(pow2(L), tile_for(x))
+    block_grp = min(pow2(N * G), max(1, tile_for(x) // block))
+    n_rb = cdiv(N * G, block_grp)
+    P = max(1, min(cdiv(target, n_rb), cdiv(L, MIN_CHUNK)))
     span = cdiv(cdiv(L, P), block) * block
     P = cdiv(L, span)
     part = torch.empty((N * G, P, 3), device=x.device, dtype=torch.float32)
-    _stats_nchw_kernel[(N * G, P)](x, part, L, span, P, BLOCK=block, num_warps=warps(block))
+    _stats_nchw_kernel[(n_rb, P)](x, part, N * G, L, span, P, BLOCK_GRP=block_grp, BLOCK=block,
+                                  num_warps=warps(block_grp * block))
     return part, P
 
 
+def _finalize(part: torch.Tensor, P: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, rstd), each (N*G,) fp32, from the partials."""
+    NG = part.shape[0]
+    block_p = min(pow2(P), FINALIZE_BLOCK)
+    block_n = min(pow2(NG), max(1, 2048 // block_p))
+    mean = torch.empty(NG, device=part.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    _finalize_kernel[(cdiv(NG, block_n),)](part, mean, rstd, NG, P, eps, BLOCK_N=block_n, BLOCK_P=block_p,
+                                           num_warps=warps(block_n * block_p))
+    return mean, rstd
+
+
 def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-           eps: float, silu: bool, stats: tuple[torch.Tensor, torch.Tensor], P: int) -> torch.Tensor:
-    """Pass 2. With P > 0, stats is (partials, partials); with P == 0 it is (mean, rstd), each (N*G,) fp32."""
+           silu: bool, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """Pass 2: normalize with mean and rstd, (N*G,) fp32 each, then weight, bias and SiLU."""
     N, C = x.shape[:2]
     HW = x.numel() // (N * C)
     CG = C // G
     y = torch.empty_like(x, memory_format=torch.channels_last if nhwc else torch.contiguous_format)
     w = weight.contiguous() if weight is not None else x
     b = bias.contiguous() if bias is not None else x
-    flags = dict(CG=CG, FROM_PARTIALS=P > 0, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu,
-                 BLOCK_P=pow2(P))
+    flags = dict(CG=CG, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu)
     target = _programs(x, APPLY_PROGRAMS)
     if nhwc:
-        block_r, block_g, block_cg = _nhwc_blocks(G, CG, HW)
+        block_r, block_g, block_cg = _nhwc_blocks(G, CG, HW, tile_for(x))
         n_gb = cdiv(G, block_g)
         progs = max(1, min(cdiv(target, N * n_gb), cdiv(HW, block_r)))
         rows = cdiv(cdiv(HW, progs), block_r) * block_r
         _apply_nhwc_kernel[(cdiv(HW, rows), N, n_gb)](
-            x, y, w, b, stats[0], stats[1], HW, C, G, rows, P, eps, BLOCK_R=block_r, BLOCK_G=block_g,
-            BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg), **flags)
+            x, y, w, b, mean, rstd, HW, C, G, rows, BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_CG=block_cg,
+            num_warps=warps(block_r * block_g * block_cg), **flags)
         return y
-    block_hw = min(pow2(HW), TILE)
-    block_ch = min(pow2(C), max(1, TILE // block_hw))
+    block_hw = min(pow2(HW), tile_for(x))
+    block_ch = min(pow2(C), max(1, tile_for(x) // block_hw))
     n_cb = cdiv(C, block_ch)
     progs = max(1, min(cdiv(target, N * n_cb), cdiv(HW, block_hw)))
     span = cdiv(cdiv(HW, progs), block_hw) * block_hw
     _apply_nchw_kernel[(cdiv(HW, span), N, n_cb)](
-        x, y, w, b, stats[0], stats[1], C, HW, G, span, P, eps, BLOCK_CH=block_ch, BLOCK_HW=block_hw,
+        x, y, w, b, mean, rstd, C, HW, G, span, BLOCK_CH=block_ch, BLOCK_HW=block_hw,
         num_warps=warps(block_ch * block_hw), **flags)
     return y
 
@@ -308,7 +330,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     x, nhwc = _layout(x)
     with on_device(x):
         part, P = _partials(x, num_groups, nhwc)
-        return _apply(x, nhwc, num_groups, weight, bias, eps, silu, (part, part), P)
+        return _apply(x, nhwc, num_groups, weight, bias, silu, *_finalize(part, P, eps))
 
 
 def group_norm_stats(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -318,12 +340,15 @@ def group_norm_stats(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, to
     means are of the order of their spread; within one call the statistics are merged stably.
     """
     _check(x, num_groups, None, None)
+    if x.numel() == 0:
+        zeros = torch.zeros((x.shape[0], num_groups), device=x.device, dtype=torch.float32)
+        return zeros, zeros.clone(), zeros.clone()
     x, nhwc = _layout(x)
     with on_device(x):
         part, _ = _partials(x, num_groups, nhwc)
     cnt, mu, m2 = part.unbind(-1)
     total = cnt.sum(1)
-    mean = (cnt * mu).sum(1) / total
+    mean = mu[:, 0] + (cnt * (mu - mu[:, :1])).sum(1) / total
     m2_total = m2.sum(1) + (cnt * (mu - mean[:, None]) ** 2).sum(1)
     shape = (x.shape[0], num_groups)
     return (mean * total).view(shape), (m2_total + total * mean * mean).view(shape), total.view(shape)
@@ -348,9 +373,9 @@ def group_norm_apply(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, we
     if x.numel() == 0:
         return torch.empty_like(x)
     x, nhwc = _layout(x)
-    stats = (mean.to(x.device, torch.float32).contiguous(), rstd.to(x.device, torch.float32).contiguous())
     with on_device(x):
-        return _apply(x, nhwc, G, weight, bias, 0.0, silu, stats, 0)
+        return _apply(x, nhwc, G, weight, bias, silu, mean.to(x.device, torch.float32).contiguous(),
+                      rstd.to(x.device, torch.float32).contiguous())
 
 
 def group_norm_ref(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
@@ -384,17 +409,6 @@ def group_norm_apply_ref(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
     if silu:
         y = F.silu(y)
     return y.to(x.dtype).contiguous(memory_format=_format(x))
-
-
-def _format(x: torch.Tensor) -> torch.memory_format:
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
-
-
-def bytes_moved(x: torch.Tensor) -> int:
-    """Compulsory traffic of a GroupNorm: read x once, write y once."""
-    return 2 * x.numel() * x.element_size()
 
 
 __all__ = ["group_norm", "group_norm_stats", "mean_rstd", "group_norm_apply", "group_norm_ref",

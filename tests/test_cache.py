@@ -4,6 +4,7 @@ corruption and foreign entries are rebuilt with a reason, LRU eviction, uncached
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
@@ -119,7 +120,7 @@ def test_build_then_hit_with_manifest(tmp_path):
         cache.get_or_build("0" * 64, p, Writer())
 
 
-def test_two_processes_build_once_and_a_third_is_told_busy(tmp_path):
+def test_two_processes_build_once_and_a_third_is_told_busy(tmp_path, monkeypatch):
     root, log = tmp_path / "cache", tmp_path / "builds.log"
     first = worker("build", str(root), str(log), "2.5")
     deadline = time.time() + 30
@@ -129,7 +130,7 @@ def test_two_processes_build_once_and_a_third_is_told_busy(tmp_path):
     second = worker("build", str(root), str(log), "2.5")
 
     # Meanwhile this process does not wait: it is told another process is building.
-    sys.path.insert(0, str(WORKER.parent))
+    monkeypatch.syspath_prepend(str(WORKER.parent))
     from _cache_worker import PARTS
 
     t0 = time.perf_counter()
@@ -149,7 +150,7 @@ def test_two_processes_build_once_and_a_third_is_told_busy(tmp_path):
     assert [e.key for e in EngineCache(root).ls()] == [cache_key(PARTS)]
 
 
-def test_builder_killed_mid_write_leaves_nothing_loadable(tmp_path):
+def test_builder_killed_mid_write_leaves_nothing_loadable(tmp_path, monkeypatch):
     root, ready = tmp_path / "cache", tmp_path / "ready"
     proc = worker("killme", str(root), str(ready))
     deadline = time.time() + 30
@@ -160,7 +161,7 @@ def test_builder_killed_mid_write_leaves_nothing_loadable(tmp_path):
     proc.wait(timeout=30)
     proc.stdout.close(), proc.stderr.close()
 
-    sys.path.insert(0, str(WORKER.parent))
+    monkeypatch.syspath_prepend(str(WORKER.parent))
     from _cache_worker import CONTENT, PARTS
 
     key = cache_key(PARTS)
@@ -351,8 +352,6 @@ def test_cached_build_builds_loads_and_rebuilds_a_bad_artefact(tmp_path):
     f = r.path / "engine.bin"
     f.write_text("engine v2")
     man = json.loads((r.path / MANIFEST).read_text())
-    import hashlib
-
     man["files"]["engine.bin"]["sha256"] = hashlib.sha256(b"engine v2").hexdigest()
     (r.path / MANIFEST).write_text(json.dumps(man))
     eng, r = cached_build(EngineCache(tmp_path), p, build_artifact, load)
@@ -360,7 +359,7 @@ def test_cached_build_builds_loads_and_rebuilds_a_bad_artefact(tmp_path):
 
     # A freshly built artefact that does not load is the builder's fault: it raises.
     with pytest.raises(RuntimeError, match="deserialization"):
-        cached_build(EngineCache(tmp_path), parts(weights="f" * 64), lambda f, pr: (f / "e").write_text("bad"), load)
+        cached_build(EngineCache(tmp_path), parts(weights="f" * 64), lambda f, pr: (f / "engine.bin").write_text("bad"), load)
 
 
 # ------------------------------------------------------------------------------------------------ CLI

@@ -57,7 +57,7 @@ def supported_tensor(x: torch.Tensor, kernel: Callable) -> bool:
 def require(x: torch.Tensor, kernel: Callable, name: str) -> None:
     if triton is None:
         raise BackendUnavailable(f"{name}: Triton is not importable ({TRITON_ERROR}).",
-                                 "Install it (pip install triton; on ROCm the PyTorch wheel brings pytorch-triton-rocm) "
+                                 "Install it (pip install triton; on ROCm, PyTorch's wheel brings pytorch-triton-rocm) "
                                  "or use the torch reference.")
     if x.dtype not in DTYPES:
         raise BadInput(f"{name}: tensor dtype {x.dtype} is not supported.", "Pass float16, bfloat16 or float32.")

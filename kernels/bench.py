@@ -1,0 +1,149 @@
+"""Micro-benchmark: each Triton kernel against the torch ops it replaces, on Stable Diffusion shapes.
+
+Reports median ms, achieved GB/s over the compulsory traffic (every input read once, every output written once; the
+same byte count for both sides, so the GB/s compare like the ms do), and the device's copy bandwidth (a large
+x.clone(), timed the same way) to show how close each side gets to what the memory can do.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from accel.errors import BackendUnavailable
+
+from . import geglu as gg
+from . import groupnorm as gn
+from . import layernorm as ln
+
+COPY_BYTES = 1 << 30
+
+
+@dataclass
+class Case:
+    kernel: str
+    name: str
+    shape: tuple[int, ...]
+    triton: Callable[[], object]
+    torch: Callable[[], object]
+    bytes: int
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def wall(fn: Callable[[], object], reps: int = 3) -> float:
+        # CPU (Triton's interpreter): a smoke run, not a measurement.
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    return wall
+
+
+def _rand(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=device).to(dtype)
+
+
+def _group_norm_case(name: str, shape: tuple[int, ...], nhwc: bool, device: torch.device, dtype: torch.dtype,
+                     eps: float) -> Case:
+    x = _rand(shape, device, dtype, 0)
+    if nhwc:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = _rand(shape[1:2], device, dtype, 1), _rand(shape[1:2], device, dtype, 2)
+    return Case("group_norm+silu", f"{name} {'NHWC' if nhwc else 'NCHW'}", shape,
+                lambda: gn.group_norm(x, 32, w, b, eps, silu=True),
+                lambda: gn.group_norm_ref(x, 32, w, b, eps, silu=True), 2 * x.numel() * x.element_size())
+
+
+def _geglu_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
+    h, b = _rand(shape, device, dtype, 0), _rand(shape[-1:], device, dtype, 1)
+    return Case("geglu+bias", name, shape, lambda: gg.geglu(h, b), lambda: gg.geglu_ref(h, b),
+                h.numel() * h.element_size() * 3 // 2)
+
+
+def _layer_norm_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
+    x, r = _rand(shape, device, dtype, 0), _rand(shape, device, dtype, 1)
+    w, b = _rand(shape[-1:], device, dtype, 2), _rand(shape[-1:], device, dtype, 3)
+    return Case("skip_layer_norm", name, shape, lambda: ln.layer_norm(x, w, b, residual=r),
+                lambda: ln.layer_norm_ref(x, w, b, residual=r), 4 * x.numel() * x.element_size())
+
+
+def _bias_residual_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
+    x, r, b = _rand(shape, device, dtype, 0), _rand(shape, device, dtype, 1), _rand(shape[-1:], device, dtype, 2)
+    return Case("add_bias_residual", name, shape, lambda: ln.add_bias_residual(x, b, r),
+                lambda: ln.add_bias_residual_ref(x, b, r), 3 * x.numel() * x.element_size())
+
+
+def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
+    """The shapes: SD1.5 / SDXL UNet at batch 2 (classifier-free guidance) and the SD VAE decoder at batch 1."""
+    if tiny:
+        return [_group_norm_case("tiny", (1, 64, 8, 8), True, device, dtype, 1e-5),
+                _group_norm_case("tiny", (1, 64, 8, 8), False, device, dtype, 1e-5),
+                _geglu_case("tiny", (1, 16, 128), device, dtype),
+                _layer_norm_case("tiny", (1, 16, 64), device, dtype),
+                _bias_residual_case("tiny", (1, 16, 64), device, dtype)]
+    out = []
+    for name, shape, eps in [("sd15 unet 64x64", (2, 320, 64, 64), 1e-5), ("sd15 unet 32x32", (2, 640, 32, 32), 1e-5),
+                             ("sd15 unet 8x8", (2, 1280, 8, 8), 1e-5), ("sdxl unet 128x128", (2, 320, 128, 128), 1e-5),
+                             ("sdxl unet 32x32 up", (2, 2560, 32, 32), 1e-5),
+                             ("vae 1024px 256x256", (1, 512, 256, 256), 1e-6),
+                             ("vae 1024px 1024x1024", (1, 128, 1024, 1024), 1e-6)]:
+        out.append(_group_norm_case(name, shape, True, device, dtype, eps))
+    out.append(_group_norm_case("sd15 unet 64x64", (2, 320, 64, 64), False, device, dtype, 1e-5))
+    out.append(_group_norm_case("vae 1024px 1024x1024", (1, 128, 1024, 1024), False, device, dtype, 1e-6))
+    for name, shape in [("sd15 64x64 C=320", (2, 4096, 2560)), ("sdxl 64x64 C=640", (2, 4096, 5120)),
+                        ("sdxl 32x32 C=1280", (2, 1024, 10240))]:
+        out.append(_geglu_case(name, shape, device, dtype))
+    for name, shape in [("sd15 64x64", (2, 4096, 320)), ("sdxl 64x64", (2, 4096, 640)),
+                        ("sdxl 32x32", (2, 1024, 1280))]:
+        out.append(_layer_norm_case(name, shape, device, dtype))
+        out.append(_bias_residual_case(name, shape, device, dtype))
+    return out
+
+
+def _max_rel_err(a: object, b: object) -> float:
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    return max(((p.float() - q.float()).abs().max() / q.float().abs().max().clamp_min(1e-12)).item()
+               for p, q in zip(a, b))
+
+
+def _copy_gbps(device: torch.device, timer: Callable[[Callable[[], object]], float], nbytes: int) -> float:
+    """The device's copy bandwidth, read plus write, the yardstick for a memory-bound kernel."""
+    src = torch.empty(nbytes // 2, device=device, dtype=torch.float16)
+    return 2 * nbytes / timer(src.clone) / 1e6
+
+
+def bench_kernels(device: str = "cuda", tiny: bool = False, dtype: torch.dtype = torch.float16) -> list[dict]:
+    """Time every case; one dict per case. On a CPU (TRITON_INTERPRET=1) only a smoke run with tiny shapes."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable("bench --kernels needs a CUDA or ROCm GPU, and torch sees none.",
+                                 "Run it on a GPU machine (for a CPU smoke run: TRITON_INTERPRET=1 and "
+                                 "bench_kernels('cpu', tiny=True)).")
+    timer = _timer(dev)
+    copy_gbps = _copy_gbps(dev, timer, (8 << 20) if tiny else COPY_BYTES)
+    rows = []
+    for case in cases(dev, dtype, tiny):
+        err = _max_rel_err(case.triton(), case.torch())
+        t_ms, r_ms = timer(case.triton), timer(case.torch)
+        t_gbps, r_gbps = case.bytes / t_ms / 1e6, case.bytes / r_ms / 1e6
+        rows.append({"kernel": case.kernel, "case": case.name, "shape": list(case.shape), "dtype": str(dtype),
+                     "triton_ms": round(t_ms, 4), "torch_ms": round(r_ms, 4), "speedup": round(r_ms / t_ms, 2),
+                     "triton_gbps": round(t_gbps, 1), "torch_gbps": round(r_gbps, 1),
+                     "copy_gbps": round(copy_gbps, 1), "triton_of_copy": round(t_gbps / copy_gbps, 3),
+                     "torch_of_copy": round(r_gbps / copy_gbps, 3), "max_rel_err": float(f"{err:.3g}")})
+    return rows

@@ -1,0 +1,238 @@
+"""Triton kernels against their torch references.
+
+Without a GPU they run on the CPU through Triton's interpreter, which Triton chooses when it is first imported:
+tests/conftest.py sets TRITON_INTERPRET=1 before anything imports it (and so does this module, run on its own).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from accel.errors import BadInput  # noqa: E402
+from kernels import common  # noqa: E402
+from kernels import geglu as gg  # noqa: E402
+from kernels import groupnorm as gn  # noqa: E402
+from kernels import layernorm as ln  # noqa: E402
+
+if not gn.supported(torch.zeros(1, 8, 1, 1, device=DEVICE)):
+    pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set, so it cannot run on the CPU in this process; "
+                "tests/conftest.py sets it first: run pytest from the repository root.", allow_module_level=True)
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       # The interpreter rounds fp32 -> bf16 by truncation (1 ulp, 2**-7), the GPU to nearest even.
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + offset).to(DEVICE, dtype)
+
+
+def _close(actual, expected, dtype):
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype])
+
+
+# ---- GroupNorm ----
+
+GN_CASES = [
+    # (shape, groups, channels_last, silu, dtype): SD UNet block (C=320, 16x16, batch 2), then odd shapes.
+    ((2, 320, 16, 16), 32, True, True, torch.float32),
+    ((2, 320, 16, 16), 32, False, False, torch.float32),
+    ((2, 320, 16, 16), 32, True, True, torch.float16),
+    ((2, 320, 16, 16), 32, True, False, torch.bfloat16),
+    ((1, 96, 3, 5), 8, False, True, torch.float32),
+    ((3, 40, 3, 5), 8, True, False, torch.float32),
+    ((3, 40, 3, 5), 8, False, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("shape,groups,channels_last,silu,dtype", GN_CASES)
+def test_group_norm_matches_torch(shape, groups, channels_last, silu, dtype):
+    x = _randn(*shape, dtype=dtype, scale=2.0, offset=0.5)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = _randn(shape[1], dtype=dtype, seed=1), _randn(shape[1], dtype=dtype, seed=2)
+    y = gn.group_norm(x, groups, w, b, eps=1e-5, silu=silu)
+    ref = gn.group_norm_ref(x.float(), groups, w.float(), b.float(), eps=1e-5, silu=silu)
+    assert y.dtype == dtype and y.shape == x.shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert y.is_contiguous(memory_format=fmt)
+    _close(y, ref, dtype)
+
+
+def test_group_norm_without_affine():
+    x = _randn(2, 64, 4, 4).to(memory_format=torch.channels_last)
+    _close(gn.group_norm(x, 32, None, None), F.group_norm(x, 32), torch.float32)
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_group_norm_split_reduction_is_stable(monkeypatch, channels_last):
+    # Small tiles and chunks force many partials per group and many steps per program: the path a 4096 px VAE
+    # decode takes. With a mean of 1000 and unit spread, fp32 sums of squares would lose the variance entirely.
+    monkeypatch.setattr(common, "TILE", 256)
+    monkeypatch.setattr(common, "INTERPRET_TILE", 256)
+    monkeypatch.setattr(gn, "MIN_CHUNK", 64)
+    monkeypatch.setattr(gn, "INTERPRET_PROGRAMS", 16)
+    monkeypatch.setattr(gn, "FINALIZE_BLOCK", 1)
+    x = _randn(1, 64, 16, 16, offset=1000.0)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    _, partials = gn._partials(x, 8, channels_last)
+    assert partials > 1
+    w, b = _randn(64, seed=1), _randn(64, seed=2)
+    ref = F.group_norm(x.double(), 8, w.double(), b.double(), eps=1e-5)
+    torch.testing.assert_close(gn.group_norm(x, 8, w, b).double(), ref, rtol=0, atol=2e-3)
+
+
+def test_group_norm_stats_over_tiles_match_untiled():
+    # The tiled VAE: statistics summed over tiles, then each tile normalized with them, equals the whole image.
+    x = _randn(2, 64, 12, 10, offset=3.0).to(memory_format=torch.channels_last)
+    w, b = _randn(64, seed=1), _randn(64, seed=2)
+    tiles = [x[:, :, :5], x[:, :, 5:]]  # a view of a channels_last tensor: neither layout, copied by the kernel
+    stats = [gn.group_norm_stats(t, 32) for t in tiles]
+    for t, (s, sq, n) in zip(tiles, stats):
+        for got, want in zip((s, sq, n), gn.group_norm_stats_ref(t, 32)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+    total, total_sq, count = (sum(parts) for parts in zip(*stats))
+    mean, rstd = gn.mean_rstd(total, total_sq, count, eps=1e-5)
+    out = torch.cat([gn.group_norm_apply(t, mean, rstd, w, b, silu=True) for t in tiles], dim=2)
+    ref = gn.group_norm_ref(x, 32, w, b, eps=1e-5, silu=True)
+    _close(out, ref, torch.float32)
+    _close(gn.group_norm_apply(x, mean, rstd, w, b, silu=True), gn.group_norm_apply_ref(x, mean, rstd, w, b, silu=True),
+           torch.float32)
+
+
+def test_group_norm_errors_say_what_to_do():
+    x = _randn(1, 40, 2, 2)
+    with pytest.raises(BadInput, match="cannot be split into 6 groups.*divides the channel count"):
+        gn.group_norm(x, 6, None, None)
+    with pytest.raises(BadInput, match="weight has 8 elements"):
+        gn.group_norm(x, 8, _randn(8), None)
+    with pytest.raises(BadInput, match="float16, bfloat16 or float32"):
+        gn.group_norm(x.double(), 8, None, None)
+    with pytest.raises(BadInput, match=r"must both be \(N, G\)"):
+        gn.group_norm_apply(x, torch.zeros(1, 8), torch.ones(8))
+
+
+def test_supported_says_where_kernels_run():
+    assert gn.supported(_randn(1, 8, 2, 2)) and gg.supported(_randn(4, 8)) and ln.supported(_randn(4, 8))
+    assert not gn.supported(_randn(1, 8, 2, 2).double())
+    assert not gn.supported(torch.empty(1, 8, 2, 2, device="meta"))
+    assert not ln.supported(_randn(1, ln.MAX_C + 1))
+
+
+# ---- GEGLU ----
+
+@pytest.mark.parametrize("shape,bias,dtype", [
+    ((2, 64, 2 * 1280), True, torch.float32),   # SD1.5 first level (C=320, D=4*C), 64 tokens
+    ((2, 64, 2 * 1280), False, torch.float32),
+    ((2, 64, 2 * 1280), True, torch.float16),
+    ((2, 64, 2 * 1280), True, torch.bfloat16),
+    ((3, 5, 14), True, torch.float32),          # odd: D=7, 15 rows
+])
+def test_geglu_matches_torch(shape, bias, dtype):
+    h = _randn(*shape, dtype=dtype, scale=2.0)
+    b = _randn(shape[-1], dtype=dtype, seed=1) if bias else None
+    y = gg.geglu(h, b)
+    assert y.shape == shape[:-1] + (shape[-1] // 2,) and y.dtype == dtype
+    _close(y, gg.geglu_ref(h.float(), b.float() if bias else None), dtype)
+
+
+def test_geglu_is_diffusers_geglu():
+    from diffusers.models.activations import GEGLU
+
+    torch.manual_seed(0)
+    mod = GEGLU(32, 48).to(DEVICE)
+    x = _randn(2, 7, 32)
+    with torch.no_grad():
+        h = F.linear(x, mod.proj.weight)
+        _close(gg.geglu(h, mod.proj.bias), mod(x), torch.float32)
+
+
+def test_geglu_rejects_odd_last_dim():
+    with pytest.raises(BadInput, match="must be even"):
+        gg.geglu(_randn(2, 7))
+
+
+# ---- LayerNorm, SkipLayerNorm, BiasAdd ----
+
+@pytest.mark.parametrize("shape,affine,dtype", [
+    ((2, 64, 320), True, torch.float32),
+    ((2, 64, 320), True, torch.float16),
+    ((2, 64, 320), True, torch.bfloat16),
+    ((3, 5, 40), False, torch.float32),
+    ((2, 3, 2560), True, torch.float32),
+])
+def test_layer_norm_matches_torch(shape, affine, dtype):
+    x = _randn(*shape, dtype=dtype, offset=4.0)
+    r = _randn(*shape, dtype=dtype, seed=3)
+    w = _randn(shape[-1], dtype=dtype, seed=1) if affine else None
+    b = _randn(shape[-1], dtype=dtype, seed=2) if affine else None
+    wf, bf = (w.float(), b.float()) if affine else (None, None)
+    _close(ln.layer_norm(x, w, b, eps=1e-5), F.layer_norm(x.float(), shape[-1:], wf, bf, 1e-5), dtype)
+    y, s = ln.layer_norm(x, w, b, eps=1e-5, residual=r)
+    if dtype != torch.bfloat16:  # the sum is rounded once, like torch's add (bf16: see TOL)
+        assert torch.equal(s, x + r)
+    _close(s, x.float() + r.float(), dtype)
+    _close(y, F.layer_norm(s.float(), shape[-1:], wf, bf, 1e-5), dtype)
+
+
+def test_layer_norm_large_offset():
+    x = _randn(4, 320, offset=1000.0)
+    torch.testing.assert_close(ln.layer_norm(x, None, None).double(), F.layer_norm(x.double(), (320,)),
+                               rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 64, 320), torch.float32), ((3, 5, 1300), torch.float16)])
+def test_add_bias_residual(shape, dtype):
+    x, r, b = _randn(*shape, dtype=dtype), _randn(*shape, dtype=dtype, seed=1), _randn(shape[-1], dtype=dtype, seed=2)
+    _close(ln.add_bias_residual(x, b, r), x.float() + b.float() + r.float(), dtype)
+
+
+def test_layer_norm_errors_say_what_to_do():
+    x = _randn(2, 8)
+    with pytest.raises(BadInput, match="does not match x"):
+        ln.layer_norm(x, None, None, residual=_randn(2, 4))
+    with pytest.raises(BadInput, match="layer_norm_ref"):
+        ln.layer_norm(_randn(1, ln.MAX_C + 1), None, None)
+
+
+# ---- bench, and running without Triton ----
+
+def test_bench_smoke():
+    from kernels.bench import bench_kernels
+
+    rows = bench_kernels(device=DEVICE, tiny=True)
+    assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "skip_layer_norm", "add_bias_residual"}
+    for r in rows:
+        assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["copy_gbps"] > 0
+        assert r["max_rel_err"] < 5e-3, r
+
+
+def test_kernels_import_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from kernels import groupnorm\n"
+        "from accel.errors import BackendUnavailable\n"
+        "assert not groupnorm.supported(torch.zeros(1, 8, 2, 2))\n"
+        "try:\n"
+        "    groupnorm.group_norm(torch.zeros(1, 8, 2, 2), 4)\n"
+        "except BackendUnavailable as e:\n"
+        "    assert 'pip install triton' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('no error')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -1,0 +1,126 @@
+"""Tiled against untiled VAE decode: time, peak memory above the weights, and PSNR against the untiled image.
+
+The SD VAE is built from its published config with seeded random weights (nothing is downloaded). One size also
+compares `decode` and `naive_tiled_decode` (per-tile GroupNorm, what ComfyUI's VAEDecodeTiled does) at the same tile
+and overlap, by PSNR against the untiled decode.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+from .configs import build_vae
+from .errors import BackendUnavailable
+from .vae_tiled import _OOM, decode, naive_tiled_decode, tile_plan
+
+SIZES = (512, 1024, 2048, 4096, 8192)
+TINY_SIZES = (64, 128, 256)
+PSNR_SIZE = 2048
+SEED = 0
+
+
+def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """PSNR in dB of x against ref, taking ref's value range as the peak (random-weight VAEs leave [-1, 1])."""
+    x, ref = x.float(), ref.float()
+    mse = float(((x - ref) ** 2).mean())
+    peak = float(ref.max() - ref.min())
+    return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(fn: Callable[[], torch.Tensor], device: torch.device,
+             runs: int | None) -> tuple[float, float | None, torch.Tensor, list[str]]:
+    """(median ms of `runs` runs, peak GB above what was allocated before, last output, warnings) after a warm-up.
+
+    runs=None: 3, or 1 where a run takes seconds. Raises the out-of-memory error when the decode does not fit.
+    """
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        first = time.perf_counter() - t0
+        runs = runs or (1 if first > 5 else 3)
+        times = []
+        for _ in range(runs):
+            out = None
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                out = fn()
+                times.append(1000 * (time.perf_counter() - t0))
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 1e9 if cuda else None
+    notes = sorted({str(w.message) for w in caught})
+    return statistics.median(times), peak, out, notes
+
+
+def bench_vae(device: str = "cuda", sizes: tuple[int, ...] | None = None, tiny: bool = False,
+              runs: int | None = None) -> list[dict]:
+    """One row per image size: untiled and tiled decode time (ms) and peak memory above the weights (GB).
+
+    Full run: the SD VAE in fp16 on `device` at 512..8192 px, the tile chosen from free memory; sizes that do not
+    fit read "OOM". tiny=True: the tiny VAE in fp32 on the CPU at small sizes, in 4x4 tiles (no peak memory there).
+    At 2048 px (or the largest size) the row also holds the PSNR against the untiled decode of `decode` and of
+    `naive_tiled_decode` at the same tile and overlap. runs: timed runs per figure (None: 3, 1 for slow ones).
+    """
+    if tiny:
+        dev, dtype, sizes = torch.device("cpu"), torch.float32, sizes or TINY_SIZES
+    else:
+        dev, dtype, sizes = torch.device(device), torch.float16, sizes or SIZES
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable("the VAE benchmark needs a CUDA GPU and none is visible.",
+                                     "Run it on a GPU machine, or pass --tiny for the CPU version.")
+    vae = build_vae("tiny" if tiny else "sd", seed=SEED, device=dev, dtype=dtype)
+    scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    psnr_size = PSNR_SIZE if PSNR_SIZE in sizes else max(sizes)
+    rows = []
+    for size in sizes:
+        g = torch.Generator().manual_seed(SEED)
+        z = torch.randn(1, vae.config.latent_channels, size // scale, size // scale, generator=g).to(dev, dtype)
+        tile = max(scale, size // 4) if tiny else None
+        plan = tile_plan(vae, z, tile=tile)
+        row = dict(size=size, dtype=str(dtype).replace("torch.", ""), device=str(dev), untiled_ms=None,
+                   untiled_peak_gb=None, tiled_ms=None, tiled_peak_gb=None, tile=plan.tile,
+                   grid=f"{plan.grid[0]}x{plan.grid[1]}", store=plan.store, compare_tile=None,
+                   psnr_tiled_db=None, psnr_naive_db=None, notes="")
+        ref = None
+        try:
+            row["untiled_ms"], row["untiled_peak_gb"], ref, _ = _measure(lambda: vae.decode(z).sample, dev, runs)
+        except _OOM:
+            row["untiled_ms"] = row["untiled_peak_gb"] = "OOM"
+        try:
+            row["tiled_ms"], row["tiled_peak_gb"], _, notes = _measure(lambda: decode(vae, z, tile=tile), dev, runs)
+            row["notes"] = "; ".join(notes)
+        except _OOM:
+            row["tiled_ms"] = row["tiled_peak_gb"] = "OOM"
+        if size == psnr_size and ref is not None:
+            # ComfyUI's defaults, 512 px tiles with 64 px overlap, at 2048 px; the same proportions elsewhere.
+            side = max(scale * 2, size // 4 // scale * scale)
+            overlap = max(scale, side // 8 // scale * scale)
+            row["compare_tile"] = f"{side}/{overlap}"
+            row["psnr_tiled_db"] = psnr(decode(vae, z, tile=side, overlap=overlap), ref)
+            row["psnr_naive_db"] = psnr(naive_tiled_decode(vae, z, tile=side, overlap=overlap), ref)
+        del ref
+        rows.append(row)
+    return rows

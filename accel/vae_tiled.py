@@ -551,6 +551,9 @@ def tile_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s, q * q
 
 
+_BN_EPS = 1e-12
+
+
 def norm_params(mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 channels: int) -> tuple[torch.Tensor, ...]:
     """Per-(N*C) mean, variance, weight and bias (fp32) that `norm_apply` takes, from per-(N, G) mean and rstd.
@@ -560,7 +563,8 @@ def norm_params(mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | N
     """
     n, per = mean.shape[0], channels // mean.shape[1]
     mean_c = mean.float().repeat_interleave(per, dim=1).reshape(-1)
-    var_c = rstd.float().pow(-2).repeat_interleave(per, dim=1).reshape(-1)
+    # batch_norm adds an eps of its own and refuses 0 on CUDA: hand it var + norm eps less that tiny one.
+    var_c = (rstd.float().pow(-2) - _BN_EPS).repeat_interleave(per, dim=1).reshape(-1)
     wt = None if weight is None else weight.float().repeat(n)
     bs = None if bias is None else bias.float().repeat(n)
     return mean_c, var_c, wt, bs
@@ -574,7 +578,7 @@ def norm_apply(x: torch.Tensor, params: tuple[torch.Tensor, ...], silu: bool) ->
     """
     n, c, h, w = x.shape
     mean_c, var_c, wt, bs = params
-    y = F.batch_norm(x.reshape(1, n * c, h, w), mean_c, var_c, wt, bs, False, 0.0, 0.0).view(n, c, h, w)
+    y = F.batch_norm(x.reshape(1, n * c, h, w), mean_c, var_c, wt, bs, False, 0.0, _BN_EPS).view(n, c, h, w)
     return F.silu(y, inplace=True) if silu else y
 
 

@@ -1,0 +1,631 @@
+"""ONNX export of a canonical UNet and its ONNX Runtime transformer optimization (fusions, then fp16).
+
+Export goes through the canonical signature `(x, timesteps, context[, y][, control residuals])` with dynamic
+batch, height, width and tokens, in fp32, by the TorchScript exporter (`dynamo=False`): ONNX Runtime's UNet
+fusions are written against the graphs it produces. What the exported model needs to be served (which inputs
+it has, the latent size multiple) is written into the model's metadata, so a cached file is self-describing.
+
+Attention is exported in the "classic" form (batched matmul, softmax, batched matmul over heads folded into the
+batch), the one `fusion_attention_unet` recognises: with diffusers' SDPA processor that fusion crashes, with
+`AttnProcessor` every fusion applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .errors import BackendUnavailable
+from .progress import NullProgress, Progress
+from .unet import CanonicalUNet
+
+OPSET = 17
+# protobuf refuses to serialise a message over 2 GiB; above this the weights go to one external data file.
+PROTOBUF_LIMIT = 2**31 - 1
+# fp16 conversion clamps to what fp16 holds; the weight map repeats the same conversion, so both must agree.
+FP16_MIN_POSITIVE, FP16_MAX = 5.96e-08, 65504.0
+META = "sd_accel."
+
+# Operators the ORT UNet fusions produce, counted after optimization.
+FUSED_OPS = ("MultiHeadAttention", "Attention", "GroupNorm", "SkipGroupNorm", "BiasSplitGelu", "BiasAdd",
+             "LayerNormalization", "SkipLayerNormalization", "NhwcConv", "Gelu")
+
+# Which fusions each execution provider can run. The contrib operators NhwcConv, GroupNorm, SkipGroupNorm,
+# BiasSplitGelu and BiasAdd have CUDA (and ROCm) kernels only; the CPU provider runs Attention,
+# MultiHeadAttention with separate Q/K/V, (Skip)LayerNormalization and Gelu. "dml" is Olive's DirectML recipe
+# for SD UNets (examples/directml/stable_diffusion/config_unet.json), with SkipGroupNorm (newer than that recipe)
+# left out. MIGraphX compiles the graph itself and rejects most com.microsoft operators: no fusions.
+_ALL_SD = ("enable_nhwc_conv", "enable_group_norm", "enable_skip_group_norm", "enable_bias_splitgelu",
+           "enable_packed_qkv", "enable_packed_kv", "enable_bias_add")
+FUSION_PROFILES: dict[str, dict[str, bool]] = {
+    "cuda": {},
+    "cpu": {k: False for k in _ALL_SD},
+    "dml": {"enable_nhwc_conv": False, "enable_bias_splitgelu": False, "enable_bias_add": False,
+            "enable_skip_group_norm": False, "enable_skip_layer_norm": False, "enable_bias_skip_layer_norm": False,
+            "enable_qordered_matmul": False},
+    "migraphx": {k: False for k in _ALL_SD + ("enable_attention", "enable_skip_layer_norm", "enable_layer_norm",
+                                               "enable_bias_skip_layer_norm", "enable_gelu", "enable_bias_gelu")},
+}
+
+
+@dataclass(frozen=True)
+class OnnxUNetInfo:
+    """What an exported UNet takes, read back from its file."""
+
+    inputs: tuple[str, ...]
+    in_channels: int
+    out_channels: int
+    size_multiple: int  # latent height and width must be multiples of this
+    control_outputs: int  # number of ControlNet skip residuals taken (0: exported without control)
+    control_middle: bool
+    float16: bool  # x, context, y and the output are fp16 (timesteps stay fp32)
+
+    @property
+    def has_y(self) -> bool:
+        return "y" in self.inputs
+
+    @property
+    def has_control(self) -> bool:
+        return self.control_outputs > 0 or self.control_middle
+
+
+def control_input_names(outputs: int, middle: bool) -> list[str]:
+    return [f"control_out_{i}" for i in range(outputs)] + (["control_mid"] if middle else [])
+
+
+def size_multiple(unet: CanonicalUNet) -> int:
+    """The factor latents must divide by: 2 ** the number of downsampling stages. Off the multiple, the traced
+    upsamplers (which scale by 2 rather than to the skip's size) would not line up with the skips."""
+    m = unet.unet
+    if unet.spec.form == "diffusers":
+        stages = sum(1 for b in m.down_blocks if getattr(b, "downsamplers", None))
+    else:
+        stages = sum(1 for s in m.input_blocks.modules() if type(s).__name__ == "Downsample")
+    return 2**stages
+
+
+def control_shapes(unet: CanonicalUNet, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+                   y: torch.Tensor | None = None) -> tuple[list[torch.Size], torch.Size]:
+    """Shapes of the ControlNet residuals for these inputs: one per skip connection (in the order of
+    `control["output"]`) and the middle block's, read off a forward pass."""
+    m = unet.unet
+    skips: list[torch.Size] = []
+    mid: list[torch.Size] = []
+    if unet.spec.form == "diffusers":
+        hooks = [m.conv_in.register_forward_hook(lambda mod, a, o: skips.append(o.shape))]
+        hooks += [b.register_forward_hook(lambda mod, a, o: skips.extend(s.shape for s in o[1])) for b in m.down_blocks]
+        hooks.append(m.mid_block.register_forward_hook(lambda mod, a, o: mid.append(o.shape)))
+    else:
+        hooks = [b.register_forward_hook(lambda mod, a, o: skips.append(o.shape)) for b in m.input_blocks]
+        hooks.append(m.middle_block.register_forward_hook(lambda mod, a, o: mid.append(o.shape)))
+    try:
+        with torch.inference_mode():
+            unet(x, timesteps, context, y)
+    finally:
+        for h in hooks:
+            h.remove()
+    return skips, mid[0]
+
+
+def _math_sdpa(original):
+    """scaled_dot_product_attention written the way diffusers' AttnProcessor computes it, heads folded into the
+    batch, so that the exported graph has the pattern ORT's attention fusion matches."""
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if attn_mask is not None or is_causal or dropout_p or kwargs or query.dim() != 4:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, **kwargs)
+        b, h, sq, d = query.shape
+        # A Python number, not a traced shape expression: the fusion reads the scaling as a constant.
+        scale = float(int(d)) ** -0.5 if scale is None else scale
+        q = query.reshape(b * h, sq, d)
+        k = key.reshape(b * h, key.shape[2], d)
+        v = value.reshape(b * h, value.shape[2], value.shape[3])
+        empty = torch.empty(b * h, sq, k.shape[1], dtype=q.dtype, device=q.device)
+        probs = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0, alpha=scale).softmax(dim=-1)
+        return torch.bmm(probs, v).reshape(b, h, sq, v.shape[-1])
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def classic_attention(unet: CanonicalUNet) -> Iterator[None]:
+    """Attention in the classic form while exporting; the module's own processors are put back afterwards.
+
+    diffusers: every processor is swapped for `AttnProcessor`. ldm (ComfyUI, A1111): their attention calls
+    `torch.nn.functional.scaled_dot_product_attention`, which is replaced for the duration of the export."""
+    m = unet.unet
+    if unet.spec.form == "diffusers" and hasattr(m, "set_attn_processor"):
+        from diffusers.models.attention_processor import AttnProcessor
+
+        original = dict(m.attn_processors)
+        m.set_attn_processor(AttnProcessor())
+        try:
+            yield
+        finally:
+            m.set_attn_processor(original)
+        return
+    F = torch.nn.functional
+    original_sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _math_sdpa(original_sdpa)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original_sdpa
+
+
+@contextlib.contextmanager
+def float32_weights(module: nn.Module) -> Iterator[None]:
+    """The module in fp32 while exporting (the fusions and the fp16 pass expect an fp32 graph). Each tensor gets
+    its own dtype back afterwards; fp16/bf16 -> fp32 -> fp16/bf16 is exact."""
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+    dtypes = [t.dtype for t in tensors]
+    if all(d == torch.float32 for d in dtypes):
+        yield
+        return
+    for t in tensors:
+        t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, d in zip(tensors, dtypes):
+            t.data = t.data.to(d)
+
+
+class _ExportForm(nn.Module):
+    """The canonical call with flat tensor arguments, as torch.onnx.export wants them."""
+
+    def __init__(self, unet: CanonicalUNet, has_y: bool, control_outputs: int, control_middle: bool) -> None:
+        super().__init__()
+        self.unet = unet
+        self.has_y, self.control_outputs, self.control_middle = has_y, control_outputs, control_middle
+
+    def forward(self, x, timesteps, context, *rest):
+        y = rest[0] if self.has_y else None
+        ctrl = list(rest[1:] if self.has_y else rest)
+        control = None
+        if ctrl:
+            control = {"output": ctrl[:self.control_outputs],
+                       "middle": ctrl[self.control_outputs:] if self.control_middle else []}
+        return self.unet(x, timesteps, context, y, control)
+
+
+def _external_bytes(model) -> int:
+    return sum(len(t.raw_data) for t in model.graph.initializer)
+
+
+def save_model(model, path: Path, external: bool | None = None) -> Path:
+    """Save an ONNX model; above the 2 GB protobuf limit (or when `external` is True) its weights go to one
+    file beside it, `<name>.data`."""
+    import onnx
+
+    path = Path(path)
+    if external is None:
+        external = _external_bytes(model) >= PROTOBUF_LIMIT - 64 * 2**20  # headroom for the graph itself
+    data = path.with_name(path.name + ".data")
+    for stale in (path, data):
+        if stale.exists():
+            stale.unlink()
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+    return path
+
+
+def _constant_head_reshapes(model) -> int:
+    """Give the head-splitting Reshapes of the attention a constant shape [0, -1, heads, head_dim].
+
+    ldm attention splits heads with `view(b, -1, heads, dim // heads)`, exported as a shape computed at run time;
+    ORT's attention fusion reads the number of heads off a constant shape (what diffusers' reshape folds into)
+    and leaves the attention unfused otherwise. 0 copies the batch, so the result is the same tensor."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    producer = {o: n for n in model.graph.node for o in n.output}
+    weights = {i.name: i for i in model.graph.initializer}
+
+    def constant(name: str):
+        n = producer.get(name)
+        if n is not None and n.op_type == "Constant" and n.attribute:
+            return numpy_helper.to_array(n.attribute[0].t)
+        return numpy_helper.to_array(weights[name]) if name in weights else None
+
+    changed = 0
+    for r in model.graph.node:
+        if r.op_type != "Reshape":
+            continue
+        data, shape = producer.get(r.input[0]), producer.get(r.input[1])
+        if data is None or shape is None or data.op_type != "MatMul" or shape.op_type != "Concat" \
+                or len(shape.input) != 4 or data.input[1] not in weights:
+            continue
+        w, heads = weights[data.input[1]], constant(shape.input[2])
+        if len(w.dims) != 2 or heads is None or heads.size != 1 or int(heads.item()) <= 0 \
+                or w.dims[1] % int(heads.item()):
+            continue
+        h = int(heads.item())
+        name = f"{r.name}/heads_shape"
+        model.graph.initializer.append(numpy_helper.from_array(np.array([0, -1, h, w.dims[1] // h], np.int64), name))
+        r.input[1] = name
+        changed += 1
+    return changed
+
+
+def _set_metadata(model, values: dict[str, Any]) -> None:
+    keep = [p for p in model.metadata_props if not p.key.startswith(META)]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    for k, v in values.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = META + k, str(v)
+
+
+def export_onnx(unet: CanonicalUNet, folder: Path, opset: int = OPSET, control: bool = False,
+                progress: Progress | None = None, name: str = "unet.onnx") -> Path:
+    """Export `unet` to `folder/name` (fp32, dynamic batch/height/width/tokens) and return the path.
+
+    control: add the ControlNet residuals as inputs (`control_out_<i>` per skip connection, `control_mid`); a
+    caller without ControlNet feeds zeros. The module is left as it was: attention processors and dtypes are
+    restored even when the export fails."""
+    import onnx
+
+    progress = progress or NullProgress()
+    progress.stage("export", total=1)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = unet.spec
+    multiple = size_multiple(unet)
+    device = unet.device
+    side = 2 * multiple
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, spec.in_channels, side, side, generator=g).to(device)
+    t = torch.full((2,), 500.0, device=device)
+    context = torch.randn(2, 77, spec.context_dim, generator=g).to(device)
+    y = torch.randn(2, spec.adm_channels, generator=g).to(device) if spec.adm_channels else None
+
+    names = ["x", "timesteps", "context"] + (["y"] if y is not None else [])
+    args: list[torch.Tensor] = [x, t, context] + ([y] if y is not None else [])
+    axes: dict[str, dict[int, str]] = {"x": {0: "batch", 2: "height", 3: "width"}, "timesteps": {0: "batch"},
+                                       "context": {0: "batch", 1: "tokens"}, "y": {0: "batch"},
+                                       "eps": {0: "batch", 2: "height", 3: "width"}}
+    tmp = folder / (name + ".export")
+    with float32_weights(unet.unet), classic_attention(unet):
+        outputs, middle = 0, False
+        factors: dict[str, int] = {}
+        if control:
+            skips, mid = control_shapes(unet, x, t, context, y)
+            outputs, middle = len(skips), True
+            for cname, shape in zip(control_input_names(outputs, middle), skips + [mid]):
+                names.append(cname)
+                args.append(torch.zeros(shape, device=device))
+                axes[cname] = {0: "batch", 2: f"{cname}_height", 3: f"{cname}_width"}
+                factors[f"{cname}_factor"] = side // shape[2]
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+                # Tracer warnings name data-dependent Python branches; the ones in the UNets are shape checks.
+                warnings.simplefilter("ignore")
+                torch.onnx.export(_ExportForm(unet, y is not None, outputs, middle), tuple(args), str(tmp / name),
+                                  input_names=names, output_names=["eps"],
+                                  dynamic_axes={k: v for k, v in axes.items() if k in names or k == "eps"},
+                                  opset_version=opset, do_constant_folding=True, dynamo=False)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BackendUnavailable(f"torch.onnx could not export this UNet ({type(e).__name__}: {e}).",
+                                     "It runs on the torch path; report the model type to sd-accel.") from e
+    # The TorchScript exporter writes one file per weight above 2 GB; gather them into one data file.
+    model = onnx.load(str(tmp / name), load_external_data=True)
+    if spec.form == "ldm":
+        _constant_head_reshapes(model)
+    _set_metadata(model, {"form": spec.form, "in_channels": spec.in_channels, "out_channels": spec.out_channels,
+                          "size_multiple": multiple, "control_outputs": outputs, "control_middle": int(middle),
+                          **factors})
+    path = save_model(model, folder / name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    progress.advance()
+    progress.done()
+    return path
+
+
+def _load(model_or_path, external: bool = False):
+    import onnx
+
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return onnx.load(str(model_or_path), load_external_data=external)
+    return model_or_path
+
+
+def model_info(model_or_path) -> OnnxUNetInfo:
+    """The inputs and serving constraints of an exported (or optimized) UNet, from its graph and metadata."""
+    import onnx
+
+    model = _load(model_or_path)
+    meta = {p.key[len(META):]: p.value for p in model.metadata_props if p.key.startswith(META)}
+    if "size_multiple" not in meta:
+        raise BackendUnavailable("this ONNX file was not exported by sd-accel (its metadata is missing).",
+                                 "Delete it so that it is exported again.")
+    x = next(i for i in model.graph.input if i.name == "x")
+    return OnnxUNetInfo(
+        inputs=tuple(i.name for i in model.graph.input), in_channels=int(meta["in_channels"]),
+        out_channels=int(meta["out_channels"]), size_multiple=int(meta["size_multiple"]),
+        control_outputs=int(meta["control_outputs"]), control_middle=bool(int(meta["control_middle"])),
+        float16=x.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16)
+
+
+def fusion_options(provider: str, fp16: bool):
+    """ORT's FusionOptions for SD UNets, restricted to what `provider` can run. Packed Q/K/V only feed fp16
+    attention kernels (as Microsoft's SD pipeline does), so an fp32 model keeps them separate."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    if provider not in FUSION_PROFILES:
+        raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(FUSION_PROFILES)}")
+    options = FusionOptions("unet")
+    for k, v in FUSION_PROFILES[provider].items():
+        setattr(options, k, v)
+    if not fp16:
+        options.enable_packed_qkv = options.enable_packed_kv = False
+    return options
+
+
+class _StageBar:
+    """The tqdm-like object ORT's UNet optimizer advances, reporting to our Progress instead of the console."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def update(self, n: int = 1) -> None:
+        self.progress.advance(n)
+
+
+def _fuse(model, provider: str, fp16: bool, progress: Progress):
+    """optimize_model(model_type="unet", opt_level=0) with its fusion steps reported as progress."""
+    from onnxruntime.transformers.onnx_model_unet import UnetOnnxModel
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    options = fusion_options(provider, fp16)
+    progress.stage("fusion", total=18)  # UnetOnnxModel._optimize's step count
+    if not hasattr(UnetOnnxModel, "_optimize"):  # another ORT version: the public call, without step progress
+        m = optimize_model(model, model_type="unet", num_heads=0, hidden_size=0, opt_level=0,
+                           optimization_options=options, use_gpu=provider != "cpu")
+        progress.done()
+        return m
+    import onnxruntime
+
+    m = UnetOnnxModel(model, 0, 0)
+    m._optimize(options, _StageBar(progress))
+    m.topological_sort()
+    m.model.producer_name, m.model.producer_version = "onnxruntime.transformers", onnxruntime.__version__
+    progress.done()
+    return m
+
+
+def time_embedding_nodes(model) -> list[str]:
+    """Nodes from the timesteps input up to the first matmul: the sinusoidal embedding. These stay fp32: fp16
+    holds 999.4 as 999.5, and sin/cos of timestep * frequency (arguments up to ~1000 rad) would be off by up to
+    a quarter radian, where torch computes the embedding in fp32."""
+    consumers: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    seen: dict[str, None] = {}
+    todo = ["timesteps"]
+    while todo:
+        for n in consumers.get(todo.pop(), []):
+            if n.name in seen or n.op_type in ("Gemm", "MatMul", "FusedMatMul"):
+                continue
+            seen[n.name] = None
+            todo.extend(n.output)
+    return list(seen)
+
+
+def optimize(onnx_path: Path, out_path: Path, fp16: bool, provider: str = "cuda",
+             progress: Progress | None = None) -> Path:
+    """ORT transformer fusions for `provider` ("cuda", "cpu", "dml", "migraphx"), then fp16 when asked.
+
+    In fp16, x, context, y and the output become fp16 (Microsoft's SD pipeline uses keep_io_types=False), so the
+    graph starts and ends without Cast nodes and the engine hands over the host's fp16 tensors as they are. Only
+    `timesteps` stays fp32, with the sinusoidal embedding it feeds (see time_embedding_nodes)."""
+    progress = progress or NullProgress()
+    model = _load(onnx_path, external=True)
+    metadata = list(model.metadata_props)
+    m = _fuse(model, provider, fp16, progress)
+    if fp16:
+        progress.stage("fp16", total=1)
+        m.convert_float_to_float16(keep_io_types=["timesteps"], node_block_list=time_embedding_nodes(m.model),
+                                   min_positive_val=FP16_MIN_POSITIVE, max_finite_val=FP16_MAX)
+        progress.advance()
+        progress.done()
+    if not m.model.metadata_props:
+        m.model.metadata_props.extend(metadata)
+    return save_model(m.model, Path(out_path))
+
+
+def fused_operator_counts(model_or_path) -> dict[str, int]:
+    """How many of each fused operator the optimized graph holds."""
+    counts = Counter(n.op_type for n in _load(model_or_path).graph.node)
+    return {op: counts.get(op, 0) for op in FUSED_OPS}
+
+
+def host_side_nodes(model_or_path) -> dict[str, int]:
+    """What keeps parts of a graph off the GPU, counted in a graph (best: the one ORT saved through
+    SessionOptions.optimized_model_filepath, after its own optimizations and partitioning):
+
+    memcpy: MemcpyToHost/MemcpyFromHost nodes ORT inserted between providers. They break ORT's CUDA graph
+        ("cannot use CUDA graph: not all nodes are on the CUDA EP") and add a synchronisation each.
+    shape: nodes computing tensor shapes (Shape and everything fed only by shapes and constants). With dynamic
+        axes every Reshape/Expand/Resize gets such a subgraph, which the CUDA provider prefers to run on the CPU
+        (hence Memcpy nodes where it meets GPU tensors). With static dimensions ORT folds them away."""
+    model = _load(model_or_path)
+    constant = {i.name for i in model.graph.initializer}
+    shape_valued: set[str] = set()
+    shape_nodes = 0
+    for n in model.graph.node:  # the graph is topologically sorted
+        if n.op_type == "Constant":
+            constant.update(n.output)
+            continue
+        ins = [i for i in n.input if i]
+        from_shape = n.op_type == "Shape" or (
+            any(i in shape_valued for i in ins) and all(i in shape_valued or i in constant for i in ins))
+        if from_shape:
+            shape_valued.update(n.output)
+            shape_nodes += 1
+    ops = Counter(n.op_type for n in model.graph.node)
+    return {"memcpy": ops.get("MemcpyToHost", 0) + ops.get("MemcpyFromHost", 0), "shape": shape_nodes}
+
+
+# Weight map: which module parameters each initializer of the optimized graph is made of, so that new weights
+# (LoRA merged into the module) can replace the initializers without exporting and fusing again. The graph
+# holds each parameter as is, transposed (MatMul), in NHWC (NhwcConv), reshaped, or packed with its siblings
+# (Q/K/V of self attention, K/V of cross attention), in fp32 or fp16. Initializers are matched to parameters
+# by the digest of their bytes under each of these transforms.
+
+
+def _digest(a) -> str:
+    import numpy as np
+
+    return hashlib.blake2b(np.ascontiguousarray(a).data, digest_size=16).hexdigest()
+
+
+def _transform(kind: str, arrays: list, heads: int):
+    import numpy as np
+
+    if kind == "same":
+        return arrays[0]
+    if kind == "t":
+        return arrays[0].T
+    if kind == "nhwc":
+        return arrays[0].transpose(0, 2, 3, 1)
+    ws = [a.T for a in arrays]  # Linear weights as MatMul holds them: (in, out)
+    if kind == "stacked":  # Attention (CPU): [q | k | v]
+        return np.stack(ws, axis=1)
+    c, out = ws[0].shape  # packed for MultiHeadAttention: q/k/v interleaved per head
+    return np.dstack([w.reshape(c, heads, out // heads) for w in ws]).reshape(c, -1)
+
+
+def _as(a, dtype: str):
+    import numpy as np
+
+    if dtype == "float16":
+        from onnxruntime.transformers.float16 import convert_np_to_float16
+
+        return convert_np_to_float16(np.asarray(a, np.float32), FP16_MIN_POSITIVE, FP16_MAX)
+    return np.asarray(a, dtype)
+
+
+def _candidates(module: nn.Module, params: dict) -> Iterator[tuple[str, tuple[str, ...], int]]:
+    for name, p in params.items():
+        yield "same", (name,), 0
+        if p.dim() == 2:
+            yield "t", (name,), 0
+        if p.dim() == 4:
+            yield "nhwc", (name,), 0
+    for prefix, m in module.named_modules():
+        heads = getattr(m, "heads", None)
+        if not (heads and all(isinstance(getattr(m, k, None), nn.Linear) for k in ("to_q", "to_k", "to_v"))):
+            continue
+        q, k, v = (f"{prefix}.{p}.weight" for p in ("to_q", "to_k", "to_v"))
+        if params[q].shape == params[k].shape == params[v].shape:
+            yield "stacked", (q, k, v), heads
+            yield "packed", (q, k, v), heads
+        if params[k].shape == params[v].shape:
+            yield "packed", (k, v), heads
+
+
+@dataclass
+class WeightMap:
+    """initializer -> the ways it is made of parameters (several when equal bytes make it ambiguous)."""
+
+    sources: dict[str, list[tuple[str, list[str], int]]]
+    dtypes: dict[str, str]
+    shapes: dict[str, list[int]]
+    digests: dict[str, str]  # parameter -> digest of its fp32 bytes when the map was made
+    unmapped: list[str] = field(default_factory=list)  # parameters found in no initializer
+
+    def save(self, path: Path) -> Path:
+        Path(path).write_text(json.dumps(self.__dict__))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "WeightMap":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def _fp32(t: torch.Tensor):
+    """One parameter as fp32 numpy, made when needed: all of SDXL's at once would be 10 GB of host memory."""
+    return t.detach().float().cpu().numpy()
+
+
+def weight_map(model_or_path, unet: CanonicalUNet) -> WeightMap:
+    """Map the optimized graph's initializers to `unet`'s parameters; `unet` must hold the weights it was
+    exported with."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    model = _load(model_or_path, external=True)
+    by_digest: dict[str, list[str]] = {}
+    dtypes: dict[str, str] = {}
+    shapes: dict[str, list[int]] = {}
+    for init in model.graph.initializer:
+        a = numpy_helper.to_array(init)
+        if a.dtype.kind == "f" and a.size > 1:
+            by_digest.setdefault(_digest(a), []).append(init.name)
+            dtypes[init.name], shapes[init.name] = str(a.dtype), list(a.shape)
+    sizes = {(dtypes[n], int(np.prod(shapes[n]))) for n in dtypes}
+    params = dict(unet.unet.named_parameters())
+    sources: dict[str, list[tuple[str, list[str], int]]] = {}
+    used: set[str] = set()
+    for kind, names, heads in _candidates(unet.unet, params):
+        numel = sum(params[n].numel() for n in names)
+        wanted = [d for d in set(dtypes.values()) if (d, numel) in sizes]  # no initializer of that size: skip
+        if not wanted:
+            continue
+        value = _transform(kind, [_fp32(params[n]) for n in names], heads)
+        for dtype in wanted:
+            for init in by_digest.get(_digest(_as(value, dtype)), []):
+                if dtypes[init] == dtype:
+                    sources.setdefault(init, []).append((kind, list(names), heads))
+                    used.update(names)
+    return WeightMap(sources, {k: dtypes[k] for k in sources}, {k: shapes[k] for k in sources},
+                     {n: _digest(_fp32(p)) for n, p in params.items()}, sorted(set(params) - used))
+
+
+def refreshed_initializers(wmap: WeightMap, unet: CanonicalUNet) -> dict:
+    """New values of the initializers made of parameters that changed since the map was made ({} when none
+    did). BackendUnavailable when a changed parameter is in no initializer, or an initializer's sources
+    (equal at export) now disagree: then only a new export gives the right graph."""
+    import numpy as np
+
+    params = dict(unet.unet.named_parameters())
+    changed = {n for n, p in params.items() if wmap.digests.get(n) != _digest(_fp32(p))}
+    if not changed:
+        return {}
+    unknown = sorted(changed & set(wmap.unmapped) | changed - set(wmap.digests))
+    if unknown:
+        raise BackendUnavailable(f"changed weights {unknown[:3]} have no counterpart in the optimized ONNX graph.",
+                                 "Rebuild the engine (export and optimize again) for these weights.")
+    out = {}
+    for init, sources in wmap.sources.items():
+        if not any(changed & set(names) for _, names, _ in sources):
+            continue
+        # Bytes, not shapes, are compared: a 1x1 convolution is the same tensor in NCHW and NHWC.
+        values = [np.ascontiguousarray(_as(_transform(kind, [_fp32(params[n]) for n in names], heads),
+                                           wmap.dtypes[init])).reshape(wmap.shapes[init])
+                  for kind, names, heads in sources]
+        if any(not np.array_equal(v, values[0]) for v in values[1:]):
+            raise BackendUnavailable(f"the initializer {init} was shared by weights that now differ.",
+                                     "Rebuild the engine (export and optimize again) for these weights.")
+        out[init] = values[0]
+    return out

@@ -1,0 +1,179 @@
+"""Install-time setup, run by ComfyUI-Manager and by A1111 (`python install.py` in this folder): detects the GPU,
+installs the packages that fit it, and says what it did. It never breaks start-up: every problem becomes a line of
+output, and the exit status is 0.
+
+What it installs:
+- the core requirements (requirements.txt) that are missing; A1111 does not read requirements.txt itself;
+- Triton for the fused kernels of the torch path, where torch did not bring it (NVIDIA: triton on Linux,
+  triton-windows on Windows; AMD ROCm builds of torch bring their own and a PyPI triton would not run there);
+- only when asked (--with, or SD_ACCEL_INSTALL=onnxruntime,tensorrt): the ONNX Runtime build and TensorRT for this
+  GPU. They are not installed by default: TensorRT is a download of several GB from NVIDIA's index, and ONNX
+  Runtime is not chosen automatically until it is measured faster than the torch path.
+
+torch is never changed: every pip call is constrained to the installed torch, and a package that would need
+another torch is skipped with the reason.
+
+    python install.py [--dry-run] [--with onnxruntime,tensorrt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+EXTRAS = ("onnxruntime", "tensorrt")
+ENV_EXTRAS = "SD_ACCEL_INSTALL"
+ENV_SKIP = "SD_ACCEL_SKIP_INSTALL"
+
+
+@dataclass
+class Step:
+    packages: list[str]
+    why: str
+
+
+@dataclass
+class InstallPlan:
+    steps: list[Step] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def say(line: str) -> None:
+    print(f"[sd-accel] {line}", flush=True)
+
+
+def _module_of(requirement: str) -> str:
+    """The import name of a requirements.txt line (its distribution name; those in our file import as such)."""
+    name = requirement.split(";")[0]
+    for sep in "<>=!~[ ":
+        name = name.split(sep)[0]
+    return name.strip().replace("-", "_").lower()
+
+
+def core_requirements() -> list[str]:
+    lines = (HERE / "requirements.txt").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: set[str],
+                  requirements: list[str]) -> InstallPlan:
+    """What to install for a GPU of `vendor` (nvidia, amd, intel, apple, cpu, unknown) on `system` (Linux, Windows,
+    Darwin), given which import names are installed. Pure, for tests and --dry-run."""
+    plan = InstallPlan()
+    missing = [r for r in requirements if not installed.get(_module_of(r), False)]
+    if missing:
+        plan.steps.append(Step(missing, "core requirements of sd-accel"))
+    if vendor == "nvidia" and not installed.get("triton"):
+        wheel = {"Linux": "triton", "Windows": "triton-windows"}.get(system)
+        if wheel:
+            plan.steps.append(Step([wheel], "Triton runs the fused kernels of the torch path"))
+        else:
+            plan.notes.append(f"no Triton build for {system}; the torch path runs without fused kernels.")
+    elif vendor == "amd" and not installed.get("triton"):
+        plan.notes.append("Triton comes with the ROCm build of torch (pytorch-triton-rocm), and this torch has none; "
+                          "reinstall torch from download.pytorch.org/whl/rocm* to get the fused kernels.")
+    if "onnxruntime" in extras:
+        ort = {"nvidia": ["onnx", "onnxruntime-gpu"], "cpu": ["onnx", "onnxruntime"]}.get(vendor)
+        if vendor == "intel" and system == "Windows":
+            ort = ["onnx", "onnxruntime-directml"]
+        if ort is None:
+            plan.notes.append(f"no ONNX Runtime build for {vendor} GPUs on PyPI" + (
+                "; install AMD's onnxruntime-migraphx wheel from repo.radeon.com." if vendor == "amd" else "."))
+        elif installed.get("onnxruntime") and vendor != "cpu" and not installed.get("onnxruntime_gpu"):
+            plan.notes.append("the CPU build of onnxruntime is installed and would shadow the GPU build: "
+                              "pip uninstall onnxruntime, then run this again.")
+        elif not installed.get("onnxruntime"):
+            plan.steps.append(Step(ort, "ONNX Runtime path (asked for)"))
+    if "tensorrt" in extras:
+        if vendor != "nvidia":
+            plan.notes.append(f"TensorRT runs only on NVIDIA GPUs; this is {vendor}: not installed.")
+        elif not installed.get("tensorrt"):
+            plan.steps.append(Step(["onnx", "tensorrt"], "TensorRT path (asked for; several GB from pypi.nvidia.com)"))
+    return plan
+
+
+def _extras(asked: str | None) -> set[str]:
+    raw = asked if asked is not None else os.environ.get(ENV_EXTRAS, "")
+    wanted = {w.strip().lower() for w in raw.split(",") if w.strip()}
+    for unknown in sorted(wanted - set(EXTRAS)):
+        say(f"ignoring unknown extra {unknown!r}; the extras are: {', '.join(EXTRAS)}.")
+    return wanted & set(EXTRAS)
+
+
+def _installed() -> dict[str, bool]:
+    from accel.device import has_package
+    from accel.policy import probe_packages
+
+    found = probe_packages()
+    for req in core_requirements():
+        found[_module_of(req)] = has_package(_module_of(req))
+    return found
+
+
+def _pip(packages: list[str], torch_version: str) -> tuple[bool, str]:
+    """pip install with torch pinned to the installed version; (ok, last lines of pip's output)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(f"torch=={torch_version}\n")
+        constraints = f.name
+    try:
+        run = subprocess.run([sys.executable, "-m", "pip", "install", "-c", constraints, *packages],
+                             capture_output=True, text=True, timeout=3600)
+        tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-3:])
+        return run.returncode == 0, tail
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, str(e)
+    finally:
+        os.unlink(constraints)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Install the packages sd-accel needs for this GPU.")
+    parser.add_argument("--dry-run", action="store_true", help="say what would be installed, install nothing")
+    parser.add_argument("--with", dest="extras", default=None,
+                        help=f"comma-separated optional paths to install: {', '.join(EXTRAS)} (default: "
+                             f"${ENV_EXTRAS})")
+    args = parser.parse_args(argv)
+    if os.environ.get(ENV_SKIP, "").strip() not in ("", "0"):
+        say(f"{ENV_SKIP} is set: nothing installed.")
+        return 0
+    try:
+        import torch
+    except ImportError:
+        say("torch is not installed in this Python; the host (ComfyUI / A1111) installs it. Nothing installed.")
+        return 0
+    sys.path.insert(0, str(HERE))
+    from accel.device import describe, detect
+
+    gpu = detect()
+    say(f"GPU: {describe(gpu)}")
+    plan = plan_installs(gpu.vendor, platform.system(), _installed(), _extras(args.extras), core_requirements())
+    for note in plan.notes:
+        say(note)
+    if not plan.steps:
+        say("everything this GPU uses is installed.")
+        return 0
+    for step in plan.steps:
+        command = "pip install " + " ".join(step.packages)
+        if args.dry_run:
+            say(f"would run: {command}  ({step.why})")
+            continue
+        say(f"running: {command}  ({step.why})")
+        ok, tail = _pip(step.packages, torch.__version__)
+        say(("installed: " if ok else "not installed (sd-accel still runs without it): ") + " ".join(step.packages)
+            + ("" if ok else f"\n{tail}"))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as e:  # an installer must never stop the host from starting
+        say(f"setup stopped early ({type(e).__name__}: {e}); sd-accel still loads and uses what is installed.")
+        sys.exit(0)

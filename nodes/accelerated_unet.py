@@ -1,0 +1,214 @@
+"""The Accelerated UNet node: MODEL in, MODEL out (a clone; the input model is never changed).
+
+It works the way ComfyUI's own torch.compile helper does (comfy_api/torch_helpers/torch_compile.py): through
+ModelPatcher wrappers, which travel with every clone (LoraLoader downstream included) and are applied only
+while this model samples. Two wrappers:
+
+- OUTER_SAMPLE: knows the ModelPatcher that samples (its weight patches, hooks, lowvram state) and ends the
+  run (the torch path undoes its in-place module changes, so models that share the UNet see none of them).
+- DIFFUSION_MODEL: around the UNet's forward. A call that carries nothing the engine cannot honour goes to
+  the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
+  (patches, inner wrappers and all), and the node says why once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accel.errors import AccelError, BadInput
+from accel.host_support import EngineSlot, SlotStatus, shape_profile
+from accel.unet import inspect_unet
+
+from .comfy_ui import CATEGORY, cache_root, node_progress, publish, say
+
+KEY = "sd-accel"
+BACKENDS = ["auto", "torch", "onnxruntime", "tensorrt"]
+FAMILIES = ("sd1", "sd2", "sdxl")
+
+
+def _size(default: int) -> tuple[str, dict]:
+    return ("INT", {"default": default, "min": 64, "max": 8192, "step": 8})
+
+
+def _batch(default: int) -> tuple[str, dict]:
+    return ("INT", {"default": default, "min": 1, "max": 64})
+
+
+class AcceleratedUNetNode:
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "apply"
+    DESCRIPTION = ("Runs the UNet of an SD1.x, SD2.x or SDXL model through the fastest path for this GPU (fused "
+                   "torch with CUDA graphs, ONNX Runtime or TensorRT), built on the first sampling step and "
+                   "cached. LoRA, ControlNet and other nodes' patches keep working: calls an engine cannot serve "
+                   "run on the torch path or the plain model, and the node says why.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:
+        return {
+            "required": {
+                "model": ("MODEL",),
+                "backend": (BACKENDS, {"default": "auto", "tooltip": "auto picks the fastest installed path "
+                                       "for this GPU; the others ask for one (the torch path runs when it cannot)."}),
+                "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": "Replay each shape as a CUDA/HIP graph "
+                                            "(torch path). Calls with per-step patches run without it."}),
+                "torch_compile": ("BOOLEAN", {"default": False, "tooltip": "Compile the UNet's repeated blocks "
+                                              "with torch.compile (torch path; the first run takes minutes)."}),
+                "min_width": _size(512), "opt_width": _size(1024), "max_width": _size(1536),
+                "min_height": _size(512), "opt_height": _size(1024), "max_height": _size(1536),
+                "min_batch": _batch(1), "opt_batch": _batch(1), "max_batch": _batch(4),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def apply(self, model, backend: str, cuda_graphs: bool, torch_compile: bool,
+              min_width: int, opt_width: int, max_width: int, min_height: int, opt_height: int, max_height: int,
+              min_batch: int, opt_batch: int, max_batch: int, unique_id: str | None = None) -> dict:
+        problem = unsupported(model)
+        if problem:
+            return _result(model, [say(unique_id, problem)])
+        notes = []
+        try:
+            profile = shape_profile((min_batch, opt_batch, max_batch), (min_height, opt_height, max_height),
+                                    (min_width, opt_width, max_width))
+        except BadInput as e:
+            profile = None
+            notes.append(say(unique_id, f"{e} Until then the torch path runs, which needs no profile."))
+            backend = "torch"
+        options = {"cuda_graphs": cuda_graphs, "compile": torch_compile}
+        try:
+            plan = _plan(backend, options)
+        except AccelError as e:
+            return _result(model, notes + [say(unique_id, f"{e} The plain model runs.")])
+        if backend != "auto" and plan.backend != backend:
+            asked = [r for r in plan.reasons if r.startswith(f"{backend} was asked for")]
+            say(unique_id, " ".join(asked) or f"the {backend} path cannot run here; the {plan.backend} path runs.")
+        notes.append(plan.summary())
+        slot = EngineSlot(_preference(backend), {**options, "cache_root": cache_root()}, profile,
+                          progress=lambda: node_progress(unique_id),
+                          on_change=lambda status: publish(unique_id, status_payload(status)))
+        out = model.clone()
+        attach(out, Session(slot, unique_id))
+        publish(unique_id, {"kind": "planned", "backend": plan.backend, "text": "\n".join(notes)})
+        return _result(out, notes)
+
+
+def _result(model, notes: list[str]) -> dict:
+    return {"ui": {"text": ["\n".join(notes)]}, "result": (model,)}
+
+
+def _preference(backend: str) -> str | None:
+    """auto leaves the choice to accel.policy, which honours SD_ACCEL_BACKEND (e.g. =off to disable the pack)."""
+    return None if backend == "auto" else backend
+
+
+def _plan(backend: str, options: dict):
+    from accel.device import detect
+    from accel.policy import choose
+
+    return choose(detect(), _preference(backend), options=dict(options))
+
+
+def unsupported(model) -> str | None:
+    """Why this MODEL is not accelerated (it then passes through unchanged), or None."""
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    base = getattr(model, "model", None)
+    unet = getattr(base, "diffusion_model", None)
+    what = f"{type(base).__name__} ({type(unet).__name__})"
+    # Subclasses (SVD's VideoUNet) take other inputs than the SD UNet's.
+    if type(unet) is not UNetModel:
+        return f"{what} is not an SD1.x, SD2.x or SDXL UNet; it passes through unaccelerated."
+    try:
+        family = inspect_unet(unet).family
+    except AccelError as e:
+        return f"{e} It passes through unaccelerated."
+    if family not in FAMILIES:
+        return (f"{what} has a {family} layout (not SD1.x, SD2.x or SDXL); it passes through unaccelerated.")
+    return None
+
+
+def attach(model, session: "Session") -> None:
+    """Install the session's wrappers on a ModelPatcher, replacing an earlier Accelerated UNet's."""
+    from comfy.patcher_extension import WrappersMP
+
+    for kind, fn in ((WrappersMP.OUTER_SAMPLE, session.outer_sample),
+                     (WrappersMP.DIFFUSION_MODEL, session.diffusion_model)):
+        model.remove_wrappers_with_key(kind, KEY)
+        model.add_wrapper_with_key(kind, KEY, fn)
+
+
+def session_of(model) -> "Session | None":
+    """The Session an Accelerated UNet attached to this model (or to a model it was cloned from)."""
+    from comfy.patcher_extension import WrappersMP
+
+    for fn in model.wrappers.get(WrappersMP.DIFFUSION_MODEL, {}).get(KEY, []):
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, Session):
+            return owner
+    return None
+
+
+def status_payload(status: SlotStatus) -> dict[str, Any]:
+    return {"kind": "status", "backend": status.backend, "source": status.source,
+            "engine_calls": status.engine_calls, "plain_calls": status.plain_calls,
+            "messages": list(status.messages)}
+
+
+class Session:
+    """The state one Accelerated UNet node's output carries into every sampling run of it and its clones."""
+
+    def __init__(self, slot: EngineSlot, node_id: str | None = None) -> None:
+        self.slot = slot
+        self.node_id = node_id
+        self.patcher = None  # the ModelPatcher sampling now; None between runs
+
+    def outer_sample(self, executor, *args, **kwargs):
+        outer = self.patcher  # set when a sampler runs inside another sampler's run of this model
+        self.patcher = getattr(executor.class_obj, "model_patcher", None)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            self.patcher = outer
+            if outer is None:
+                self.slot.end_run()
+                publish(self.node_id, status_payload(self.slot.status))
+
+    def diffusion_model(self, executor, x, timesteps=None, context=None, y=None, control=None,
+                        transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's own signature)
+        def plain():
+            return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
+
+        why = self.why_plain(executor, transformer_options, kwargs)
+        if why is not None:
+            return self.slot.run_plain(why[0], why[1], plain)
+        return self.slot.call(executor.class_obj, self.patcher.patches_uuid, x, timesteps, context, y, control,
+                              plain)
+
+    def why_plain(self, executor, transformer_options: dict, kwargs: dict) -> tuple[str, str] | None:
+        """(key, message) when this call must run on ComfyUI's own forward, else None."""
+        p = self.patcher
+        if p is None:
+            return ("no-sampler", "the UNet was called outside a ComfyUI sampler, where sd-accel cannot see the "
+                    "model's patches; such calls run on the plain model.")
+        if getattr(p.model, "model_lowvram", False) or getattr(p.model, "lowvram_patch_counter", 0):
+            return ("lowvram", "the model is only partly loaded on the GPU (lowvram): its weights are streamed in "
+                    "and patched per layer, which an engine or CUDA graph would not see, so the plain model runs. "
+                    "Free VRAM (lower the resolution or batch, unload other models) to accelerate.")
+        if getattr(p, "hook_patches", None):
+            return ("hooks", "per-step weight hooks (scheduled LoRA / hook keyframes) change the weights while "
+                    "sampling; the plain model runs rather than stale weights.")
+        patches = sorted(k for k, v in transformer_options.get("patches", {}).items() if v)
+        patches += sorted(f"{k} replace" for k, v in transformer_options.get("patches_replace", {}).items() if v)
+        if transformer_options.get("optimized_attention_override") is not None:
+            patches.append("attention override")
+        inner = executor.wrappers[executor.idx + 1:]
+        if inner:
+            patches.append(f"{len(inner)} diffusion-model wrapper(s) added after this node")
+        if kwargs:
+            patches.append("extra inputs " + ", ".join(sorted(kwargs)))
+        if patches:
+            names = ", ".join(patches)
+            return (f"patches:{names}", f"other nodes patch the UNet ({names}); calls that carry these run on "
+                    "ComfyUI's own forward, which applies them (no engine, no CUDA graph).")
+        return None

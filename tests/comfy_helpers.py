@@ -1,0 +1,332 @@
+"""ComfyUI for the tests: finding a checkout (COMFYUI_ROOT), tiny seeded models built from ComfyUI's own
+classes, a headless server, and test-only nodes.
+
+This file is also loaded by ComfyUI itself as a custom node (the server tests link it into custom_nodes/):
+its NODE_CLASS_MAPPINGS give workflows the tiny model, a tiny ControlNet and a step-dependent attention
+patch. So it imports comfy only inside functions, and pytest not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACK_NAME = "sd-accel"  # the folder name ComfyUI would import the pack under
+
+# A UNet with the SD1.5 layout (context 768, no adm) at a tiny width: 2 levels, 1 res block each.
+TINY_SD15 = dict(image_size=32, in_channels=4, out_channels=4, model_channels=32, num_res_blocks=[1, 1],
+                 channel_mult=[1, 2], transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
+                 transformer_depth_middle=1, context_dim=768, use_linear_in_transformer=False, adm_in_channels=None,
+                 use_temporal_attention=False, use_temporal_resblock=False, use_spatial_transformer=True,
+                 num_heads=2, num_head_channels=-1, legacy=False, use_checkpoint=False)
+# The SDXL layout: context 2048, adm 2816 (pooled 1280 + 6 size embeddings of 256).
+TINY_SDXL = {**TINY_SD15, "context_dim": 2048, "adm_in_channels": 2816, "use_linear_in_transformer": True,
+             "num_classes": "sequential", "transformer_depth": [0, 1], "transformer_depth_output": [0, 0, 1, 1],
+             "num_head_channels": 16, "num_heads": -1}
+TINY_VAE = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 32,
+            "ch_mult": [1, 1, 2, 2], "num_res_blocks": 1, "attn_resolutions": [], "dropout": 0.0}
+
+
+# ------------------------------------------------------------------------------------------ finding ComfyUI
+
+def comfy_root() -> Path | None:
+    """The ComfyUI checkout named by COMFYUI_ROOT, or None."""
+    root = os.environ.get("COMFYUI_ROOT", "").strip()
+    return Path(root) if root and (Path(root) / "comfy" / "model_patcher.py").is_file() else None
+
+
+def torchvision_stub() -> Path | None:
+    """ComfyUI imports torchvision at module level in a few model files the tests never use; where torchvision is
+    not installed (its PyPI wheels pin another torch), a stub package stands in. None when it is installed."""
+    folder = Path(tempfile.gettempdir()) / "sd-accel-torchvision-stub"
+    found = importlib.util.find_spec("torchvision")
+    if found is not None and not str(found.origin).startswith(str(folder)):
+        return None
+    for sub in ("torchvision", "torchvision/transforms"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+        init = folder / sub / "__init__.py"
+        if not init.exists():
+            init.write_text('"""Stub for tests: the real torchvision is not installed."""\n')
+    return folder
+
+
+def import_comfy() -> None:
+    """Make ComfyUI's comfy package importable in this process (CPU when there is no CUDA)."""
+    root = comfy_root()
+    if root is None:
+        raise RuntimeError("set COMFYUI_ROOT to a ComfyUI checkout")
+    for p in (str(root), str(torchvision_stub() or "")):
+        if p and p not in sys.path:
+            sys.path.append(p)
+    import torch
+
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = not torch.cuda.is_available()
+
+
+def load_pack():
+    """The repository imported the way ComfyUI imports a custom node folder: a package named after the folder."""
+    if PACK_NAME in sys.modules:
+        return sys.modules[PACK_NAME]
+    spec = importlib.util.spec_from_file_location(PACK_NAME, REPO / "__init__.py",
+                                                  submodule_search_locations=[str(REPO)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACK_NAME] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------- tiny models
+
+def seed_module(module, seed: int) -> None:
+    """Seeded weights with sane activations: norms near 1, biases small, matrices scaled by 1/sqrt(fan_in)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if p.ndim == 1:
+                value = 1 + 0.1 * r if name.endswith("weight") and "norm" in name else 0.1 * r
+            else:
+                value = r / math.sqrt(p[0].numel())
+            p.copy_(value.to(p.dtype))
+
+
+def tiny_model(seed: int = 0, xl: bool = False):
+    """A ModelPatcher around ComfyUI's own BaseModel / SDXL with a tiny UNet of the SD1.5 / SDXL layout."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    config = comfy.supported_models.SDXL(dict(TINY_SDXL)) if xl else comfy.supported_models.SD15(dict(TINY_SD15))
+    config.unet_config.update(TINY_SDXL if xl else TINY_SD15)  # the classes add their own head counts
+    model = config.get_model({})
+    seed_module(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
+
+
+def tiny_vae(seed: int = 0):
+    """ComfyUI's VAE around a tiny KL autoencoder of the SD layout (8x downscale)."""
+    import torch
+
+    import comfy.ldm.models.autoencoder
+    import comfy.sd
+
+    module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=TINY_VAE, embed_dim=4)
+    seed_module(module, seed)
+    return comfy.sd.VAE(sd=module.state_dict(), config={"params": {"ddconfig": TINY_VAE, "embed_dim": 4}},
+                        dtype=torch.float32)
+
+
+def tiny_conditioning(seed: int = 0, xl: bool = False, tokens: int = 77):
+    """(positive, negative) CONDITIONING lists in ComfyUI's format, seeded."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    dim = 2048 if xl else 768
+
+    def cond(scale):
+        extra = {"pooled_output": torch.randn(1, 1280, generator=g) * scale} if xl else {}
+        return [[torch.randn(1, tokens, dim, generator=g) * scale, extra]]
+
+    return cond(1.0), cond(0.5)
+
+
+def tiny_controlnet(seed: int = 0, xl: bool = False):
+    """A ComfyUI ControlNet (CONTROL_NET) whose control model matches the tiny UNet, seeded."""
+    import comfy.cldm.cldm
+    import comfy.controlnet
+    import comfy.model_management as mm
+    import comfy.ops
+
+    unet_only = ("out_channels", "transformer_depth_output", "use_temporal_attention", "use_temporal_resblock")
+    config = {k: v for k, v in (TINY_SDXL if xl else TINY_SD15).items() if k not in unet_only}
+    control = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
+    seed_module(control, seed)
+    return comfy.controlnet.ControlNet(control, load_device=mm.get_torch_device())
+
+
+def step_attention_patch(model, strength: float = 0.3):
+    """A clone with an attn2 replace patch on every cross-attention whose effect changes with the step: its
+    output is the usual attention scaled by 1 + strength * sigma / (1 + sigma), read from transformer_options
+    each call (as IPAdapter-style nodes read theirs)."""
+    from comfy.ldm.modules.attention import optimized_attention
+
+    def attn2(q, k, v, extra_options):
+        sigma = float(extra_options["sigmas"].max())
+        return optimized_attention(q, k, v, extra_options["n_heads"]) * (1 + strength * sigma / (1 + sigma))
+
+    patched = model.clone()
+    for block, index in (("input", 1), ("input", 2), ("output", 0), ("output", 1), ("output", 2), ("output", 3)):
+        for t in range(2):
+            patched.set_model_attn2_replace(attn2, block, index, t)
+    patched.set_model_attn2_replace(attn2, "middle", 0, 0)
+    return patched
+
+
+def lora_patches(model, seed: int = 3, rank: int = 4, strength: float = 1.0) -> dict:
+    """A seeded LoRA in ComfyUI's file format (lora_unet_* keys) for every attention projection of the tiny UNet."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for key, w in model.model.diffusion_model.state_dict().items():
+        if w.ndim == 2 and (".attn1." in key or ".attn2." in key) and key.endswith(".weight"):
+            name = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
+            sd[f"{name}.lora_up.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.2
+            sd[f"{name}.lora_down.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.2
+            sd[f"{name}.alpha"] = torch.tensor(float(rank))
+    return sd
+
+
+# ------------------------------------------------------------------------------------ test-only nodes
+
+class SDAccelTestTinySD:
+    """The tiny SD1.5-layout model, VAE and conditioning, seeded, for workflows in tests."""
+
+    CATEGORY = "sd-accel/testing"
+    RETURN_TYPES = ("MODEL", "VAE", "CONDITIONING", "CONDITIONING")
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+
+    def build(self, seed):
+        pos, neg = tiny_conditioning(seed + 2)
+        return tiny_model(seed), tiny_vae(seed + 1), pos, neg
+
+
+class SDAccelTestControlNet:
+    CATEGORY = "sd-accel/testing"
+    RETURN_TYPES = ("CONTROL_NET",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+
+    def build(self, seed):
+        return (tiny_controlnet(seed),)
+
+
+class SDAccelTestStepAttention:
+    CATEGORY = "sd-accel/testing"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "strength": ("FLOAT", {"default": 0.3})}}
+
+    def patch(self, model, strength):
+        return (step_attention_patch(model, strength),)
+
+
+NODE_CLASS_MAPPINGS = {
+    "SDAccelTestTinySD": SDAccelTestTinySD,
+    "SDAccelTestControlNet": SDAccelTestControlNet,
+    "SDAccelTestStepAttention": SDAccelTestStepAttention,
+}
+
+
+# -------------------------------------------------------------------------------------- headless server
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """ComfyUI's main.py --cpu on a loopback port, with this pack and the test nodes as its only custom nodes."""
+
+    def __init__(self, base: Path, startup_timeout: float = 120) -> None:
+        self.base = base
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        custom = base / "custom_nodes"
+        custom.mkdir(parents=True, exist_ok=True)
+        (custom / PACK_NAME).symlink_to(REPO, target_is_directory=True)
+        (custom / "sd_accel_test_nodes.py").symlink_to(Path(__file__).resolve())
+        self.log_path = base / "server.log"
+        env = dict(os.environ)
+        stub = torchvision_stub()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(stub or ""), env.get("PYTHONPATH", "")) if p)
+        env["SD_ACCEL_CACHE"] = str(base / "models" / "accel")
+        cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--base-directory", str(base), "--disable-auto-launch", "--disable-api-nodes",
+               "--database-url", "sqlite:///:memory:", "--disable-metadata"]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=comfy_root(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._wait_up(startup_timeout)
+
+    def _wait_up(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            with contextlib.suppress(OSError):
+                self.get("/system_stats")
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, payload: dict):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
+
+    def run(self, prompt: dict, timeout: float = 120) -> dict:
+        """Queue an API-format workflow and wait for it; its history entry (outputs and status)."""
+        prompt_id = self.post("/prompt", {"prompt": prompt, "client_id": "sd-accel-tests"})["prompt_id"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None or entry and entry.get("outputs"):
+                status = entry.get("status", {})
+                if status.get("status_str") == "error":
+                    raise RuntimeError(f"workflow failed: {json.dumps(status.get('messages'))[:3000]}")
+                return entry
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited while running:\n{self.log()[-4000:]}")
+            time.sleep(0.25)
+        raise TimeoutError(f"workflow did not finish in {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self._log.close()

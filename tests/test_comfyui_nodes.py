@@ -1,0 +1,260 @@
+"""The nodes against ComfyUI's real classes (ModelPatcher, model_base, samplers, ControlNet, hooks), in this
+process, on tiny seeded models. Skipped unless COMFYUI_ROOT names a ComfyUI checkout.
+
+On the CPU the torch path runs the same kernels as the plain model, so "equal" is exact here; what these tests
+pin down is the routing: which calls reach the engine, which must not, and that nothing is lost on the way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import comfy_helpers as H
+
+pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+
+PROFILE = dict(min_width=64, opt_width=128, max_width=1024, min_height=64, opt_height=128, max_height=1024,
+               min_batch=1, opt_batch=1, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def pack():
+    H.import_comfy()
+    return H.load_pack()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    H.import_comfy()
+    return H.tiny_model(0)
+
+
+def accelerate(pack, model, backend="torch", **changes):
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+    out = node.apply(model, backend, True, False, **{**PROFILE, **changes}, unique_id="1")
+    return out["result"][0], out["ui"]["text"][0]
+
+
+def sample(model, positive, negative, steps=2, size=8, seed=1):
+    import comfy.sample
+
+    noise = torch.randn(1, 4, size, size, generator=torch.Generator().manual_seed(seed))
+    latent = torch.zeros(1, 4, size, size)
+    return comfy.sample.sample(model, noise, steps, 5.0, "euler", "normal", positive, negative, latent,
+                               disable_pbar=True, seed=seed)
+
+
+def status(pack, model):
+    return pack.nodes.accelerated_unet.session_of(model).slot.status
+
+
+def test_accelerated_equals_plain_and_input_model_is_untouched(pack, tiny):
+    pos, neg = H.tiny_conditioning(2)
+    wrappers_before = {k: {k1: list(v1) for k1, v1 in v.items()} for k, v in tiny.wrappers.items()}
+    uuid_before = tiny.patches_uuid
+    acc, text = accelerate(pack, tiny)
+    assert acc is not tiny and "backend: torch" in text
+    assert torch.equal(sample(acc, pos, neg), sample(tiny, pos, neg))
+    s = status(pack, acc)
+    assert s.backend == "torch" and s.engine_calls == 2 and s.plain_calls == 0
+    assert tiny.wrappers == wrappers_before and tiny.patches_uuid == uuid_before
+    assert pack.nodes.accelerated_unet.session_of(tiny) is None
+
+
+def test_sdxl_model_is_accelerated(pack):
+    xl = H.tiny_model(5, xl=True)
+    pos, neg = H.tiny_conditioning(6, xl=True)
+    acc, _ = accelerate(pack, xl)
+    assert torch.equal(sample(acc, pos, neg), sample(xl, pos, neg))
+    assert status(pack, acc).engine_calls == 2
+
+
+def test_lora_before_or_after_the_node_matches_plain_lora(pack, tiny):
+    import comfy.sd
+
+    pos, neg = H.tiny_conditioning(2)
+    lora = H.lora_patches(tiny)
+
+    def with_lora(m):
+        return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0.0)[0]
+
+    plain = sample(with_lora(tiny), pos, neg)
+    assert not torch.allclose(plain, sample(tiny, pos, neg), atol=1e-3)  # the LoRA does change the result
+    after, _ = accelerate(pack, tiny)
+    after = with_lora(after)  # LoraLoader downstream: a clone of the accelerated model, same session
+    before, _ = accelerate(pack, with_lora(tiny))
+    assert torch.equal(sample(after, pos, neg), plain)
+    assert torch.equal(sample(before, pos, neg), plain)
+    assert status(pack, after).engine_calls == 2 and status(pack, before).engine_calls == 2
+    # and without the LoRA again the accelerated model is back to the plain result: no weights left behind
+    assert torch.equal(sample(accelerate(pack, tiny)[0], pos, neg), sample(tiny, pos, neg))
+
+
+def test_controlnet_residuals_reach_the_unet_on_the_torch_path(pack, tiny):
+    pos, neg = H.tiny_conditioning(2)
+    hint = torch.rand(1, 64, 64, 3, generator=torch.Generator().manual_seed(4)).movedim(-1, 1)
+    control = H.tiny_controlnet(9).copy().set_cond_hint(hint, 0.8, (0.0, 1.0))
+    cpos = [[pos[0][0], {**pos[0][1], "control": control, "control_apply_to_uncond": False}]]
+    cneg = [[neg[0][0], {**neg[0][1], "control": control, "control_apply_to_uncond": False}]]
+    plain = sample(tiny, cpos, cneg)
+    assert not torch.allclose(plain, sample(tiny, pos, neg), atol=1e-3)
+    acc, _ = accelerate(pack, tiny)
+    assert torch.equal(sample(acc, cpos, cneg), plain)
+    s = status(pack, acc)
+    assert s.engine_calls == 2 and s.plain_calls == 0
+
+
+def test_attention_replace_patch_that_changes_per_step_is_honoured(pack, tiny, caplog):
+    pos, neg = H.tiny_conditioning(2)
+    plain = sample(H.step_attention_patch(tiny), pos, neg)
+    assert not torch.allclose(plain, sample(tiny, pos, neg), atol=1e-3)
+    acc, _ = accelerate(pack, tiny)
+    for patched in (H.step_attention_patch(acc), accelerate(pack, H.step_attention_patch(tiny))[0]):
+        with caplog.at_level(logging.WARNING, logger="sd-accel"):
+            assert torch.equal(sample(patched, pos, neg), plain)
+        s = status(pack, patched)
+        assert s.plain_calls == 2 and s.engine_calls == 0
+        assert any("attn2 replace" in m for m in s.messages)
+    assert sum("attn2 replace" in r.getMessage() for r in caplog.records) == 2  # once per node, not per step
+
+
+def test_model_function_wrapper_outside_the_unet_keeps_the_engine(pack, tiny):
+    pos, neg = H.tiny_conditioning(2)
+
+    def per_step(apply_model, args):
+        return apply_model(args["input"], args["timestep"], **args["c"]) * (1 + 0.1 * args["timestep"].max())
+
+    def wrapped(m):
+        m = m.clone()
+        m.set_model_unet_function_wrapper(per_step)
+        return m
+
+    plain = sample(wrapped(tiny), pos, neg)
+    assert not torch.allclose(plain, sample(tiny, pos, neg), atol=1e-3)
+    acc = wrapped(accelerate(pack, tiny)[0])
+    assert torch.equal(sample(acc, pos, neg), plain)
+    assert status(pack, acc).engine_calls == 2
+
+
+def test_weight_hooks_and_lowvram_run_the_plain_model(pack, tiny):
+    import comfy.hooks
+    from comfy.patcher_extension import CallbacksMP
+
+    pos, neg = H.tiny_conditioning(2)
+    hooks = comfy.hooks.create_hook_lora(H.lora_patches(tiny), 1.0, 0.0)
+    hpos = comfy.hooks.set_hooks_for_conditioning(pos, hooks)
+    acc, _ = accelerate(pack, tiny)
+    assert torch.equal(sample(acc, hpos, neg), sample(tiny, hpos, neg))
+    s = status(pack, acc)
+    assert s.engine_calls == 0 and any("hooks" in m for m in s.messages)
+
+    low, _ = accelerate(pack, tiny)
+    low.add_callback(CallbacksMP.ON_PRE_RUN, lambda patcher: setattr(patcher.model, "model_lowvram", True))
+    try:
+        assert torch.equal(sample(low, pos, neg), sample(tiny, pos, neg))
+    finally:
+        tiny.model.model_lowvram = False
+    s = status(pack, low)
+    assert s.engine_calls == 0 and s.plain_calls == 2 and any("lowvram" in m for m in s.messages)
+
+
+def test_other_model_types_pass_through_unchanged(pack, tiny):
+    import comfy.model_patcher
+
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+    other = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cpu"))
+    out = node.apply(other, "auto", True, False, **PROFILE, unique_id="3")
+    assert out["result"][0] is other and "not an SD1.x, SD2.x or SDXL UNet" in out["ui"]["text"][0]
+
+    narrow = H.tiny_model(0)
+    for block in narrow.model.diffusion_model.modules():  # a context width no SD family has
+        if hasattr(block, "to_k") and block.to_k.in_features == 768:
+            block.to_k = torch.nn.Linear(32, block.to_k.out_features, bias=False)
+    out = node.apply(narrow, "auto", True, False, **PROFILE, unique_id="3")
+    assert out["result"][0] is narrow and "custom layout" in out["ui"]["text"][0]
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(min_width=1024, max_width=512), "min 1024, opt 128, max 512"),
+    (dict(opt_height=100), "height 100 is not a multiple of 8"),
+])
+def test_bad_profile_says_so_and_still_runs_the_torch_path(pack, tiny, changes, words, caplog):
+    pos, neg = H.tiny_conditioning(2)
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        acc, text = accelerate(pack, tiny, backend="tensorrt", **changes)
+    assert words in text and "torch path runs" in text
+    assert words in caplog.text
+    assert torch.equal(sample(acc, pos, neg, ), sample(tiny, pos, neg))
+    assert status(pack, acc).backend == "torch"
+
+
+def test_backend_not_installed_falls_back_with_the_reason(pack, tiny, caplog):
+    pos, neg = H.tiny_conditioning(2)
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        acc, text = accelerate(pack, tiny, backend="tensorrt")
+    assert "tensorrt was asked for but cannot run" in text
+    assert "tensorrt was asked for but cannot run" in caplog.text
+    assert torch.equal(sample(acc, pos, neg, ), sample(tiny, pos, neg))
+    assert status(pack, acc).backend == "torch"
+
+
+def test_sd_accel_backend_off_is_honoured_by_auto(pack, tiny, monkeypatch):
+    monkeypatch.setenv("SD_ACCEL_BACKEND", "off")
+    pos, neg = H.tiny_conditioning(2)
+    acc, text = accelerate(pack, tiny, backend="auto")
+    assert text.startswith("backend: off")
+    assert torch.equal(sample(acc, pos, neg), sample(tiny, pos, neg))
+    s = status(pack, acc)
+    assert s.backend == "plain" and s.engine_calls == 0 and s.plain_calls == 2
+
+
+def test_failed_build_runs_the_plain_model_and_says_why(pack, tiny, monkeypatch):
+    import accel.backends.torch_fused as torch_fused
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("the build ran out of luck")
+
+    monkeypatch.setattr(torch_fused, "build", broken)
+    pos, neg = H.tiny_conditioning(2)
+    acc, _ = accelerate(pack, tiny)
+    assert torch.equal(sample(acc, pos, neg, ), sample(tiny, pos, neg))
+    s = status(pack, acc)
+    assert s.backend == "plain" and s.plain_calls == 2
+    assert any("ran out of luck" in m for m in s.messages)
+
+
+def test_accel_info_reports_gpu_plan_cache_and_model(pack, tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("SD_ACCEL_CACHE", str(tmp_path / "cache"))
+    info = pack.NODE_CLASS_MAPPINGS["SDAccelInfo"]()
+    acc, _ = accelerate(pack, tiny)
+    pos, neg = H.tiny_conditioning(2)
+    sample(acc, pos, neg)
+    out = info.info("auto", acc)
+    text = out["result"][0]
+    assert out["ui"]["text"] == [text]
+    assert text.startswith("GPU: ") and "plan for backend=auto:\nbackend: torch" in text
+    assert f"engine cache: {tmp_path / 'cache'} (empty" in text
+    assert "model: accelerated\npath: torch" in text and "2 accelerated, 0 on the plain model" in text
+    assert "model: not accelerated" in info.info("auto", tiny)["result"][0]
+
+
+def test_tiled_vae_decode_and_encode(pack):
+    vae = H.tiny_vae(1)
+    latent = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(3))
+    decode = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEDecode"]()
+    encode = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEEncode"]()
+    (image,) = decode.decode({"samples": latent}, vae, 64, 16, unique_id="5")
+    assert image.shape == (1, 128, 128, 3)
+    (z,) = encode.encode(image, vae, 64, 16, unique_id="6")
+    assert z["samples"].shape == (1, 4, 16, 16)
+    untiled = vae.decode(latent)
+    if pack.nodes.tiled_vae._tiled() is not None:
+        # global GroupNorm statistics: the tiles add up to the untiled decode
+        assert (image - untiled).abs().max() < 2e-3
+        assert (z["samples"] - vae.encode(image)).abs().max() < 2e-3
+    else:
+        # the seam: ComfyUI's own tiled code runs until accel.vae_tiled exists
+        assert torch.equal(image, vae.decode_tiled(latent, tile_x=8, tile_y=8, overlap=2))

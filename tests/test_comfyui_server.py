@@ -1,0 +1,145 @@
+"""ComfyUI started headless (main.py --cpu, loopback) with this pack as a custom node: workflows posted to /prompt
+run the Accelerated UNet, the tiled VAE nodes and Accel Info on a tiny seeded model (built by the test-only nodes
+in comfy_helpers.py), and the saved images of the accelerated branch equal those of the plain branch.
+Skipped unless COMFYUI_ROOT names a ComfyUI checkout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import comfy_helpers as H
+
+pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+
+LORA = "sd_accel_tiny_lora.safetensors"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfyui")
+    H.import_comfy()
+    from safetensors.torch import save_file
+
+    (base / "models" / "loras").mkdir(parents=True)
+    save_file(H.lora_patches(H.tiny_model(0)), str(base / "models" / "loras" / LORA))
+    srv = H.Server(base)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def base_prompt(prefix: str) -> dict:
+    """The tiny model, an accelerated and a plain branch with the same sampler settings, each decoded by the tiled
+    decode and saved; the accelerated image goes back through the tiled encode; Accel Info reports on it."""
+    sampler = {"seed": 1, "steps": 2, "cfg": 5.0, "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0,
+               "positive": ["1", 2], "negative": ["1", 3], "latent_image": ["3", 0]}
+    tiles = {"vae": ["1", 1], "tile_size": 64, "overlap": 0}
+    return {
+        "1": {"class_type": "SDAccelTestTinySD", "inputs": {"seed": 0}},
+        "2": {"class_type": "SDAccelAcceleratedUNet", "inputs": {
+            "model": ["1", 0], "backend": "torch", "cuda_graphs": True, "torch_compile": False,
+            "min_width": 64, "opt_width": 64, "max_width": 512, "min_height": 64, "opt_height": 64,
+            "max_height": 512, "min_batch": 1, "opt_batch": 1, "max_batch": 2}},
+        "3": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "4": {"class_type": "KSampler", "inputs": {"model": ["2", 0], **sampler}},
+        "5": {"class_type": "SDAccelTiledVAEDecode", "inputs": {"samples": ["4", 0], **tiles}},
+        "6": {"class_type": "SaveImage", "inputs": {"images": ["5", 0], "filename_prefix": f"{prefix}_accel"}},
+        "7": {"class_type": "KSampler", "inputs": {"model": ["1", 0], **sampler}},
+        "8": {"class_type": "SDAccelTiledVAEDecode", "inputs": {"samples": ["7", 0], **tiles}},
+        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 0], "filename_prefix": f"{prefix}_plain"}},
+        "10": {"class_type": "SDAccelTiledVAEEncode", "inputs": {"pixels": ["5", 0], **tiles}},
+        "11": {"class_type": "VAEDecode", "inputs": {"samples": ["10", 0], "vae": ["1", 1]}},
+        "12": {"class_type": "SaveImage", "inputs": {"images": ["11", 0], "filename_prefix": f"{prefix}_roundtrip"}},
+        "13": {"class_type": "SDAccelInfo", "inputs": {"backend": "auto", "model": ["2", 0]}},
+    }
+
+
+def image(server, entry: dict, node: str) -> np.ndarray:
+    from PIL import Image
+
+    (saved,) = entry["outputs"][node]["images"]
+    path = server.base / "output" / saved["subfolder"] / saved["filename"]
+    return np.asarray(Image.open(path)).astype(np.int16)
+
+
+def test_workflow_with_all_nodes_matches_the_plain_model(server):
+    entry = server.run(base_prompt("base"))
+    accel, plain = image(server, entry, "6"), image(server, entry, "9")
+    assert accel.shape == (64, 64, 3) and accel.std() > 5  # a picture, not a flat fill
+    assert np.abs(accel - plain).max() <= 1
+    assert image(server, entry, "12").shape == (64, 64, 3)
+    info = "\n".join(entry["outputs"]["13"]["text"])
+    assert info.startswith("GPU: ") and "engine cache: " in info and "model: accelerated" in info
+    first_run = server.log().split("Prompt executed")[0]
+    assert "the torch path is ready" in first_run
+    assert "plain model" not in first_run and "own forward" not in first_run
+
+
+def test_lora_downstream_and_upstream_of_the_node(server):
+    prompt = base_prompt("lora")
+    lora = {"lora_name": LORA, "strength_model": 1.0}
+    prompt["20"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["2", 0], **lora}}  # after the node
+    prompt["21"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], **lora}}  # before it
+    prompt["22"] = {"class_type": "SDAccelAcceleratedUNet", "inputs": {**prompt["2"]["inputs"], "model": ["21", 0]}}
+    prompt["23"] = {"class_type": "KSampler", "inputs": {**prompt["4"]["inputs"], "model": ["22", 0]}}
+    prompt["24"] = {"class_type": "SDAccelTiledVAEDecode", "inputs": {**prompt["5"]["inputs"], "samples": ["23", 0]}}
+    prompt["25"] = {"class_type": "SaveImage", "inputs": {"images": ["24", 0], "filename_prefix": "lora_before"}}
+    prompt["4"]["inputs"]["model"] = ["20", 0]
+    prompt["7"]["inputs"]["model"] = ["21", 0]
+    entry = server.run(prompt)
+    after, before, plain = image(server, entry, "6"), image(server, entry, "25"), image(server, entry, "9")
+    assert np.abs(after - plain).max() <= 1 and np.abs(before - plain).max() <= 1
+    without = image(server, server.run(base_prompt("nolora")), "9")
+    assert np.abs(plain - without).max() > 8  # the LoRA changes the picture
+
+
+def test_controlnet_on_the_torch_path(server):
+    prompt = base_prompt("control")
+    prompt["30"] = {"class_type": "SDAccelTestControlNet", "inputs": {"seed": 9}}
+    prompt["31"] = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1,
+                                                           "color": 0x3366CC}}
+    prompt["32"] = {"class_type": "ControlNetApplyAdvanced", "inputs": {
+        "positive": ["1", 2], "negative": ["1", 3], "control_net": ["30", 0], "image": ["31", 0],
+        "strength": 1.0, "start_percent": 0.0, "end_percent": 1.0}}
+    for sampler in ("4", "7"):
+        prompt[sampler]["inputs"].update(positive=["32", 0], negative=["32", 1])
+    entry = server.run(prompt)
+    accel, plain = image(server, entry, "6"), image(server, entry, "9")
+    assert np.abs(accel - plain).max() <= 1
+    without = image(server, server.run(base_prompt("nocontrol")), "9")
+    assert np.abs(plain - without).max() > 8
+
+
+def test_attention_patch_that_changes_with_the_step(server):
+    prompt = base_prompt("attn")
+    prompt["40"] = {"class_type": "SDAccelTestStepAttention", "inputs": {"model": ["2", 0], "strength": 0.5}}
+    prompt["41"] = {"class_type": "SDAccelTestStepAttention", "inputs": {"model": ["1", 0], "strength": 0.5}}
+    prompt["4"]["inputs"]["model"] = ["40", 0]
+    prompt["7"]["inputs"]["model"] = ["41", 0]
+    entry = server.run(prompt)
+    accel, plain = image(server, entry, "6"), image(server, entry, "9")
+    assert np.abs(accel - plain).max() <= 1
+    without = image(server, server.run(base_prompt("noattn")), "9")
+    assert np.abs(plain - without).max() > 8
+    assert "attn2 replace" in server.log()
+
+
+def test_example_workflows_use_nodes_and_inputs_the_server_knows(server):
+    """workflows/*_api.json against /object_info: every class exists and every input is one it declares."""
+    info = server.get("/object_info")
+    paths = sorted(H.REPO.glob("workflows/*_api.json"))
+    assert len(paths) >= 2
+    for path in paths:
+        for node_id, node in json.loads(path.read_text()).items():
+            assert node["class_type"] in info, f"{path.name} node {node_id}: unknown {node['class_type']}"
+            spec = info[node["class_type"]]["input"]
+            declared = {**spec.get("required", {}), **spec.get("optional", {})}
+            unknown = set(node["inputs"]) - set(declared)
+            assert not unknown, f"{path.name} node {node_id} ({node['class_type']}): unknown inputs {unknown}"
+            missing = set(spec.get("required", {})) - set(node["inputs"])
+            assert not missing, f"{path.name} node {node_id} ({node['class_type']}): missing inputs {missing}"

@@ -1,0 +1,124 @@
+// sd-accel front-end: shows on the Accelerated UNet node which path serves the UNet, where its engine came from
+// (built now or loaded from the cache), build progress, and the messages the pack said; shows Accel Info's report.
+// The server side sends "sd-accel.status" events (nodes/comfy_ui.py) and each node's text in its "executed" output.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import { ComfyWidgets } from "../../scripts/widgets.js";
+
+const UNET = "SDAccelAcceleratedUNet";
+const INFO = "SDAccelInfo";
+const TEXT_NODES = [UNET, INFO, "SDAccelTiledVAEDecode", "SDAccelTiledVAEEncode"];
+
+// Title colours by path: the engine paths, the torch path, and the plain model (nothing accelerated).
+const PATH_COLOURS = {
+  tensorrt: "#2a5d3a",
+  onnxruntime: "#2a4a6d",
+  torch: "#3d4f2a",
+  plain: "#6d4a2a",
+};
+
+function textWidget(node, name) {
+  let widget = node.widgets?.find((w) => w.name === name);
+  if (!widget) {
+    widget = ComfyWidgets.STRING(node, name, ["STRING", { multiline: true }], app).widget;
+    widget.serialize = false; // shown, never sent back with the workflow
+    if (widget.inputEl) {
+      widget.inputEl.readOnly = true;
+      widget.inputEl.style.opacity = 0.8;
+    }
+  }
+  return widget;
+}
+
+function showText(node, text) {
+  textWidget(node, "sd_accel_text").value = text;
+  node.setDirtyCanvas(true, true);
+}
+
+function statusLines(s) {
+  const lines = [];
+  if (s.backend) lines.push(`path: ${s.backend}${s.source ? ` (${s.source})` : ""}`);
+  if (s.engine_calls !== undefined) {
+    lines.push(`last run: ${s.engine_calls} accelerated calls, ${s.plain_calls} on the plain model`);
+  }
+  for (const m of s.messages ?? []) lines.push(`note: ${m}`);
+  return lines;
+}
+
+function findNode(id) {
+  // Nodes inside subgraphs report ids like "12:5"; the last part is the node in its own graph.
+  const graph = app.graph;
+  return graph?.getNodeById(Number(id)) ?? graph?.getNodeById(Number(String(id).split(":").pop()));
+}
+
+function onStatus(event) {
+  const d = event.detail;
+  const node = findNode(d.node);
+  if (!node) return;
+  const state = (node.sdAccel ??= { progress: null, status: {}, planned: "" });
+  if (d.kind === "build" || d.kind === "vae") {
+    state.progress = d.fraction >= 1 ? null : { stage: d.stage, fraction: d.fraction, eta: d.eta };
+  } else if (d.kind === "status") {
+    state.status = d;
+    state.progress = null;
+  } else if (d.kind === "planned") {
+    state.planned = d.text;
+    state.status = { backend: `${d.backend} (planned, builds on the first step)` };
+  } else if (d.kind === "message") {
+    state.status.messages = [...new Set([...(state.status.messages ?? []), d.message])];
+  }
+  if (node.type === UNET) {
+    const path = (state.status.backend ?? "").split(" ")[0];
+    if (PATH_COLOURS[path]) node.color = PATH_COLOURS[path];
+    showText(node, [...statusLines(state.status), state.planned].filter(Boolean).join("\n"));
+  } else if (d.kind === "message") {
+    showText(node, state.status.messages.join("\n"));
+  }
+  node.setDirtyCanvas(true, true);
+}
+
+function drawProgress(node, ctx) {
+  const p = node.sdAccel?.progress;
+  if (!p || node.flags?.collapsed) return;
+  const width = node.size[0];
+  const y = -(globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30) - 4;
+  ctx.save();
+  ctx.fillStyle = "#222";
+  ctx.fillRect(0, y, width, 4);
+  ctx.fillStyle = "#4caf50";
+  ctx.fillRect(0, y, width * Math.max(0, Math.min(1, p.fraction)), 4);
+  ctx.fillStyle = "#ddd";
+  ctx.font = "11px sans-serif";
+  const eta = p.eta ? `, ${Math.round(p.eta)} s left` : "";
+  ctx.fillText(`${p.stage} ${Math.round(100 * p.fraction)}%${eta}`, 4, y - 4);
+  ctx.restore();
+}
+
+app.registerExtension({
+  name: "sd-accel.status",
+  setup() {
+    api.addEventListener("sd-accel.status", onStatus);
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (!TEXT_NODES.includes(nodeData.name)) return;
+    const onExecuted = nodeType.prototype.onExecuted;
+    nodeType.prototype.onExecuted = function (message) {
+      onExecuted?.apply(this, arguments);
+      const text = message?.text?.join("\n");
+      if (!text) return;
+      if (nodeData.name === UNET) {
+        const state = (this.sdAccel ??= { progress: null, status: {}, planned: "" });
+        state.planned = text;
+        showText(this, [...statusLines(state.status), text].filter(Boolean).join("\n"));
+      } else {
+        showText(this, text);
+      }
+    };
+    const onDrawForeground = nodeType.prototype.onDrawForeground;
+    nodeType.prototype.onDrawForeground = function (ctx) {
+      const r = onDrawForeground?.apply(this, arguments);
+      drawProgress(this, ctx);
+      return r;
+    };
+  },
+});

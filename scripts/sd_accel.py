@@ -14,6 +14,7 @@ from modules import devices, script_callbacks, sd_unet, shared
 
 from accel.accelerate import accelerate
 from accel.errors import AccelError
+from accel.progress import CallbackProgress
 
 log = logging.getLogger("sd-accel")
 BACKENDS = ["auto", "torch", "onnxruntime", "tensorrt", "off"]
@@ -32,7 +33,8 @@ class AccelUnet(sd_unet.SdUnet):
         # step would come back here.
         diffusion_model.forward = types.MethodType(openaimodel.copy_of_UNetModel_forward_for_webui, diffusion_model)
         try:
-            self.acc = accelerate(diffusion_model, preference=shared.opts.data.get("sd_accel_backend", "auto"))
+            self.acc = accelerate(diffusion_model, preference=shared.opts.data.get("sd_accel_backend", "auto"),
+                                  progress=CallbackProgress(_show_progress))
             print(f"sd-accel: {self.acc.backend} path active\n" + self.acc.plan.summary())
         except AccelError as e:
             print(f"sd-accel: {e} The built-in UNet runs.")
@@ -50,6 +52,12 @@ class AccelUnet(sd_unet.SdUnet):
             self.acc.release()
             self.acc = None
         shared.sd_model.model.diffusion_model.__dict__.pop("forward", None)
+
+
+def _show_progress(stage: str, fraction: float, eta: float | None) -> None:
+    # A1111 shows shared.state.textinfo beside its progress bar while a job runs.
+    left = f", {eta:.0f} s left" if eta else ""
+    shared.state.textinfo = f"sd-accel: {stage} {fraction:.0%}{left}"
 
 
 class AccelUnetOption(sd_unet.SdUnetOption):

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -11,3 +12,6 @@ if ROOT not in sys.path:
 # imported. With a GPU they run for real.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Engines built by tests go to a throw-away cache, never to the user's ~/.cache/sd-accel.
+os.environ.setdefault("SD_ACCEL_CACHE", tempfile.mkdtemp(prefix="sd-accel-test-cache-"))

@@ -372,3 +372,29 @@ def test_cuda_fp16_engine_with_cuda_graph(tmp_path):
     assert out.device == x.device and rel(out, ref) <= 2e-2
     assert all(v["memcpy"] == 0 for v in engine.host_nodes.values())
     engine.release()
+
+
+def test_engine_cache_builds_once_then_loads(tmp_path, monkeypatch):
+    """Without a folder the model is built into the engine cache; the next build of the same weights loads it,
+    and a LoRA-style change of the weights is a miss."""
+    import time
+
+    monkeypatch.setenv("SD_ACCEL_CACHE", str(tmp_path))
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=4))
+    x, t, ctx, _ = example_inputs(unet.unet, latent=16, seed=5)
+    start = time.perf_counter()
+    first = ortb.build(unet, dict(CPU))
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    second = ortb.build(unet, dict(CPU))
+    load_s = time.perf_counter() - start
+    assert not first.cache_result.hit and second.cache_result.hit
+    assert load_s < build_s / 3
+    assert rel(second(x, t, ctx), unet(x, t, ctx)) <= 1e-4
+    with torch.no_grad():
+        unet.unet.conv_in.weight.add_(0.01 * torch.randn_like(unet.unet.conv_in.weight))
+    third = ortb.build(unet, dict(CPU))
+    assert not third.cache_result.hit
+    for engine in (first, second, third):
+        engine.release()
+    print(f"ORT tiny-sd15 on the CPU: build {build_s:.2f} s, cache hit {load_s:.2f} s")

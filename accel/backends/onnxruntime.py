@@ -46,8 +46,10 @@ DEFAULTS: dict[str, Any] = {
     "conv_algo_search": "EXHAUSTIVE",
     "prefer_nhwc": False,
     "inspect": False,  # save each session's ORT-optimized graph and count its host-side nodes (host_nodes)
+    "cache_root": None,  # the host's cache folder (ComfyUI / A1111: models/accel); see accel.cache.default_root
+    "profile": None,  # the shape profile the host asked for; part of the cache key
     "refit": True,  # write the weight map that lets update_weights() swap weights (LoRA) without a rebuild
-    "folder": None,  # where the model files go; a temporary folder (removed by release()) when None
+    "folder": None,  # where the model files go; the engine cache when None
     "gpu": None,  # accel.device.GpuInfo; detected when None
 }
 
@@ -250,7 +252,11 @@ def load(path: Path, options: dict | None = None, progress: Progress | None = No
 
 
 def build(unet: CanonicalUNet, options: dict | None = None, progress: Progress | None = None) -> "OrtEngine":
-    """Export -> fusions -> fp16 (GPU) -> session. Progress stages: export, fusion, fp16, session."""
+    """Export -> fusions -> fp16 (GPU) -> session. Progress stages: export, fusion, fp16, session.
+
+    With options["folder"] the model files go there; otherwise they are built once into the engine cache
+    (options["cache_root"], SD_ACCEL_CACHE or ~/.cache/sd-accel) and loaded from it by later calls and
+    processes. The engine's `cache_result` says which happened."""
     options = {**DEFAULTS, **(options or {})}
     try:
         import onnxruntime as ort
@@ -259,16 +265,37 @@ def build(unet: CanonicalUNet, options: dict | None = None, progress: Progress |
                                                                                  platform.system())) from e
     gpu = options["gpu"] = _gpu(options)
     provider = choose_provider(gpu, ort.get_available_providers())
-    owned = options["folder"] is None
-    folder = Path(tempfile.mkdtemp(prefix="sd-accel-ort-")) if owned else Path(options["folder"])
-    try:
-        path = build_model(unet, folder, options, progress, provider)
-        engine = load(path, options, progress)
-    except BaseException:
-        if owned:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise
-    engine.owned_folder = folder if owned else None
+    if options["folder"] is None:
+        return _build_cached(unet, options, progress, provider)
+    path = build_model(unet, Path(options["folder"]), options, progress, provider)
+    return load(path, options, progress)
+
+
+# Options that change the built model files (the others only change how sessions are opened).
+_BUILD_OPTIONS = ("fp16", "opset", "control", "static_shapes", "cuda_graph", "refit", "profile")
+
+
+def _build_cached(unet: CanonicalUNet, options: dict, progress: Progress | None, provider: str) -> "OrtEngine":
+    from ..cache import EngineCache, cached_build, default_root, key_parts
+
+    fp16 = options["fp16"] if options["fp16"] is not None else provider != CPU
+    parts = key_parts(unet.unet, backend="onnxruntime", spec=unet.spec, profile=options.get("profile"),
+                      dtype="float16" if fp16 else "float32", gpu=options["gpu"],
+                      options={"provider": provider, **{k: options.get(k) for k in _BUILD_OPTIONS}})
+    cache = EngineCache(default_root(options.get("cache_root")))
+
+    def build_into(folder: Path, prog: Progress) -> None:
+        build_model(unet, folder, options, prog, provider)
+
+    def load_from(folder: Path) -> "OrtEngine":
+        models = sorted(p for p in Path(folder).glob("unet.*.onnx"))
+        if not models:
+            raise BackendUnavailable(f"the cache entry {folder} holds no model file.", "It will be rebuilt.")
+        return load(models[0], options, progress)
+
+    engine, result = cached_build(cache, parts, build_into, load_from, progress)
+    engine.cache_result = result
+    log.info("sd-accel: onnxruntime engine %s", result.describe())
     return engine
 
 
@@ -285,7 +312,6 @@ class OrtEngine:
         self.info: OnnxUNetInfo = model_info(path)
         self.provider = provider
         self.options = options
-        self.owned_folder: Path | None = None
         self.device = torch.device(gpu.device if provider != CPU else "cpu")
         self.dtype = torch.float16 if self.info.float16 else torch.float32
         self._gpu = gpu
@@ -511,13 +537,12 @@ class OrtEngine:
         return out.clone()
 
     def release(self) -> None:
-        """Drops the sessions (and the model files when the engine made them in a temporary folder)."""
+        """Drops the sessions and the scratch copy with refreshed weights; the built model stays where it was."""
         self._graph_io.clear()
         self._sessions.clear()
         self._released = True
-        for folder in (self.owned_folder, self._scratch):
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
-        self.owned_folder = self._scratch = None
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        self._scratch = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -108,3 +108,17 @@ def test_call_an_engine_cannot_serve_goes_to_torch_once(tiny, caplog):
         acc(x, t, ctx, y)
     assert rel(out, unet(x, t, ctx, y)) <= 1e-5
     assert sum("ControlNet" in r.message for r in caplog.records) == 1
+
+
+def test_tensorrt_plan_without_its_backend_runs_torch_and_says_so(tiny, monkeypatch, caplog):
+    import accel.policy
+
+    unet, (x, t, ctx, y) = tiny
+    monkeypatch.setattr(accel.policy, "probe_packages", lambda: {"tensorrt": True, "triton": False})
+    hopper = GpuInfo("nvidia", "hopper", name="H100", arch="sm_90", device="cpu",
+                     dtypes=("float16", "bfloat16", "float32"))
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        acc = accelerate(unet, gpu=hopper)
+    assert acc.plan.backend == "tensorrt" and acc.backend == "torch"
+    assert any("tensorrt path is not part of this version" in r.message for r in caplog.records)
+    assert rel(acc(x, t, ctx, y), unet(x, t, ctx, y)) <= 1e-5

@@ -34,7 +34,15 @@ def load(name: str):
     """The backend module by name; ImportError when its optional packages are missing."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return importlib.import_module(BACKENDS[name])
+    try:
+        return importlib.import_module(BACKENDS[name])
+    except ModuleNotFoundError as e:
+        if e.name != BACKENDS[name]:
+            raise
+        from ..errors import BackendUnavailable
+
+        raise BackendUnavailable(f"the {name} path is not part of this version of sd-accel.",
+                                 "The torch path serves instead.") from e
 
 
 def available(name: str, gpu) -> tuple[bool, str]:

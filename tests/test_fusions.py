@@ -58,3 +58,15 @@ def test_time_embedding_keeps_its_silu():
     undo, _ = fusions.apply(unet.unet, ["groupnorm"])
     assert rel(unet(x, t, ctx) - unet(x, t2, ctx), ref) <= 1e-4
     undo()
+
+
+def test_kernels_load_when_another_package_owns_the_name(monkeypatch):
+    """Hugging Face's `kernels` package can shadow ours inside ComfyUI; the fusions must still find ours."""
+    import sys
+    import types
+
+    from accel.fusions.base import kernel_module
+
+    monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))
+    gn = kernel_module("groupnorm")
+    assert hasattr(gn, "group_norm") and gn.__name__ != "kernels.groupnorm"

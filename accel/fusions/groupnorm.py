@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Undo, patch_forward, replace_child
+from .base import Undo, kernel_module, patch_forward, replace_child
 
 
 def _fused_forward(silu: bool):
     def forward(self: nn.GroupNorm, x):
-        from kernels import groupnorm
+        groupnorm = kernel_module("groupnorm")
 
         if x.dim() == 4 and groupnorm.supported(x):
             return groupnorm.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu=silu)

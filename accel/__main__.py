@@ -58,12 +58,6 @@ def _demo(args: argparse.Namespace) -> int:
     return main(args)
 
 
-def _cache(args: argparse.Namespace) -> int:
-    from .cache_cli import main
-
-    return main(args.rest)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m accel", description="sd-accel: fast Stable Diffusion UNet and VAE.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -91,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", default="sd-accel-demo.png", help="where to save the image")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=_demo)
-    c = sub.add_parser("cache", help="the engine cache: ls | info KEY | clear | prune [--root DIR]")
-    c.add_argument("rest", nargs=argparse.REMAINDER)
-    c.set_defaults(fn=_cache)
+    sub.add_parser("cache", help="the engine cache: ls | info KEY | clear | prune [--root DIR]")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cache"]:  # its own parser owns every argument after the word, -h included
+        from .cache_cli import main as cache_main
+
+        return cache_main(argv[1:])
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from .errors import AccelError

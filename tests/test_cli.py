@@ -17,9 +17,12 @@ def run(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
 
 
 def test_doctor_names_device_and_plan():
+    from accel.device import describe, detect
+
     r = run("doctor")
     assert r.returncode == 0, r.stderr
-    assert "CPU" in r.stdout and "backend: torch" in r.stdout
+    assert r.stdout.splitlines()[0] == describe(detect())
+    assert "packages: onnxruntime" in r.stdout and "backend: " in r.stdout
 
 
 def test_bench_tiny_writes_rows_with_errors(tmp_path):

@@ -2,6 +2,9 @@
 
 For diffusers UNets this is diffusers' own `fuse_qkv_projections()` (it writes the packed weights once and
 switches to its fused SDPA processor); `unfuse_qkv_projections()` is the way back.
+
+The packed weights are copies: they do not follow weights changed after the fusion (LoRA), so the torch path
+leaves this off unless options["fusions"] names it. Measured on an H100 (BENCHMARKS.md): SDXL 41.87 -> 41.14 ms.
 """
 
 from __future__ import annotations

@@ -330,9 +330,11 @@ def export_onnx(unet: CanonicalUNet, folder: Path, opset: int = OPSET, control: 
     model = onnx.load(str(tmp / name), load_external_data=True)
     if spec.form == "ldm":
         _constant_head_reshapes(model)
+    geglu = sorted({m.proj.out_features for m in unet.unet.modules()
+                    if type(m).__name__ == "GEGLU" and isinstance(getattr(m, "proj", None), nn.Linear)})
     _set_metadata(model, {"form": spec.form, "in_channels": spec.in_channels, "out_channels": spec.out_channels,
                           "size_multiple": multiple, "control_outputs": outputs, "control_middle": int(middle),
-                          **factors})
+                          "geglu_widths": ",".join(map(str, geglu)), **factors})
     path = save_model(model, folder / name)
     shutil.rmtree(tmp, ignore_errors=True)
     progress.advance()
@@ -365,7 +367,13 @@ def model_info(model_or_path) -> OnnxUNetInfo:
         float16=x.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16)
 
 
-def fusion_options(provider: str, fp16: bool):
+# Hidden sizes (the GEGLU projection's width) that ORT's CUDA BiasSplitGelu kernel takes (seen on an H100 with
+# onnxruntime-gpu 1.31.1: "hidden size should be 2560, 5120, 6144, 10240 or 12288"). SD1.x/2.x/SDXL widths are
+# among them; other widths keep the unfused ops.
+BIAS_SPLITGELU_WIDTHS = (2560, 5120, 6144, 10240, 12288)
+
+
+def fusion_options(provider: str, fp16: bool, geglu_widths: tuple[int, ...] = ()):
     """ORT's FusionOptions for SD UNets, restricted to what `provider` can run. Packed Q/K/V only feed fp16
     attention kernels (as Microsoft's SD pipeline does), so an fp32 model keeps them separate."""
     from onnxruntime.transformers.fusion_options import FusionOptions
@@ -377,6 +385,8 @@ def fusion_options(provider: str, fp16: bool):
         setattr(options, k, v)
     if not fp16:
         options.enable_packed_qkv = options.enable_packed_kv = False
+    if any(w not in BIAS_SPLITGELU_WIDTHS for w in geglu_widths):
+        options.enable_bias_splitgelu = False
     return options
 
 
@@ -395,7 +405,9 @@ def _fuse(model, provider: str, fp16: bool, progress: Progress):
     from onnxruntime.transformers.onnx_model_unet import UnetOnnxModel
     from onnxruntime.transformers.optimizer import optimize_model
 
-    options = fusion_options(provider, fp16)
+    meta = {p.key[len(META):]: p.value for p in model.metadata_props if p.key.startswith(META)}
+    widths = tuple(int(w) for w in meta.get("geglu_widths", "").split(",") if w)
+    options = fusion_options(provider, fp16, widths)
     progress.stage("fusion", total=18)  # UnetOnnxModel._optimize's step count
     if not hasattr(UnetOnnxModel, "_optimize"):  # another ORT version: the public call, without step progress
         m = optimize_model(model, model_type="unet", num_heads=0, hidden_size=0, opt_level=0,

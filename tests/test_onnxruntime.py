@@ -49,7 +49,9 @@ def structure(module: nn.Module) -> dict[str, int]:
     return {"blocks": names.count("BasicTransformerBlock"),
             "transformers": names.count("Transformer2DModel") + names.count("SpatialTransformer"),
             "groupnorms": sum(isinstance(m, nn.GroupNorm) for m in module.modules()),
-            "convs": sum(isinstance(m, nn.Conv2d) for m in module.modules())}
+            "convs": sum(isinstance(m, nn.Conv2d) for m in module.modules()),
+            "splitgelu": all(m.proj.out_features in export.BIAS_SPLITGELU_WIDTHS
+                             for m in module.modules() if type(m).__name__ == "GEGLU")}
 
 
 def expected_fusions(module: nn.Module, provider: str) -> dict[str, int]:
@@ -61,8 +63,10 @@ def expected_fusions(module: nn.Module, provider: str) -> dict[str, int]:
     n, t = s["blocks"], s["transformers"]
     counts = dict.fromkeys(export.FUSED_OPS, 0)
     counts.update(LayerNormalization=t, SkipLayerNormalization=3 * n - t)
-    if provider == "cuda":
+    if provider == "cuda" and s["splitgelu"]:
         counts.update(MultiHeadAttention=2 * n, BiasSplitGelu=n, BiasAdd=t, NhwcConv=s["convs"])
+    elif provider == "cuda":  # a GEGLU width ORT's CUDA BiasSplitGelu does not take: plain Gelu, no BiasAdd
+        counts.update(MultiHeadAttention=2 * n, Gelu=n, NhwcConv=s["convs"])
     else:  # self attention as Attention (Q/K/V in one matmul), cross attention as MultiHeadAttention
         counts.update(Attention=n, MultiHeadAttention=n, Gelu=n)
     return counts
@@ -141,6 +145,12 @@ def test_cuda_fusion_counts_and_fp16_io(sdxl):
     types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     assert types == {"x": onnx.TensorProto.FLOAT16, "timesteps": onnx.TensorProto.FLOAT,
                      "context": onnx.TensorProto.FLOAT16, "y": onnx.TensorProto.FLOAT16}
+
+
+def test_bias_splitgelu_only_for_widths_the_cuda_kernel_takes():
+    sd_widths = (2560, 5120, 10240)  # SD1.5 and SDXL GEGLU projections
+    assert export.fusion_options("cuda", True, sd_widths).enable_bias_splitgelu
+    assert not export.fusion_options("cuda", True, (256,)).enable_bias_splitgelu
 
 
 def test_weight_map_covers_the_fused_cuda_graph(sdxl):

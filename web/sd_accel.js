@@ -26,6 +26,10 @@ function textWidget(node, name) {
       widget.inputEl.readOnly = true;
       widget.inputEl.style.opacity = 0.8;
     }
+    // The widget is added after the node was sized: grow it so the text box lies inside the node, with room for
+    // several lines (never shrink what the user set).
+    const [w, h] = node.computeSize();
+    node.setSize([Math.max(node.size[0], w), Math.max(node.size[1], h + 100)]);
   }
   return widget;
 }

@@ -34,7 +34,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.vae:
         from .vae_bench import bench_vae
 
-        out["vae"] = bench_vae(tiny=args.tiny)
+        sizes = tuple(int(v) for v in args.vae_sizes.split(",") if v) if args.vae_sizes else None
+        out["vae"] = bench_vae(tiny=args.tiny, sizes=sizes, memory_gb=args.vae_memory_gb)
         for r in out["vae"]:
             print(r)
     if not (args.kernels or args.vae) or args.unet:
@@ -67,12 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD1.5 and SDXL UNets")
     b.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sd21, sdxl (default: sd15,sdxl)")
     b.add_argument("--paths", default="torch,torch-compile,onnxruntime,tensorrt",
-                   help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile)")
+                   help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
+                        "onnxruntime-graph: ONNX Runtime with its CUDA graph)")
     b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--kernels", action="store_true", help="micro-benchmark the Triton kernels (GB/s)")
     b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
+    b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
+    b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",
+                   help="with --vae: also time the tiled decode limited to this much GPU memory (default 4)")
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae: time the UNets too")
     b.add_argument("--profile", action="store_true", help="GPU kernel time per step by operator class")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")

@@ -34,6 +34,8 @@ class AcceleratedUNet:
         self.fallback = fallback  # a torch engine, when the main engine is another backend
         self.build_seconds = build_seconds
         self._told: set[str] = set()
+        self.fallback_calls = 0  # calls the engine could not serve (BackendUnavailable), and the last reason
+        self.fallback_reason = ""
 
     @property
     def backend(self) -> str:
@@ -57,6 +59,8 @@ class AcceleratedUNet:
         try:
             return self.engine(x, timesteps, context, y, control, **kwargs)
         except BackendUnavailable as e:
+            self.fallback_calls += 1
+            self.fallback_reason = str(e)
             self.tell_once(f"fallback:{e.problem}", f"{e} This call and others like it run on the torch path.")
         except torch.OutOfMemoryError:
             self.tell_once("oom", f"out of GPU memory on the {self.backend} path; freeing its graphs and running "

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from .configs import SHAPES, build_unet, example_inputs
+from .progress import StageLog
 from .unet import CanonicalUNet
 
 
@@ -162,13 +163,19 @@ def _profile(fn: Callable[[], object]) -> dict[str, float]:
         return {k: round(v, 3) for k, v in profile_step(fn).items()}
 
 
+# Path variants of --paths ("<backend>-<variant>"): the options they build with, and their label.
+VARIANTS = {"compile": ({"compile": True}, " + regional compile"),
+            "graph": ({"cuda_graph": True}, " + CUDA graph")}
+
+
 def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profile=False) -> list[Row]:
     from .accelerate import accelerate
 
     _peak_reset(device)
     start = time.perf_counter()
     backend, _, variant = path.partition("-")
-    acc = accelerate(canon, preference=backend, options={"compile": True} if variant == "compile" else None)
+    acc = accelerate(canon, preference=backend, options=VARIANTS.get(variant, (None, ""))[0],
+                     progress=StageLog(log, f"[{name}] sd-accel {path} build stage "))
     if acc.backend != backend:
         log(f"[{name}] sd-accel {path}: not available here ({'; '.join(acc.plan.reasons)})")
         acc.release()
@@ -187,8 +194,12 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
         seen_s = time.perf_counter() - again
         ms = time_ms(lambda: acc(*args), device, iters)
     err = rel_l2(out, ref)
-    row = Row(name, f"sd-accel {backend}" + (" + regional compile" if variant else ""), ms, base_ms / ms, _peak_gb(device), err, first_s,
-              "setup = build + first call at a new shape", {"seen_shape_s": seen_s, "reasons": acc.plan.reasons})
+    note = "setup = build + first call at a new shape"
+    if acc.fallback_calls:  # the figures are then not the path's own
+        note = f"{acc.fallback_calls} calls fell back to the torch path: {acc.fallback_reason}"
+        log(f"[{name}] sd-accel {path}: {note}")
+    row = Row(name, f"sd-accel {backend}" + VARIANTS.get(variant, (None, ""))[1], ms, base_ms / ms, _peak_gb(device), err, first_s,
+              note, {"seen_shape_s": seen_s, "reasons": acc.plan.reasons})
     log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step, x{base_ms / ms:.2f}, err {err:.2e}, "
         f"first call {first_s:.1f}s, seen shape {seen_s * 1e3:.0f} ms")
     if profile and device.type == "cuda":
@@ -215,7 +226,7 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         lines.append(f"{r.model:<10} {r.variant:<36} {fmt(r.ms, '8.2f')} {fmt(r.speedup, '8.2f')} "
                      f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
-        if r.note.startswith("not available"):
+        if r.note.startswith("not available") or "fell back" in r.note:
             lines.append(f"{'':<10} {r.note}")
     return "\n".join(lines)
 

@@ -73,3 +73,25 @@ class TqdmProgress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+@dataclass
+class StageLog:
+    """Writes one line per finished stage with its duration (benchmark logs: where a build spends its time)."""
+
+    write: Callable[[str], None]
+    prefix: str = ""
+    _name: str | None = None
+    _start: float = 0.0
+
+    def stage(self, name: str, total: int = 1) -> None:
+        self.done()
+        self._name, self._start = name, time.perf_counter()
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def done(self) -> None:
+        if self._name is not None:
+            self.write(f"{self.prefix}{self._name}: {time.perf_counter() - self._start:.1f} s")
+            self._name = None

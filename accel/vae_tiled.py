@@ -32,9 +32,13 @@ not seen.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import threading
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +58,12 @@ MIN_DEVICE_TILE = 512
 MEMORY_USE = 0.9
 # Margin on the estimated tile temporaries for conv workspaces.
 WORKSPACE = 1.5
+# Widest attention head the fused SDPA kernels (flash, cuDNN) take; wider ones are computed with explicit GEMMs.
+FUSED_HEAD_DIM = 256
+# Bands computed at once when activations live in host memory (see _Ctx.streams).
+BAND_STREAMS = 2
+# Bytes of attention scores computed at once by the GEMM path.
+SCORE_BYTES = 1 << 29
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -441,12 +451,16 @@ def _needs_stats(prog: _Program) -> set[int]:
 
 @dataclass(frozen=True)
 class TilePlan:
-    """How a tiled decode/encode will run: tile side (image px), grid, where activations live, layer passes."""
+    """How a tiled decode/encode will run: tile (image px), grid, where activations live, layer passes.
+
+    With the activations in host memory the tiles are bands across the whole width (grid (n, 1), `tile` their
+    height): stored channels-last, a band is then one contiguous block, copied in one transfer each way."""
 
     tile: int
     grid: tuple[int, int]  # tiles down, tiles across
     store: str  # device holding the whole-image activations between passes
     passes: int  # steps of the program; each visits every tile (the attention counts as one)
+    bands: bool = False  # tiles are bands of whole rows (activations in host memory)
 
     @property
     def tiles(self) -> int:
@@ -468,7 +482,8 @@ def _step_bytes(prog: _Program, batch: int, elem: int) -> list[tuple[int, float,
             live[step.dst] = size(step.dst)
         c = prog.shapes[step.dst][0]
         if isinstance(step, _Attn):
-            out.append((sum(live.values()), 0.0, 0.0, 6 * size(step.src)))  # x, its norm, q, k, v, output
+            scores = min(SCORE_BYTES, size(step.src) // c * prog.shapes[step.src][1] * prog.shapes[step.src][2])
+            out.append((sum(live.values()), 0.0, 0.0, 6 * size(step.src) + 2 * scores))  # x, norm, q, k, v, out
             continue
         need = 3 * c * px(step.dst)  # the output, one summand, the copy written out
         for t in step.terms:
@@ -487,10 +502,13 @@ def _image_area(prog: _Program) -> int:
     return prog.shapes[side][1] * prog.shapes[side][2]
 
 
-def _peak(steps: list[tuple[int, float, float, int]], tile: int, image_hw: tuple[int, int], on_device: bool) -> float:
-    th, tw = min(tile, image_hw[0]), min(tile, image_hw[1])
-    return max((stored if on_device else 0) + per_px * th * tw + waiting * th * (image_hw[1] + 2 * tw) + fixed
-               for stored, per_px, waiting, fixed in steps)
+def _peak(steps: list[tuple[int, float, float, int]], tile_hw: tuple[int, int], image_hw: tuple[int, int],
+          on_device: bool) -> float:
+    """Estimated peak device bytes; with activations in host memory, BAND_STREAMS bands are in flight."""
+    th, tw = min(tile_hw[0], image_hw[0]), min(tile_hw[1], image_hw[1])
+    inflight = 1 if on_device else BAND_STREAMS
+    return max((stored if on_device else 0) + inflight * per_px * th * tw + waiting * th * (image_hw[1] + 2 * tw)
+               + fixed for stored, per_px, waiting, fixed in steps)
 
 
 def _free_bytes(device: torch.device) -> int | None:
@@ -500,29 +518,50 @@ def _free_bytes(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def _grid(prog: _Program, image_hw: tuple[int, int], tile: int) -> tuple[int, int]:
+def _grid(prog: _Program, image_hw: tuple[int, int], tile_hw: tuple[int, int]) -> tuple[int, int]:
     smallest = [min(prog.shapes[i][a] for i in prog.shapes) for a in (1, 2)]
-    return tuple(max(1, min(math.ceil(image_hw[a] / tile), smallest[a])) for a in (0, 1))
+    return tuple(max(1, min(math.ceil(image_hw[a] / tile_hw[a]), smallest[a])) for a in (0, 1))
+
+
+def _band(tile: int, width: int) -> int:
+    """Height of a band of about a tile's area (at least MIN_TILE // 8 rows)."""
+    return max(MIN_TILE // 8, tile * tile // width)
 
 
 def _plan(prog: _Program, image_hw: tuple[int, int], batch: int, device: torch.device, dtype: torch.dtype,
-          tile: int | None, offload: bool | None) -> TilePlan:
+          tile: int | None, offload: bool | None, memory_gb: float | None = None) -> TilePlan:
     free = _free_bytes(device)
+    width = image_hw[1]
     if free is None:
-        return TilePlan(tile or DEFAULT_TILE, _grid(prog, image_hw, tile or DEFAULT_TILE),
-                        "cpu" if offload else str(device), len(prog.steps))
+        side = tile or DEFAULT_TILE
+        hw = (_band(side, width), width) if offload else (side, side)
+        return TilePlan(hw[0], _grid(prog, image_hw, hw), "cpu" if offload else str(device), len(prog.steps),
+                        bool(offload))
     steps = _step_bytes(prog, batch, torch.finfo(dtype).bits // 8)
-    budget = MEMORY_USE * free
+    budget = MEMORY_USE * (free if memory_gb is None else min(free, memory_gb * 1e9))
     if offload is None:
-        on_device = _peak(steps, tile or MIN_DEVICE_TILE, image_hw, True) <= budget
+        on_device = _peak(steps, (tile or MIN_DEVICE_TILE,) * 2, image_hw, True) <= budget
     else:
         on_device = not offload
+    if on_device:
+        if tile is None:
+            # The largest tile up to TILE_CAP that fits: beyond it the GPU is busy anyway and memory only grows.
+            tile = MIN_TILE
+            while (tile < min(TILE_CAP, max(image_hw))
+                   and _peak(steps, (tile + MIN_TILE,) * 2, image_hw, True) <= budget):
+                tile += MIN_TILE
+        return TilePlan(tile, _grid(prog, image_hw, (tile, tile)), str(device), len(prog.steps))
     if tile is None:
-        # The largest tile up to TILE_CAP that fits: beyond it the GPU is busy anyway and memory only grows.
-        tile = MIN_TILE
-        while tile < min(TILE_CAP, max(image_hw)) and _peak(steps, tile + MIN_TILE, image_hw, on_device) <= budget:
-            tile += MIN_TILE
-    return TilePlan(tile, _grid(prog, image_hw, tile), str(device) if on_device else "cpu", len(prog.steps))
+        # The tallest band of at most TILE_CAP**2 px that fits beside nothing but the weights. Temporaries that
+        # do not depend on the band (the whole-latent attention) are left out: they are what they are.
+        rows, step = MIN_TILE // 8, MIN_TILE // 8
+        banded = [(0, per_px, waiting, 0) for _, per_px, waiting, _ in steps]
+        while (rows < image_hw[0] and (rows + step) * width <= TILE_CAP * TILE_CAP
+               and _peak(banded, (rows + step, width), image_hw, False) <= budget):
+            rows += step
+    else:
+        rows = _band(tile, width)
+    return TilePlan(rows, _grid(prog, image_hw, (rows, width)), "cpu", len(prog.steps), True)
 
 
 # ---------------------------------------------------------------------------------------------- execution
@@ -542,10 +581,7 @@ class _Act:
 
 
 def tile_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(N, C) sum and sum of squares of a tile, fp32 (no fp16 overflow: the squares are never stored).
-
-    Seam for a fused kernel: kernels.groupnorm.group_norm_stats(y, num_groups=C)[:2] computes the same.
-    """
+    """Per-(N, C) sum and sum of squares of a tile, fp32 (no fp16 overflow: the squares are never stored)."""
     s = y.sum(dim=(2, 3), dtype=torch.float32)
     q = torch.linalg.vector_norm(y, 2, dim=(2, 3), dtype=torch.float32)
     return s, q * q
@@ -554,43 +590,67 @@ def tile_stats(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _BN_EPS = 1e-12
 
 
-def norm_params(mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                channels: int) -> tuple[torch.Tensor, ...]:
-    """Per-(N*C) mean, variance, weight and bias (fp32) that `norm_apply` takes, from per-(N, G) mean and rstd.
+@dataclass
+class NormParams:
+    """A GroupNorm with whole-image statistics: per-(N, G) mean and rstd, the affine weight and bias (fp32)."""
 
-    Computed once per pass, not per tile. Seam for a fused kernel: kernels.groupnorm.group_norm_apply(x, mean,
-    rstd, weight, bias, silu) can replace norm_apply given (mean, rstd, weight, bias) instead.
-    """
-    n, per = mean.shape[0], channels // mean.shape[1]
-    mean_c = mean.float().repeat_interleave(per, dim=1).reshape(-1)
-    # batch_norm adds an eps of its own and refuses 0 on CUDA: hand it var + norm eps less that tiny one.
-    var_c = (rstd.float().pow(-2) - _BN_EPS).repeat_interleave(per, dim=1).reshape(-1)
-    wt = None if weight is None else weight.float().repeat(n)
-    bs = None if bias is None else bias.float().repeat(n)
-    return mean_c, var_c, wt, bs
+    mean: torch.Tensor
+    rstd: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    _per_channel: tuple[torch.Tensor, ...] | None = None
+
+    def per_channel(self, channels: int) -> tuple[torch.Tensor, ...]:
+        """Per-(N*C) mean, variance, weight and bias for F.batch_norm, computed once per pass, not per tile."""
+        if self._per_channel is None:
+            n, per = self.mean.shape[0], channels // self.mean.shape[1]
+            mean_c = self.mean.float().repeat_interleave(per, dim=1).reshape(-1)
+            # batch_norm adds an eps of its own and refuses 0 on CUDA: hand it var + norm eps less that tiny one.
+            var_c = (self.rstd.float().pow(-2) - _BN_EPS).repeat_interleave(per, dim=1).reshape(-1)
+            wt = None if self.weight is None else self.weight.float().repeat(n)
+            bs = None if self.bias is None else self.bias.float().repeat(n)
+            self._per_channel = (mean_c, var_c, wt, bs)
+        return self._per_channel
 
 
-def norm_apply(x: torch.Tensor, params: tuple[torch.Tensor, ...], silu: bool) -> torch.Tensor:
+def _triton_groupnorm(x: torch.Tensor):
+    """kernels.groupnorm where its Triton kernels run on x's device (a GPU), else None."""
+    if x.device.type == "cpu":
+        return None
+    try:
+        from .fusions.base import kernel_module
+
+        groupnorm = kernel_module("groupnorm")
+    except ImportError:
+        return None
+    return groupnorm if groupnorm.supported(x) else None
+
+
+def norm_apply(x: torch.Tensor, params: NormParams, silu: bool) -> torch.Tensor:
     """GroupNorm of x (a tile, maybe a strided view) with whole-image statistics, then SiLU when asked.
 
-    Computes in fp32 and returns x's dtype, as torch's own GroupNorm does: an eval-mode batch norm over
-    (1, N*C, H, W) is one fused kernel that takes given per-channel statistics.
+    Computes in fp32 and returns x's dtype, as torch's own GroupNorm does. On a GPU, the Triton kernel of the
+    torch path (kernels/groupnorm.py) normalizes, scales and applies SiLU in one pass; elsewhere an eval-mode
+    batch norm over (1, N*C, H, W), one kernel that takes given per-channel statistics.
     """
+    kernel = _triton_groupnorm(x)
+    if kernel is not None:
+        return kernel.group_norm_apply(x, params.mean, params.rstd, params.weight, params.bias, silu)
     n, c, h, w = x.shape
-    mean_c, var_c, wt, bs = params
+    mean_c, var_c, wt, bs = params.per_channel(c)
     y = F.batch_norm(x.reshape(1, n * c, h, w), mean_c, var_c, wt, bs, False, 0.0, _BN_EPS).view(n, c, h, w)
     return F.silu(y, inplace=True) if silu else y
 
 
-def _norm_params(act: _Act, norm: nn.GroupNorm, count: int, ctx: _Ctx) -> tuple[torch.Tensor, ...]:
-    """norm_params for a GroupNorm of `act`, from the per-channel sums its producer gathered over all tiles."""
+def _norm_params(act: _Act, norm: nn.GroupNorm, count: int, ctx: _Ctx) -> NormParams:
+    """NormParams for a GroupNorm of `act`, from the per-channel sums its producer gathered over all tiles."""
     n, c = act.sum.shape
     g = norm.num_groups
     cnt = count * (c // g)
     mean = act.sum.view(n, g, c // g).sum(-1) / cnt
     var = (act.sumsq.view(n, g, c // g).sum(-1) / cnt - mean * mean).clamp_min(0.0)
-    return norm_params(mean, torch.rsqrt(var + norm.eps), ctx.param(norm.weight, torch.float32),
-                       ctx.param(norm.bias, torch.float32), c)
+    return NormParams(mean.float(), torch.rsqrt(var + norm.eps).float(), ctx.param(norm.weight, torch.float32),
+                      ctx.param(norm.bias, torch.float32))
 
 
 @dataclass
@@ -600,15 +660,123 @@ class _Ctx:
     store: torch.device
     grid: tuple[int, int]
     progress: Progress
+    bands: bool = False  # whole-image activations in host memory, channels-last, computed in bands of rows
+    spare: list[torch.Tensor] = field(default_factory=list)  # host byte buffers free for reuse in this run
+    owned: dict[int, torch.Tensor] = field(default_factory=dict)  # data_ptr -> host byte buffer used in this run
+    side: list = field(default_factory=list)  # side streams (see streams())
 
     def param(self, p: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return None if p is None else p.to(self.device, dtype or self.dtype)
 
     def alloc(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.store == self.device:
-            return torch.empty(shape, device=self.device, dtype=self.dtype)
-        # Pageable, not pinned: torch's pinned allocator rounds up to a power of two and keeps what it pinned.
-        return torch.empty(shape, dtype=self.dtype)
+        if not self.bands:
+            return torch.empty(shape, device=self.store, dtype=self.dtype)
+        n, c, h, w = shape
+        # Channels-last, so that a band of whole rows is one contiguous block.
+        size = n * c * h * w * torch.finfo(self.dtype).bits // 8
+        buf = _take(self.spare, size)
+        if buf is None and self.device.type == "cuda":
+            buf = _host_buffer(size)
+        if buf is None:
+            buf = torch.empty(size, dtype=torch.uint8)
+        t = buf[:size].view(self.dtype).view(n, h, w, c)
+        self.owned[t.data_ptr()] = buf
+        return t.permute(0, 3, 1, 2)
+
+    def streams(self) -> list:
+        """The streams tiles alternate between: two side streams for bands on a GPU, so that one band's copies
+        to and from host memory overlap the other's compute; [None] (the current stream) otherwise."""
+        if not (self.bands and self.device.type == "cuda"):
+            return [None]
+        if not self.side:
+            self.side = [torch.cuda.Stream(self.device) for _ in range(BAND_STREAMS)]
+        return self.side
+
+    def keep(self, y: torch.Tensor) -> torch.Tensor:
+        """A whole-image activation computed in one piece, moved to the store."""
+        if not self.bands:
+            return y.to(self.store).contiguous()
+        return self.alloc(tuple(y.shape)).copy_(y, non_blocking=True)
+
+    def recycle(self, t: torch.Tensor) -> None:
+        """Hand a host activation that no later pass reads back for reuse in this run."""
+        buf = self.owned.get(t.data_ptr()) if self.bands else None
+        if buf is not None:
+            self.spare.append(buf)
+
+    def release(self) -> None:
+        """Return this run's page-locked buffers to the process pool (see _host_buffer)."""
+        buffers = list({b.data_ptr(): b for b in self.owned.values()}.values())
+        self.owned.clear()
+        self.spare.clear()
+        if self.device.type == "cuda" and buffers:
+            torch.cuda.synchronize(self.device)
+            _return_host_buffers([b for b in buffers if b.data_ptr() in _PINNED])
+
+
+def _take(buffers: list[torch.Tensor], size: int) -> torch.Tensor | None:
+    """The smallest buffer of at least `size` bytes, removed from `buffers`."""
+    fits = [i for i, b in enumerate(buffers) if b.numel() >= size]
+    if not fits:
+        return None
+    return buffers.pop(min(fits, key=lambda i: buffers[i].numel()))
+
+
+# Page-locked host buffers. Page-locking fresh memory cost ~0.7 s per GB on an H100 host (the kernel faults and
+# zeroes every page first), ~12x the copies it speeds up at 4096 px: so buffers are kept for the next run, up to
+# HOST_KEEP of the machine's memory. torch's pinned allocator is not used: it rounds sizes up to a power of two.
+HOST_KEEP = 1 / 8
+_PINNED: set[int] = set()  # data_ptr of every buffer this module registered
+_POOL: list[torch.Tensor] = []  # registered buffers no run is using
+_POOL_LOCK = threading.Lock()
+
+
+def _host_buffer(size: int) -> torch.Tensor | None:
+    """A page-locked host byte buffer of at least `size` bytes, from the pool or new; None where the runtime
+    cannot page-lock (the run then copies through pageable memory: slower)."""
+    with _POOL_LOCK:
+        buf = _take(_POOL, size)
+    if buf is not None:
+        return buf
+    # Faulting the pages in first, on all of torch's threads, made page-locking 4 GB take 0.5 s instead of 2.1 s.
+    buf = torch.empty(size, dtype=torch.uint8).zero_()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
+    except (AttributeError, RuntimeError):
+        return None
+    if int(getattr(err, "value", err)) != 0:
+        return None
+    _PINNED.add(buf.data_ptr())
+    return buf
+
+
+def _return_host_buffers(buffers: list[torch.Tensor]) -> None:
+    limit = HOST_KEEP * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    with _POOL_LOCK:
+        pool = sorted(_POOL + buffers, key=torch.Tensor.numel)
+        _POOL.clear()
+        kept = 0
+        for b in pool:
+            if kept + b.numel() <= limit:
+                _POOL.append(b)
+                kept += b.numel()
+            else:
+                _unregister(b)
+
+
+def _unregister(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    _PINNED.discard(buf.data_ptr())
+
+
+def release_host_memory() -> None:
+    """Unlock and free the page-locked host buffers kept for later tiled decodes."""
+    with _POOL_LOCK:
+        if _POOL:
+            torch.cuda.synchronize()
+        for b in _POOL:
+            _unregister(b)
+        _POOL.clear()
 
 
 def _bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -689,53 +857,90 @@ def _run_pass(step: _Pass, env: dict[int, _Act], ctx: _Ctx, shape: tuple[int, in
     single = len(rows) * len(cols) == 1  # the one tile's result is the activation: no buffer to copy it into
     out = _Act(None if single else env[into[0]].data if into is not None else ctx.alloc((n, *shape)))
     delayed = into is not None and into[1]
-    if stats:
-        out.sum = torch.zeros(n, shape[0], dtype=torch.float64, device=ctx.device)
-        out.sumsq = torch.zeros_like(out.sum)
     preps = [_prepare(t, env, ctx, count) for t in step.terms]
-    waiting: list[tuple[int, tuple[int, int, int, int], torch.Tensor]] = []
+    streams = ctx.streams()
+    sums = [torch.zeros(2, n, shape[0], dtype=torch.float64, device=ctx.device) for _ in streams] if stats else []
+    main = torch.cuda.current_stream(ctx.device) if streams[0] is not None else None
+    for st in streams:
+        if st is not None:
+            st.wait_stream(main)
+    waiting: list[tuple[int, tuple[int, int, int, int], torch.Tensor, Any]] = []
     for i, (y0, y1) in enumerate(rows):
         for j, (x0, x1) in enumerate(cols):
-            box = (y0, y1, x0, x1)
-            y = _term(step.terms[0], env[step.terms[0].src], box, ctx, preps[0])
-            for t, prep in zip(step.terms[1:], preps[1:]):
-                y = y + _term(t, env[t.src], box, ctx, prep)
-            if step.scale != 1.0:
-                y = y / step.scale
-            if stats:
-                s, q = tile_stats(y)
-                out.sum += s
-                out.sumsq += q
-            ctx.progress.advance(1)
-            if single:
-                out.data = y.to(ctx.store).contiguous()
-                continue
-            # A tile overwriting its own conv input waits for the last neighbour reading it: (i+1, j+1) in this order.
-            ready = min(i + 1, len(rows) - 1) * len(cols) + min(j + 1, len(cols) - 1) if delayed else -1
-            waiting.append((ready, box, y))
             done = i * len(cols) + j
-            while waiting and waiting[0][0] <= done:
-                _, (a0, a1, b0, b1), ready_y = waiting.pop(0)
-                out.data[:, :, a0:a1, b0:b1].copy_(ready_y, non_blocking=True)
-    if ctx.store != ctx.device and ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)  # the host copies must land before the next pass reads them
+            st = streams[done % len(streams)]
+            with _on(st):
+                box = (y0, y1, x0, x1)
+                y = _term(step.terms[0], env[step.terms[0].src], box, ctx, preps[0])
+                for t, prep in zip(step.terms[1:], preps[1:]):
+                    y = y + _term(t, env[t.src], box, ctx, prep)
+                if step.scale != 1.0:
+                    y = y / step.scale
+                if stats:
+                    acc = sums[done % len(streams)]
+                    s_, q_ = tile_stats(y)
+                    acc[0] += s_
+                    acc[1] += q_
+                ctx.progress.advance(1)
+                if single:
+                    out.data = ctx.keep(y)
+                    continue
+                if ctx.bands:  # one contiguous block each way
+                    y = y.contiguous(memory_format=torch.channels_last)
+                # A tile overwriting its own conv input waits for the last neighbour reading it: (i+1, j+1) in this
+                # order. Its copy is then issued on that neighbour's stream, after the neighbour's reads.
+                ready = min(i + 1, len(rows) - 1) * len(cols) + min(j + 1, len(cols) - 1) if delayed else -1
+                waiting.append((ready, box, y, _event(st)))
+                while waiting and waiting[0][0] <= done:
+                    _, (a0, a1, b0, b1), ready_y, made = waiting.pop(0)
+                    if st is not None:
+                        st.wait_event(made)
+                        ready_y.record_stream(st)
+                    out.data[:, :, a0:a1, b0:b1].copy_(ready_y, non_blocking=True)
+    for st in streams:
+        if st is not None:
+            main.wait_stream(st)
+    if stats:
+        total = torch.stack(sums).sum(0)
+        out.sum, out.sumsq = total[0], total[1]
     return out
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _event(stream):
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int | None = None) -> torch.Tensor:
     """Attention over all keys, for query chunks of `chunk` rows (all at once when None): exact either way.
 
     On out-of-memory the chunk shrinks, so a 1M-token latent (8192 px) still runs where the math kernel is chosen.
+    Heads wider than the fused kernels take (the SD VAE's single 512-wide head) go through two GEMMs and a softmax
+    per chunk instead: on an H100 SDPA's fallback kernel took 2.2 s for a 4096 px decode's 262k tokens.
     """
     rows = q.shape[2]
+    wide = q.is_cuda and q.shape[-1] > FUSED_HEAD_DIM
+    if chunk is None and wide:
+        chunk = max(64, SCORE_BYTES // (q.shape[0] * q.shape[1] * k.shape[2] * q.element_size()))
     chunk = chunk or rows
     while True:
         try:
-            if chunk >= rows:
+            if chunk >= rows and not wide:
                 return F.scaled_dot_product_attention(q, k, v, scale=scale)
             out = torch.empty_like(q)
+            kt = k.transpose(-1, -2)
             for i in range(0, rows, chunk):
-                out[:, :, i:i + chunk] = F.scaled_dot_product_attention(q[:, :, i:i + chunk], k, v, scale=scale)
+                if wide:
+                    out[:, :, i:i + chunk] = torch.matmul(torch.matmul(q[:, :, i:i + chunk] * scale, kt).softmax(-1), v)
+                else:
+                    out[:, :, i:i + chunk] = F.scaled_dot_product_attention(q[:, :, i:i + chunk], k, v, scale=scale)
             return out
         except _OOM:
             if chunk <= 64:
@@ -761,7 +966,7 @@ def _run_attn(step: _Attn, env: dict[int, _Act], ctx: _Ctx, count: dict[int, int
         o = o + x
     if step.rescale != 1.0:
         o = o / step.rescale
-    out = _Act(o.to(ctx.store))
+    out = _Act(ctx.keep(o))
     if stats:
         s, sq = tile_stats(o)
         out.sum, out.sumsq = s.double(), sq.double()
@@ -787,8 +992,10 @@ def _execute(prog: _Program, x: torch.Tensor, ctx: _Ctx, stage: str) -> torch.Te
             act = env[step.dst]
             finite.append((step.what, torch.isfinite(act.sum).all() & torch.isfinite(act.sumsq).all()))
         for s in _reads(step):
-            if last[s] == i:
-                env.pop(s, None)
+            if last[s] == i and s in env:
+                gone = env.pop(s).data
+                if s != 0 and gone is not None and gone.data_ptr() != env[step.dst].data.data_ptr():
+                    ctx.recycle(gone)
     ctx.progress.done()
     out = env[prog.result].data
     if prog.take is not None:
@@ -844,13 +1051,13 @@ def _device_dtype(module: nn.Module) -> tuple[torch.device, torch.dtype]:
 
 
 def _run(prog: _Program, x: torch.Tensor, module: nn.Module, image_hw: tuple[int, int], tile: int | None,
-         offload: bool | None, progress: Progress | None, stage: str) -> torch.Tensor:
+         offload: bool | None, memory_gb: float | None, progress: Progress | None, stage: str) -> torch.Tensor:
     device, dtype = _device_dtype(module)
     progress = progress or NullProgress()
     compute = dtype
     while True:
-        plan = _plan(prog, image_hw, x.shape[0], device, compute, tile, offload)
-        ctx = _Ctx(device, compute, torch.device(plan.store), plan.grid, progress)
+        plan = _plan(prog, image_hw, x.shape[0], device, compute, tile, offload, memory_gb)
+        ctx = _Ctx(device, compute, torch.device(plan.store), plan.grid, progress, bands=plan.bands)
         try:
             return _execute(prog, x, ctx, stage).to(dtype)
         except _NonFinite as e:
@@ -863,6 +1070,8 @@ def _run(prog: _Program, x: torch.Tensor, module: nn.Module, image_hw: tuple[int
         except _OOM:
             if offload is not None or ctx.store != ctx.device:
                 raise
+        finally:
+            ctx.release()
         # Here, past the except block, the failed attempt's tensors are already freed.
         torch.cuda.empty_cache()
         warnings.warn(f"{stage}: out of GPU memory with the activations on the GPU; keeping them in host memory "
@@ -871,7 +1080,7 @@ def _run(prog: _Program, x: torch.Tensor, module: nn.Module, image_hw: tuple[int
 
 
 def tile_plan(vae, x: torch.Tensor, encode: bool = False, tile: int | None = None,
-              offload: bool | None = None) -> TilePlan:
+              offload: bool | None = None, memory_gb: float | None = None) -> TilePlan:
     """The plan decode(vae, x) (or encode, with encode=True) would follow: tile, grid, store device, passes."""
     _check_tile(tile, None)
     parts = _parts(vae)
@@ -880,12 +1089,13 @@ def tile_plan(vae, x: torch.Tensor, encode: bool = False, tile: int | None = Non
     prog = (_encode_program if encode else _decode_program)(parts, tuple(x.shape[1:]))
     hw = tuple(x.shape[2:]) if encode else prog.shapes[prog.result][1:]
     device, dtype = _device_dtype(module)
-    return _plan(prog, hw, x.shape[0], device, dtype, tile, offload)
+    return _plan(prog, hw, x.shape[0], device, dtype, tile, offload, memory_gb)
 
 
 @torch.no_grad()
 def decode(vae, latents: torch.Tensor, tile: int | None = None, overlap: int | None = None,
-           progress: Progress | None = None, *, offload: bool | None = None) -> torch.Tensor:
+           progress: Progress | None = None, *, offload: bool | None = None,
+           memory_gb: float | None = None) -> torch.Tensor:
     """Decode latents in tiles to the image the untiled decode gives (N, 3, H*f, W*f), in the VAE's dtype.
 
     latents: what the VAE's own decode() takes, i.e. the sampler's latent already divided by the scaling factor.
@@ -893,29 +1103,33 @@ def decode(vae, latents: torch.Tensor, tile: int | None = None, overlap: int | N
     call as `naive_tiled_decode` and checked against tile; exact tiles need no overlap, so it changes nothing.
     progress: gets stage("vae decode", tiles * passes) and one advance per tile per pass.
     offload: keep whole-image activations in host memory (True), on the device (False), or decide from free
-    memory (None). fp16/bf16 decodes that overflow are run again in fp32, with a warning.
+    memory (None). memory_gb: GPU memory (GB) the decode may use beyond what is already allocated; None: what is
+    free. fp16/bf16 decodes that overflow are run again in fp32, with a warning.
     """
     _check_tile(tile, overlap)
     parts = _parts(vae)
     _check_input(latents, _first_conv(parts, False).in_channels, "latents", "(N, C, h, w)")
     prog = _decode_program(parts, tuple(latents.shape[1:]))
-    return _run(prog, latents, parts.decoder, prog.shapes[prog.result][1:], tile, offload, progress, "vae decode")
+    return _run(prog, latents, parts.decoder, prog.shapes[prog.result][1:], tile, offload, memory_gb, progress,
+                "vae decode")
 
 
 @torch.no_grad()
 def encode(vae, images: torch.Tensor, tile: int | None = None, overlap: int | None = None,
-           progress: Progress | None = None, *, offload: bool | None = None) -> torch.Tensor:
+           progress: Progress | None = None, *, offload: bool | None = None,
+           memory_gb: float | None = None) -> torch.Tensor:
     """Encode images (N, 3, H, W) in [-1, 1] in tiles to the latent mean the untiled encoder gives.
 
     Returns diffusers' `vae.encode(images).latent_dist.mean` (the first half of the moments; ComfyUI's encode gives
-    the same), not yet multiplied by the scaling factor. tile, overlap, progress ("vae encode") and offload as in
-    `decode`.
+    the same), not yet multiplied by the scaling factor. tile, overlap, progress ("vae encode"), offload and
+    memory_gb as in `decode`.
     """
     _check_tile(tile, overlap)
     parts = _parts(vae)
     _check_input(images, _first_conv(parts, True).in_channels, "images", "(N, 3, H, W) in [-1, 1]")
     prog = _encode_program(parts, tuple(images.shape[1:]))
-    return _run(prog, images, parts.encoder, tuple(images.shape[2:]), tile, offload, progress, "vae encode")
+    return _run(prog, images, parts.encoder, tuple(images.shape[2:]), tile, offload, memory_gb, progress,
+                "vae encode")
 
 
 def _ramp(n: int, fade_lo: int, fade_hi: int) -> torch.Tensor:

@@ -63,6 +63,18 @@ def test_encode_matches_untiled(vae):
     assert float((ours - ref).abs().max()) <= TOL
 
 
+def test_bands_in_host_memory_match_untiled(vae):
+    # offload=True: whole-image activations channels-last in host memory, tiles are bands of whole rows, and
+    # buffers freed by one pass are reused by later ones (batch 2 also takes the non-view reshape of the norm).
+    z = _latents((2, 4, 20, 28))
+    plan = tile_plan(vae, z, tile=16, offload=True)
+    assert plan.bands and plan.store == "cpu" and plan.grid[1] == 1 and plan.grid[0] > 1
+    assert float((decode(vae, z, tile=16, offload=True) - vae.decode(z).sample).abs().max()) <= TOL
+    x = torch.rand(2, 3, 37, 29, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    ref = vae.encode(x).latent_dist.mean
+    assert float((encode(vae, x, tile=12, offload=True) - ref).abs().max()) <= TOL
+
+
 def test_odd_sizes_and_one_tile(vae):
     # Odd image sides exercise the strided downsample's one-sided padding at the tile edges.
     x = torch.rand(1, 3, 37, 29, generator=torch.Generator().manual_seed(3)) * 2 - 1
@@ -110,6 +122,17 @@ def test_attention_in_query_chunks_is_exact(rows, chunk):
     assert torch.allclose(vae_tiled._sdpa(q, k, v, 0.3, chunk=chunk), full, atol=1e-6)
 
 
+def test_wide_heads_take_the_gemm_path_exactly(monkeypatch):
+    # The SD VAE's 512-wide head is past what the fused kernels take; that path is forced here on the CPU.
+    monkeypatch.setattr(vae_tiled, "FUSED_HEAD_DIM", 4)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 1, 70, 8, generator=g) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+    monkeypatch.setattr(vae_tiled, "SCORE_BYTES", 70 * 4 * 16)  # 16 query rows of scores at a time
+    assert torch.allclose(vae_tiled._sdpa(q, k, v, 0.3), full, atol=1e-6)
+
+
 def test_plan_follows_free_memory(vae, monkeypatch):
     z = torch.empty(1, 4, 64, 64)
     off_gpu = tile_plan(vae, z)
@@ -117,21 +140,24 @@ def test_plan_follows_free_memory(vae, monkeypatch):
     sd = build_vae("sd", device="meta")  # the real SD VAE's layout, without weights: nothing is computed
     prog = vae_tiled._decode_program(vae_tiled._parts(sd), (4, 512, 512))  # a 4096 px image
 
-    def plan(gib, offload=None):
+    def plan(gib, offload=None, memory_gb=None):
         monkeypatch.setattr(vae_tiled, "_free_bytes", lambda device: gib << 30)
-        return vae_tiled._plan(prog, (4096, 4096), 1, torch.device("cuda", 0), torch.float16, None, offload)
+        return vae_tiled._plan(prog, (4096, 4096), 1, torch.device("cuda", 0), torch.float16, None, offload,
+                               memory_gb)
 
     steps = vae_tiled._step_bytes(prog, 1, 2)
     # Activations kept between passes, fp16: input, hidden state and skip of the first full-resolution block.
     assert 12e9 < max(s for s, _, _, _ in steps) < 13e9
     roomy = plan(64)
-    assert (roomy.store, roomy.tile, roomy.grid) == ("cuda:0", vae_tiled.TILE_CAP, (4, 4))
+    assert (roomy.store, roomy.tile, roomy.grid, roomy.bands) == ("cuda:0", vae_tiled.TILE_CAP, (4, 4), False)
     assert plan(64, offload=True).store == "cpu"
-    tight = plan(4)  # the activations do not fit: host memory, and the largest tile that fits beside the rest
+    # The activations do not fit: host memory, in bands of whole rows, the tallest that fits beside the weights.
     budget = vae_tiled.MEMORY_USE * (4 << 30)
-    assert tight.store == "cpu" and vae_tiled.MIN_TILE <= tight.tile < vae_tiled.TILE_CAP
-    assert vae_tiled._peak(steps, tight.tile, (4096, 4096), False) <= budget
-    assert vae_tiled._peak(steps, tight.tile + vae_tiled.MIN_TILE, (4096, 4096), False) > budget
+    for tight in (plan(4), plan(64, memory_gb=budget / vae_tiled.MEMORY_USE / 1e9)):
+        assert tight.store == "cpu" and tight.bands and tight.grid == (-(-4096 // tight.tile), 1)
+        assert vae_tiled._peak(steps, (tight.tile, 4096), (4096, 4096), False) <= budget
+        assert vae_tiled._peak(steps, (tight.tile + 8, 4096), (4096, 4096), False) > budget or \
+            (tight.tile + 8) * 4096 > vae_tiled.TILE_CAP ** 2
 
 
 @pytest.mark.parametrize("call,problem", [
@@ -171,12 +197,23 @@ def test_bench_tiny_rows():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_offload_matches_untiled():
+def test_cuda_offload_matches_untiled(monkeypatch):
+    # TF32 convolutions pick different algorithms for NCHW and channels-last inputs: compare in true fp32.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     v = build_vae("tiny", device="cuda")
     z = _latents().cuda()
     ref = v.decode(z).sample
     for offload in (True, False):
         assert float((decode(v, z, tile=16, offload=offload) - ref).abs().max()) <= TOL
+    vae_tiled.release_host_memory()
+    # Bands through page-locked host memory on two streams; the buffers are kept for the next run, then freed.
+    assert float((decode(v, z, memory_gb=0.001) - ref).abs().max()) <= TOL
+    kept = list(vae_tiled._POOL)
+    assert kept and all(b.data_ptr() in vae_tiled._PINNED for b in kept)
+    assert float((decode(v, z, memory_gb=0.001) - ref).abs().max()) <= TOL
+    assert {b.data_ptr() for b in vae_tiled._POOL} == {b.data_ptr() for b in kept}  # reused, none added
+    vae_tiled.release_host_memory()
+    assert not vae_tiled._POOL and not vae_tiled._PINNED
 
 
 # ----- ldm / ComfyUI form: a small model with the structure of comfy.ldm.modules.diffusionmodules.model

@@ -200,7 +200,10 @@ def build_model(unet: CanonicalUNet, folder: Path, options: dict | None = None, 
         if f.exists():
             f.unlink()
     if options["refit"]:
+        progress.stage("weight map", total=1)
         weight_map(out, unet).save(weight_map_path(out))
+        progress.advance()
+        progress.done()
     return out
 
 
@@ -272,7 +275,7 @@ def build(unet: CanonicalUNet, options: dict | None = None, progress: Progress |
 
 
 # Options that change the built model files (the others only change how sessions are opened).
-_BUILD_OPTIONS = ("fp16", "opset", "control", "static_shapes", "cuda_graph", "refit", "profile")
+_BUILD_OPTIONS = ("fp16", "opset", "control", "refit", "profile")
 
 
 def _build_cached(unet: CanonicalUNet, options: dict, progress: Progress | None, provider: str) -> "OrtEngine":

@@ -120,7 +120,7 @@ def test_sdxl_matches_torch_fp32(sdxl):
 
 def test_build_reports_stages_and_restores_attention_processors(sd15):
     unet, engine, processors, stages = sd15
-    assert stages == ["export", "fusion", "session"]  # the CPU stays fp32: no fp16 stage
+    assert stages == ["export", "fusion", "weight map", "session"]  # the CPU stays fp32: no fp16 stage
     after = unet.unet.attn_processors
     assert after.keys() == processors.keys() and all(after[k] is processors[k] for k in processors)
     assert all(p.dtype == torch.float32 for p in unet.unet.parameters())
@@ -167,6 +167,20 @@ def test_weight_map_covers_the_fused_cuda_graph(sdxl):
     assert sorted(set(weights) - set(wmap.sources)) == []
     kinds = {kind for sources in wmap.sources.values() for kind, _, _ in sources}
     assert {"packed", "nhwc", "t", "same"} <= kinds
+
+
+def test_fast_float16_gives_ort_s_bytes():
+    # The weight map matches initializers by their bytes: its fp16 conversion must be ORT's, bit for bit.
+    import numpy as np
+    from onnxruntime.transformers.float16 import convert_np_to_float16
+
+    rng = np.random.default_rng(0)
+    a = np.concatenate([rng.standard_normal(1000).astype(np.float32) * s for s in (1e-9, 1e-7, 1, 1e4, 1e6)])
+    a = np.concatenate([a, np.array([0, -0.0, 5.96e-08, -5.96e-08, 65504, -65504, 7e4, -7e4, np.inf, -np.inf,
+                                     np.nan], np.float32)]).reshape(-1, 1)
+    ours, theirs = export.to_float16(a), convert_np_to_float16(a)
+    assert ours.dtype == theirs.dtype == np.float16
+    assert ours.tobytes() == theirs.tobytes()
 
 
 def test_fp16_model_keeps_the_timestep_embedding_in_fp32(sdxl):

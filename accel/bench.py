@@ -174,7 +174,8 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
     _peak_reset(device)
     start = time.perf_counter()
     backend, _, variant = path.partition("-")
-    acc = accelerate(canon, preference=backend, options=VARIANTS.get(variant, (None, ""))[0],
+    options, label = VARIANTS.get(variant, (None, ""))
+    acc = accelerate(canon, preference=backend, options=options,
                      progress=StageLog(log, f"[{name}] sd-accel {path} build stage "))
     if acc.backend != backend:
         log(f"[{name}] sd-accel {path}: not available here ({'; '.join(acc.plan.reasons)})")
@@ -198,7 +199,7 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
     if acc.fallback_calls:  # the figures are then not the path's own
         note = f"{acc.fallback_calls} calls fell back to the torch path: {acc.fallback_reason}"
         log(f"[{name}] sd-accel {path}: {note}")
-    row = Row(name, f"sd-accel {backend}" + VARIANTS.get(variant, (None, ""))[1], ms, base_ms / ms, _peak_gb(device), err, first_s,
+    row = Row(name, f"sd-accel {backend}{label}", ms, base_ms / ms, _peak_gb(device), err, first_s,
               note, {"seen_shape_s": seen_s, "reasons": acc.plan.reasons})
     log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step, x{base_ms / ms:.2f}, err {err:.2e}, "
         f"first call {first_s:.1f}s, seen shape {seen_s * 1e3:.0f} ms")

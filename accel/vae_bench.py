@@ -99,7 +99,8 @@ def bench_vae(device: str = "cuda", sizes: tuple[int, ...] | None = None, tiny: 
 
     Full run: the SD VAE in fp16 on `device` at 512..8192 px, the tile chosen from free memory; sizes that do not
     fit read "OOM". On a GPU the tiled decode is timed again with `memory_gb` as its memory limit ("capped_*":
-    activations in host memory, bands of rows), unless memory_gb is None. tiny=True: the tiny VAE in fp32 on the CPU at small sizes, in 4x4 tiles (no peak memory there).
+    activations in host memory, bands of rows), unless memory_gb is None. tiny=True: the tiny VAE in fp32 on the
+    CPU at small sizes, in 4x4 tiles (no peak memory there).
     At 2048 px (or the largest size) the row also holds the PSNR against the untiled decode of `decode` and of
     `naive_tiled_decode` at the same tile and overlap. runs: timed runs per figure (None: 3, 1 for slow ones).
     """

@@ -859,11 +859,11 @@ def _run_pass(step: _Pass, env: dict[int, _Act], ctx: _Ctx, shape: tuple[int, in
     delayed = into is not None and into[1]
     preps = [_prepare(t, env, ctx, count) for t in step.terms]
     streams = ctx.streams()
+    side = [st for st in streams if st is not None]
     sums = [torch.zeros(2, n, shape[0], dtype=torch.float64, device=ctx.device) for _ in streams] if stats else []
-    main = torch.cuda.current_stream(ctx.device) if streams[0] is not None else None
-    for st in streams:
-        if st is not None:
-            st.wait_stream(main)
+    main = torch.cuda.current_stream(ctx.device) if side else None
+    for st in side:
+        st.wait_stream(main)
     waiting: list[tuple[int, tuple[int, int, int, int], torch.Tensor, Any]] = []
     for i, (y0, y1) in enumerate(rows):
         for j, (x0, x1) in enumerate(cols):
@@ -897,9 +897,8 @@ def _run_pass(step: _Pass, env: dict[int, _Act], ctx: _Ctx, shape: tuple[int, in
                         st.wait_event(made)
                         ready_y.record_stream(st)
                     out.data[:, :, a0:a1, b0:b1].copy_(ready_y, non_blocking=True)
-    for st in streams:
-        if st is not None:
-            main.wait_stream(st)
+    for st in side:
+        main.wait_stream(st)
     if stats:
         total = torch.stack(sums).sum(0)
         out.sum, out.sumsq = total[0], total[1]

@@ -128,8 +128,7 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
 
     add("eager (SDPA)", lambda: canon(*args))
     if profile and device.type == "cuda":
-        rows[-1].extra["profile_ms"] = _profile(lambda: canon(*args))
-        log(f"[{name}] eager profile (ms/step): {rows[-1].extra['profile_ms']}")
+        _profile(rows[-1], lambda: canon(*args), log)
     if device.type == "cuda":
         model.to(memory_format=torch.channels_last)
         xl = xh.contiguous(memory_format=torch.channels_last)
@@ -156,11 +155,17 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
     return rows
 
 
-def _profile(fn: Callable[[], object]) -> dict[str, float]:
-    from .profile import profile_step
+def _profile(row: Row, fn: Callable[[], object], log: Callable[[str], None]) -> None:
+    """Kernel time of one step by operator class and its top kernels, into row.extra and the log."""
+    from . import profile
 
     with torch.inference_mode():
-        return {k: round(v, 3) for k, v in profile_step(fn).items()}
+        kernels = profile.kernel_times(fn)
+    row.extra["profile_ms"] = {k: round(v, 3) for k, v in profile.by_class(kernels).items()}
+    row.extra["top_kernels"] = profile.top(kernels)
+    log(f"[{row.model}] {row.variant} profile (ms/step): {row.extra['profile_ms']}")
+    for name, ms, n in row.extra["top_kernels"]:
+        log(f"[{row.model}]     {ms:7.3f} ms  x{n:<5g} {name}")
 
 
 # Path variants of --paths ("<backend>-<variant>"): the options they build with, and their label.
@@ -204,8 +209,7 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
     log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step, x{base_ms / ms:.2f}, err {err:.2e}, "
         f"first call {first_s:.1f}s, seen shape {seen_s * 1e3:.0f} ms")
     if profile and device.type == "cuda":
-        row.extra["profile_ms"] = _profile(lambda: acc(*args))
-        log(f"[{name}] sd-accel {path} profile (ms/step): {row.extra['profile_ms']}")
+        _profile(row, lambda: acc(*args), log)
     acc.release()
     return [row]
 

@@ -24,8 +24,8 @@ def classify(kernel: str) -> str:
     return "elementwise/other"
 
 
-def profile_step(fn: Callable[[], object], runs: int = 5) -> dict[str, float]:
-    """Milliseconds of GPU kernel time per call of fn, by class, averaged over `runs` calls."""
+def kernel_times(fn: Callable[[], object], runs: int = 5) -> dict[str, tuple[float, float]]:
+    """GPU kernel -> (milliseconds, launches) per call of fn, averaged over `runs` calls."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -34,10 +34,27 @@ def profile_step(fn: Callable[[], object], runs: int = 5) -> dict[str, float]:
         for _ in range(runs):
             fn()
         torch.cuda.synchronize()
-    totals: dict[str, float] = defaultdict(float)
+    kernels: dict[str, tuple[float, float]] = {}
     for evt in prof.key_averages():
         us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         if us and evt.key and not evt.key.startswith(("aten::", "cuda", "Memcpy", "Memset")):
-            totals[classify(evt.key)] += us / 1e3 / runs
+            kernels[evt.key] = (us / 1e3 / runs, evt.count / runs)
+    return kernels
+
+
+def by_class(kernels: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Milliseconds by operator class, with the busy total and the kernel launches per call: in a CUDA graph
+    each launch still costs about a microsecond of idle GPU, so the count bounds how close the step gets to the
+    busy time."""
+    totals: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in kernels.items():
+        totals[classify(name)] += ms
     totals["busy total"] = sum(totals.values())
+    totals["launches"] = sum(n for _, n in kernels.values())
     return dict(totals)
+
+
+def top(kernels: dict[str, tuple[float, float]], n: int = 12, width: int = 90) -> list[tuple[str, float, float]]:
+    """The n kernels that take the most time: (name cut to width, ms per call, launches per call)."""
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name[:width], round(ms, 3), n_) for name, (ms, n_) in rows]

@@ -339,6 +339,9 @@ def test_providers_per_gpu():
         ortb.choose_provider(AMD, ["CPUExecutionProvider"], "Linux")
     opts = ortb.provider_options("CUDAExecutionProvider", NVIDIA, {**ortb.DEFAULTS, "cuda_graph": True}, stream=1234)
     assert opts["enable_cuda_graph"] == "1" and opts["user_compute_stream"] == "1234" and opts["device_id"] == "0"
+    assert opts["fuse_conv_bias"] == "1" and "prefer_nhwc" not in opts
+    off = ortb.provider_options("CUDAExecutionProvider", NVIDIA, {**ortb.DEFAULTS, "fuse_conv_bias": False})
+    assert "fuse_conv_bias" not in off and "user_compute_stream" not in off
 
 
 def test_bad_installs_say_what_to_install(monkeypatch):

@@ -45,6 +45,9 @@ DEFAULTS: dict[str, Any] = {
     # ORT's own default, the setting of the 9.4 ms SD1.5 figure; "HEURISTIC" or "DEFAULT" start faster per shape.
     "conv_algo_search": "EXHAUSTIVE",
     "prefer_nhwc": False,
+    # cuDNN adds the convolution's bias in the convolution (cuDNN frontend) rather than in a separate pass;
+    # ORT leaves it off by default.
+    "fuse_conv_bias": True,
     "inspect": False,  # save each session's ORT-optimized graph and count its host-side nodes (host_nodes)
     "cache_root": None,  # the host's cache folder (ComfyUI / A1111: models/accel); see accel.cache.default_root
     "profile": None,  # the shape profile the host asked for; part of the cache key
@@ -124,8 +127,9 @@ def provider_options(provider: str, gpu, options: dict, stream: int = 0) -> dict
         opts = {"device_id": index, "cudnn_conv_algo_search": str(options["conv_algo_search"]),
                 "cudnn_conv_use_max_workspace": "1", "arena_extend_strategy": "kSameAsRequested",
                 "enable_cuda_graph": "1" if options["cuda_graph"] else "0"}
-        if options["prefer_nhwc"]:
-            opts["prefer_nhwc"] = "1"
+        for name in ("prefer_nhwc", "fuse_conv_bias"):
+            if options[name]:
+                opts[name] = "1"
         if stream:
             opts["user_compute_stream"] = str(stream)
         return opts
@@ -305,6 +309,18 @@ def _build_cached(unet: CanonicalUNet, options: dict, progress: Progress | None,
 _NUMPY = {torch.float16: "float16", torch.float32: "float32"}
 
 
+def _run_options(provider: str):
+    """On CUDA, ORT runs on torch's stream (provider_options), so the stream orders everything after a run and
+    ORT's wait for the GPU at the end of each run only kept the host from queueing the next step: the GPU
+    idled between steps, and no CUDA graph hides that."""
+    import onnxruntime as ort
+
+    ro = ort.RunOptions()
+    if provider == CUDA:
+        ro.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    return ro
+
+
 class OrtEngine:
     backend = "onnxruntime"
 
@@ -322,6 +338,7 @@ class OrtEngine:
         if provider == CUDA:
             self._stream = torch.cuda.current_stream(self.device).cuda_stream
         self._static = bool(options["static_shapes"] or options["cuda_graph"])
+        self._run_options = _run_options(provider)
         self._released = False
         self._sessions: OrderedDict[tuple, Any] = OrderedDict()
         self._graph_io: dict[tuple, tuple] = {}  # per shape: (IOBinding, input buffers, output buffer)
@@ -517,12 +534,14 @@ class OrtEngine:
         if other_stream:
             torch.cuda.ExternalStream(self._stream, device=self.device).synchronize()
 
+    def _run(self, session, binding) -> None:
+        other = self._sync_in()
+        session.run_with_iobinding(binding, self._run_options)
+        self._sync_out(other)
+
     def _run_bound(self, session, feeds: dict[str, torch.Tensor], out_shape: tuple) -> torch.Tensor:
         out = torch.empty(out_shape, device=self.device, dtype=self.dtype)
-        binding = self._bind(session, feeds, out)
-        other = self._sync_in()
-        session.run_with_iobinding(binding)
-        self._sync_out(other)
+        self._run(session, self._bind(session, feeds, out))
         return out
 
     def _run_graph(self, key: tuple, session, feeds: dict[str, torch.Tensor], out_shape: tuple) -> torch.Tensor:
@@ -534,9 +553,7 @@ class OrtEngine:
         binding, buffers, out = self._graph_io[key]
         for k, v in feeds.items():
             buffers[k].copy_(v)
-        other = self._sync_in()
-        session.run_with_iobinding(binding)
-        self._sync_out(other)
+        self._run(session, binding)
         return out.clone()
 
     def release(self) -> None:

@@ -36,6 +36,17 @@ def _tile_inputs() -> dict:
     }
 
 
+def _memory_input() -> dict:
+    # Optional, so that workflows saved before it existed still run.
+    return {"memory_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5, "tooltip": (
+        "GPU memory the decode may use, in GB; 0 uses what is free. Below what the whole image needs, its "
+        "activations wait in page-locked CPU memory and the GPU works through them in bands (slower).")})}
+
+
+def _limit(memory_gb: float) -> float | None:
+    return memory_gb if memory_gb and memory_gb > 0 else None
+
+
 def _latent_units(vae, pixels: int) -> int | None:
     """Pixels to latent units for this VAE (None for 0: let the tiler choose)."""
     return pixels // vae.spacial_compression_decode() if pixels else None
@@ -69,9 +80,10 @@ class TiledVAEDecode:
     @classmethod
     def INPUT_TYPES(cls) -> dict:
         return {"required": {"samples": ("LATENT",), "vae": ("VAE",), **_tile_inputs()},
-                "hidden": {"unique_id": "UNIQUE_ID"}}
+                "optional": _memory_input(), "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    def decode(self, samples: dict, vae, tile_size: int, overlap: int, unique_id: str | None = None):
+    def decode(self, samples: dict, vae, tile_size: int, overlap: int, memory_gb: float = 0.0,
+               unique_id: str | None = None):
         import comfy.model_management as mm
 
         z = samples["samples"]
@@ -81,7 +93,7 @@ class TiledVAEDecode:
                 mm.load_models_gpu([vae.patcher])
                 out = _tiled().decode(vae.first_stage_model, z.to(vae.device, vae.vae_dtype),
                                       tile=tile_size or None, overlap=overlap or None,
-                                      progress=node_progress(unique_id, "vae"))
+                                      progress=node_progress(unique_id, "vae"), memory_gb=_limit(memory_gb))
                 images = vae.process_output(out.to(vae.output_device).float())
                 return (images.movedim(1, -1),)
             except AccelError as e:
@@ -106,9 +118,10 @@ class TiledVAEEncode:
     @classmethod
     def INPUT_TYPES(cls) -> dict:
         return {"required": {"pixels": ("IMAGE",), "vae": ("VAE",), **_tile_inputs()},
-                "hidden": {"unique_id": "UNIQUE_ID"}}
+                "optional": _memory_input(), "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    def encode(self, pixels, vae, tile_size: int, overlap: int, unique_id: str | None = None):
+    def encode(self, pixels, vae, tile_size: int, overlap: int, memory_gb: float = 0.0,
+               unique_id: str | None = None):
         import comfy.model_management as mm
 
         why = _why_not(vae, pixels.ndim)
@@ -118,7 +131,7 @@ class TiledVAEEncode:
                 x = vae.process_input(vae.vae_encode_crop_pixels(pixels)[..., :3].movedim(-1, 1))
                 z = _tiled().encode(vae.first_stage_model, x.to(vae.device, vae.vae_dtype),
                                     tile=tile_size or None, overlap=overlap or None,
-                                    progress=node_progress(unique_id, "vae"))
+                                    progress=node_progress(unique_id, "vae"), memory_gb=_limit(memory_gb))
                 return ({"samples": z.to(mm.intermediate_device()).float()},)
             except AccelError as e:
                 why = str(e)

@@ -258,3 +258,19 @@ def test_tiled_vae_decode_and_encode(pack):
     else:
         # the seam: ComfyUI's own tiled code runs until accel.vae_tiled exists
         assert torch.equal(image, vae.decode_tiled(latent, tile_x=8, tile_y=8, overlap=2))
+
+
+def test_tiled_vae_nodes_pass_the_memory_limit_on(pack, monkeypatch):
+    import accel.vae_tiled as vt
+
+    seen = []
+    for name in ("decode", "encode"):
+        original = getattr(vt, name)
+        monkeypatch.setattr(vt, name, lambda *a, _f=original, **k: seen.append(k["memory_gb"]) or _f(*a, **k))
+    vae = H.tiny_vae(1)
+    latent = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(3))
+    decode = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEDecode"]()
+    encode = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEEncode"]()
+    (image,) = decode.decode({"samples": latent}, vae, 64, 16, memory_gb=2.5, unique_id="5")
+    encode.encode(image, vae, 64, 16, memory_gb=0.0, unique_id="6")
+    assert seen == [2.5, None]  # 0 on the node: what is free

@@ -53,8 +53,9 @@ def test_every_node_function_takes_exactly_its_declared_inputs(pack):
 
 def _widgets(cls) -> list[str]:
     """The inputs of a node that are widgets (not links), in the order ComfyUI stores their values."""
-    required = cls.INPUT_TYPES()["required"]
-    return [k for k, v in required.items() if isinstance(v[0], list) or v[0] in ("INT", "FLOAT", "BOOLEAN", "STRING")]
+    types_ = cls.INPUT_TYPES()
+    inputs = {**types_["required"], **types_.get("optional", {})}
+    return [k for k, v in inputs.items() if isinstance(v[0], list) or v[0] in ("INT", "FLOAT", "BOOLEAN", "STRING")]
 
 
 @pytest.mark.parametrize("api_path", WORKFLOWS, ids=[p.name for p in WORKFLOWS])

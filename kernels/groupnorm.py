@@ -68,7 +68,7 @@ def _stats_nchw_kernel(x_ptr, part_ptr, NG, group_len, span, P, BLOCK_GRP: tl.co
 
 
 @jit
-def _stats_nhwc_kernel(x_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.constexpr,
+def _stats_nhwc_kernel(x_ptr, sh_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.constexpr, HAS_SHIFT: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
     # NHWC: a row of C channels per pixel; the tile is [pixels, groups, channels of a group], reduced over axes 0, 2.
     p = tl.program_id(0)
@@ -82,6 +82,8 @@ def _stats_nhwc_kernel(x_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.const
     r1 = tl.minimum(r0 + rows_per_prog, HW)
     x_ptr += n.to(tl.int64) * HW * C
     tile = r * C + g * CG + j
+    if HAS_SHIFT:
+        sh = tl.load(sh_ptr + n * C + g * CG + j, mask=col_mask, other=0.0).to(tl.float32)
     n_acc = tl.zeros([BLOCK_G], tl.float32)
     mean_acc = tl.zeros([BLOCK_G], tl.float32)
     m2_acc = tl.zeros([BLOCK_G], tl.float32)
@@ -90,6 +92,8 @@ def _stats_nhwc_kernel(x_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.const
         row = r0 + i
         mask = (row + r < r1) & col_mask
         x = tl.load(x_ptr + row.to(tl.int64) * C + tile, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SHIFT:
+            x = tl.where(mask, x + sh, 0.0)
         cnt = tl.sum(tl.sum(mask.to(tl.float32), 2), 0)
         mean_b = tl.sum(tl.sum(x, 2), 0) / tl.maximum(cnt, 1.0)
         d = tl.where(mask, x - mean_b[None, :, None], 0.0)
@@ -170,9 +174,9 @@ def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, HW, G,
 
 
 @jit
-def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog, CG: tl.constexpr,
-                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
+def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog,
+                       CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                       SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
     p = tl.program_id(0)
     n = tl.program_id(1)
     gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -186,6 +190,8 @@ def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, HW, C, G,
     shift = -tl.load(mean_ptr + n * G + gs, mask=gmask, other=0.0)[:, None] * scale
     if HAS_B:
         shift = shift + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_SHIFT:  # (x + sh) * scale + shift
+        shift = shift + tl.load(sh_ptr + n * C + cols, mask=col_mask, other=0.0).to(tl.float32) * scale
     scale = scale[None, :, :]
     shift = shift[None, :, :]
     col_mask = col_mask[None, :, :]
@@ -249,8 +255,9 @@ def _nhwc_blocks(G: int, CG: int, HW: int, tile: int) -> tuple[int, int, int]:
     return block_r, block_g, block_cg
 
 
-def _partials(x: torch.Tensor, G: int, nhwc: bool) -> tuple[torch.Tensor, int]:
-    """Pass 1: (partials of shape (N*G, P, 3) holding count, mean, M2 per chunk, P)."""
+def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
+    """Pass 1: (partials of shape (N*G, P, 3) holding count, mean, M2 per chunk, P). shift: (N, C) added to x
+    first (NHWC only)."""
     N, C = x.shape[:2]
     HW = x.numel() // (N * C)
     CG = C // G
@@ -262,7 +269,8 @@ def _partials(x: torch.Tensor, G: int, nhwc: bool) -> tuple[torch.Tensor, int]:
         rows = cdiv(cdiv(HW, P), block_r) * block_r
         P = cdiv(HW, rows)
         part = torch.empty((N * G, P, 3), device=x.device, dtype=torch.float32)
-        _stats_nhwc_kernel[(P, N, n_gb)](x, part, HW, C, G, rows, P, CG=CG, BLOCK_R=block_r, BLOCK_G=block_g,
+        _stats_nhwc_kernel[(P, N, n_gb)](x, shift if shift is not None else x, part, HW, C, G, rows, P, CG=CG,
+                                         HAS_SHIFT=shift is not None, BLOCK_R=block_r, BLOCK_G=block_g,
                                          BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg))
         return part, P
     L = CG * HW
@@ -291,8 +299,8 @@ def _finalize(part: torch.Tensor, P: int, eps: float) -> tuple[torch.Tensor, tor
 
 
 def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-           silu: bool, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """Pass 2: normalize with mean and rstd, (N*G,) fp32 each, then weight, bias and SiLU."""
+           silu: bool, mean: torch.Tensor, rstd: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pass 2: normalize x (+ shift, NHWC only) with mean and rstd, (N*G,) fp32 each, then weight, bias and SiLU."""
     N, C = x.shape[:2]
     HW = x.numel() // (N * C)
     CG = C // G
@@ -307,8 +315,9 @@ def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], 
         progs = max(1, min(cdiv(target, N * n_gb), cdiv(HW, block_r)))
         rows = cdiv(cdiv(HW, progs), block_r) * block_r
         _apply_nhwc_kernel[(cdiv(HW, rows), N, n_gb)](
-            x, y, w, b, mean, rstd, HW, C, G, rows, BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_CG=block_cg,
-            num_warps=warps(block_r * block_g * block_cg), **flags)
+            x, y, w, b, shift if shift is not None else x, mean, rstd, HW, C, G, rows, HAS_SHIFT=shift is not None,
+            BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg),
+            **flags)
         return y
     block_hw = min(pow2(HW), tile_for(x))
     block_ch = min(pow2(C), max(1, tile_for(x) // block_hw))
@@ -322,15 +331,26 @@ def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], 
 
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
-               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, silu: bool = False) -> torch.Tensor:
-    """F.group_norm (then F.silu when `silu`) for (N, C, H, W) in NCHW or channels_last; same layout out."""
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, silu: bool = False,
+               shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.group_norm (then F.silu when `silu`) for (N, C, H, W) in NCHW or channels_last; same layout out.
+
+    shift: (N, C), added to x before it is normalized (a ResNet block's time embedding and the bias of the
+    convolution before it), without a pass of its own on channels_last input."""
     _check(x, num_groups, weight, bias)
+    if shift is not None and (shift.shape != x.shape[:2] or shift.device != x.device):
+        raise BadInput(f"group_norm: shift has shape {tuple(shift.shape)} on {shift.device}, expected "
+                       f"{tuple(x.shape[:2])} on {x.device}.", "Pass one value per sample and channel, or None.")
     if x.numel() == 0:
         return torch.empty_like(x)
     x, nhwc = _layout(x)
+    if shift is not None and not nhwc:
+        x, shift = x + shift.reshape(shift.shape + (1,) * (x.dim() - 2)).to(x.dtype), None
+    if shift is not None:
+        shift = shift.contiguous()
     with on_device(x):
-        part, P = _partials(x, num_groups, nhwc)
-        return _apply(x, nhwc, num_groups, weight, bias, silu, *_finalize(part, P, eps))
+        part, P = _partials(x, num_groups, nhwc, shift)
+        return _apply(x, nhwc, num_groups, weight, bias, silu, *_finalize(part, P, eps), shift)
 
 
 def group_norm_stats(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -379,8 +399,11 @@ def group_norm_apply(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, we
 
 
 def group_norm_ref(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
-                   bias: Optional[torch.Tensor] = None, eps: float = 1e-5, silu: bool = False) -> torch.Tensor:
+                   bias: Optional[torch.Tensor] = None, eps: float = 1e-5, silu: bool = False,
+                   shift: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The torch reference (what the unfused path runs)."""
+    if shift is not None:
+        x = x + shift.reshape(shift.shape + (1,) * (x.dim() - 2))
     y = F.group_norm(x, num_groups, weight, bias, eps)
     return F.silu(y) if silu else y
 

@@ -70,3 +70,49 @@ def test_kernels_load_when_another_package_owns_the_name(monkeypatch):
     monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))
     gn = kernel_module("groupnorm")
     assert hasattr(gn, "group_norm") and gn.__name__ != "kernels.groupnorm"
+
+
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+def test_resnet_bias_fusion_same_function_and_undo_restores(form):
+    _, unet, (x, t, ctx, y) = next(m for m in _models() if m[0] == form)
+    x = x.contiguous(memory_format=torch.channels_last)
+    unet.unet.to(memory_format=torch.channels_last)
+    ref = unet(x, t, ctx, y)
+    undo, counts = fusions.apply(unet.unet, ["resnet", "groupnorm"])
+    blocks = sum(type(m).__name__ in ("ResnetBlock2D", "ResBlock") for m in unet.unet.modules())
+    assert counts["resnet"] == blocks > 0
+    assert rel(unet(x, t, ctx, y), ref) <= 1e-5
+    undo()
+    assert not any("forward" in vars(m) for m in unet.unet.modules())
+    assert torch.equal(unet(x, t, ctx, y), ref)
+
+
+def test_resnet_fusion_leaves_what_it_does_not_cover_to_the_block(monkeypatch):
+    from accel.fusions import resnet
+    from ldm_unet import ResBlock
+
+    fused_calls = []
+    block = resnet._block
+    monkeypatch.setattr(resnet, "_block", lambda *a: fused_calls.append(1) or block(*a))
+
+    # the kernels' device: the GPU where there is one, else the CPU under the interpreter
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 convolutions on both sides
+    torch.manual_seed(0)
+    scale_shift = ResBlock(64, 32, 64, groups=32, use_scale_shift_norm=True).eval().to(device)
+    plain = ResBlock(64, 32, 96, groups=32).eval().to(device)
+    undo, counts = fusions.apply(nn.Sequential(scale_shift, plain), ["resnet"])
+    assert counts["resnet"] == 1 and "forward" in vars(plain) and "forward" not in vars(scale_shift)
+    x = torch.randn(2, 64, 8, 8, device=device).contiguous(memory_format=torch.channels_last)
+    emb = torch.randn(2, 32, device=device)
+    fused = plain(x, emb)
+    scale_shift(x, emb)
+    assert len(fused_calls) == 1
+    # ComfyUI's cast-on-the-fly convolution (weights cast per call): the block's own forward runs, same result
+    plain.in_layers[2].comfy_cast_weights = True
+    assert rel(plain(x, emb), fused) <= 1e-5 and len(fused_calls) == 1
+    plain.in_layers[2].comfy_cast_weights = False
+    plain(x.contiguous(), emb)  # NCHW input: the block's own forward
+    assert len(fused_calls) == 1
+    undo()
+    assert rel(plain(x, emb), fused) <= 1e-5

@@ -69,6 +69,24 @@ def test_group_norm_matches_torch(shape, groups, channels_last, silu, dtype):
     _close(y, ref, dtype)
 
 
+@pytest.mark.parametrize("shape,channels_last,dtype", [((2, 320, 8, 8), True, torch.float16),
+                                                         ((3, 96, 5, 7), True, torch.float32),
+                                                         ((1, 64, 4, 4), False, torch.float32)])
+def test_group_norm_with_shift_is_group_norm_of_the_sum(shape, channels_last, dtype):
+    # A ResNet block's norm2 input: conv1's output + (time embedding + conv1's bias) per sample and channel.
+    x = _randn(*shape, dtype=dtype, scale=2.0, offset=0.5)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    shift = _randn(*shape[:2], dtype=dtype, seed=3, scale=3.0)
+    w, b = _randn(shape[1], dtype=dtype, seed=1), _randn(shape[1], dtype=dtype, seed=2)
+    y = gn.group_norm(x, 32, w, b, silu=True, shift=shift)
+    ref = gn.group_norm_ref(x.float(), 32, w.float(), b.float(), silu=True, shift=shift.float())
+    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    _close(y, ref, dtype)
+    with pytest.raises(BadInput, match="one value per sample and channel"):
+        gn.group_norm(x, 32, w, b, shift=shift[:, :-1])
+
+
 def test_group_norm_without_affine():
     x = _randn(2, 64, 4, 4).to(memory_format=torch.channels_last)
     _close(gn.group_norm(x, 32, None, None), F.group_norm(x, 32), torch.float32)

@@ -24,7 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "channels_last": True,
     "cuda_graphs": True,
     "triton_kernels": True,
-    "fusions": ["layout", "groupnorm", "geglu"],
+    "fusions": ["layout", "groupnorm", "geglu", "resnet"],
     "compile": False,
     "max_graphs": 4,
     "cudnn_benchmark": True,

@@ -11,9 +11,10 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Undo
-from . import geglu, groupnorm, layout, qkv
+from . import geglu, groupnorm, layout, qkv, resnet
 
-FUSIONS = {"layout": layout.apply, "groupnorm": groupnorm.apply, "geglu": geglu.apply, "qkv": qkv.apply}
+FUSIONS = {"layout": layout.apply, "groupnorm": groupnorm.apply, "geglu": geglu.apply, "resnet": resnet.apply,
+           "qkv": qkv.apply}
 
 
 def apply(model: nn.Module, names: list[str] | None = None) -> tuple[Undo, dict[str, int]]:

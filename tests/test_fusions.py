@@ -116,3 +116,15 @@ def test_resnet_fusion_leaves_what_it_does_not_cover_to_the_block(monkeypatch):
     assert len(fused_calls) == 1
     undo()
     assert rel(plain(x, emb), fused) <= 1e-5
+
+
+def test_skip_layernorm_fusion_same_function_and_undo_restores():
+    _, unet, (x, t, ctx, y) = next(_models())
+    ref = unet(x, t, ctx, y)
+    undo, counts = fusions.apply(unet.unet, ["skip_layernorm", "geglu"])
+    blocks = sum(type(m).__name__ == "BasicTransformerBlock" for m in unet.unet.modules())
+    assert counts["skip_layernorm"] == blocks > 0
+    assert rel(unet(x, t, ctx, y), ref) <= 1e-5
+    undo()
+    assert not any("forward" in vars(m) for m in unet.unet.modules())
+    assert torch.equal(unet(x, t, ctx, y), ref)

@@ -24,7 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "channels_last": True,
     "cuda_graphs": True,
     "triton_kernels": True,
-    "fusions": ["layout", "groupnorm", "geglu", "resnet"],
+    "fusions": ["layout", "groupnorm", "geglu", "resnet", "skip_layernorm"],
     "compile": False,
     "max_graphs": 4,
     "cudnn_benchmark": True,

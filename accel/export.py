@@ -280,6 +280,14 @@ def export_onnx(unet: CanonicalUNet, folder: Path, opset: int = OPSET, control: 
     control: add the ControlNet residuals as inputs (`control_out_<i>` per skip connection, `control_mid`); a
     caller without ControlNet feeds zeros. The module is left as it was: attention processors and dtypes are
     restored even when the export fails."""
+    return save_model(export_model(unet, folder, opset, control, progress, name), Path(folder) / name)
+
+
+def export_model(unet: CanonicalUNet, folder: Path, opset: int = OPSET, control: bool = False,
+                 progress: Progress | None = None, name: str = "unet.onnx"):
+    """export_onnx's model, in memory (an onnx.ModelProto holding its weights): a build that goes on to fuse it
+    saves writing and reading it back (for SD1.5, 3.4 GB each way: 40 of the 90 s an export took on a CPU).
+    torch.onnx writes its files into a folder under `folder` on the way, deleted before this returns."""
     import onnx
 
     progress = progress or NullProgress()
@@ -336,11 +344,10 @@ def export_onnx(unet: CanonicalUNet, folder: Path, opset: int = OPSET, control: 
     _set_metadata(model, {"form": spec.form, "in_channels": spec.in_channels, "out_channels": spec.out_channels,
                           "size_multiple": multiple, "control_outputs": outputs, "control_middle": int(middle),
                           "geglu_widths": ",".join(map(str, geglu)), **factors})
-    path = save_model(model, folder / name)
     shutil.rmtree(tmp, ignore_errors=True)
     progress.advance()
     progress.done()
-    return path
+    return model
 
 
 def _load(model_or_path, external: bool = False):
@@ -421,6 +428,7 @@ def _shape_view(model):
     g.name = src.name
     for part in ("node", "input", "output", "value_info"):
         getattr(g, part).extend(getattr(src, part))
+    _concrete_inputs(g, {p.key[len(META):]: p.value for p in model.metadata_props if p.key.startswith(META)})
     floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
     for init in src.initializer:
         if init.data_type in floats and len(init.dims) >= 2 and 2 * math.prod(init.dims) > _SHAPE_VIEW_BYTES:
@@ -430,6 +438,32 @@ def _shape_view(model):
         else:
             g.initializer.append(init)
     return view
+
+
+# Sizes the shape view gives the dynamic inputs, in units of the model's size multiple for height and width:
+# distinct, odd and unlike any channel count, so that two dimensions compare equal in the view only when they
+# are equal for every input size. With symbols, ORT's shape inference builds and simplifies a sympy expression
+# for every dimension after a strided conv or a resize (most of the time it took on SD1.5); with these it
+# computes integers.
+_VIEW_SIZES = {"batch": 3, "height": 9, "width": 11, "tokens": 77}
+
+
+def _concrete_inputs(graph, meta: dict[str, str]) -> None:
+    """Give the view's dynamic input dimensions the _VIEW_SIZES (control residual inputs: divided by their
+    downscale factor); a model without sd-accel's metadata keeps its symbols."""
+    if "size_multiple" not in meta:
+        return
+    multiple = int(meta["size_multiple"])
+    sizes = {"batch": _VIEW_SIZES["batch"], "tokens": _VIEW_SIZES["tokens"],
+             "height": _VIEW_SIZES["height"] * multiple, "width": _VIEW_SIZES["width"] * multiple}
+    for i in graph.input:
+        for d in i.type.tensor_type.shape.dim:
+            name = d.dim_param
+            if name in sizes:
+                d.dim_value = sizes[name]
+            elif name.endswith(("_height", "_width")) and f"{i.name}_factor" in meta:
+                side = "height" if name.endswith("_height") else "width"
+                d.dim_value = -(-sizes[side] // int(meta[f"{i.name}_factor"]))
 
 
 @contextlib.contextmanager
@@ -469,9 +503,43 @@ def _light_shape_inference() -> Iterator[None]:
         OnnxModel.infer_runtime_shape, Shapes._get_value = original_infer, original_value
 
 
+@contextlib.contextmanager
+def _group_norm_children_from_fusion_maps() -> Iterator[None]:
+    """ORT's GroupNorm fusion looks for the SiLU's Mul below each candidate Add with find_first_child_by_type
+    without the node maps it was handed, and that rebuilds the whole graph's input map for every node it visits
+    (1000 times for SD1.5: 25 of the 115 s its fusions took on a CPU). A fusion pass changes no node until it
+    ends (Fusion.apply removes and adds them after its loop), so the maps it was handed are the graph's."""
+    import sys
+
+    from onnxruntime.transformers.onnx_model_unet import UnetOnnxModel
+
+    # ORT's modules import each other by top-level name: patch the class UnetOnnxModel's module uses.
+    cls = getattr(sys.modules[UnetOnnxModel.__module__], "FusionGroupNorm", None)
+    if cls is None or "fuse" not in cls.__dict__:
+        yield
+        return
+    original = cls.fuse
+
+    def fuse(self, add_node, input_name_to_nodes, output_name_to_node):
+        model = self.model
+        find = type(model).find_first_child_by_type
+        model.find_first_child_by_type = lambda node, child_type, maps=None, recursive=True: find(
+            model, node, child_type, input_name_to_nodes if maps is None else maps, recursive)
+        try:
+            return original(self, add_node, input_name_to_nodes, output_name_to_node)
+        finally:
+            del model.find_first_child_by_type
+
+    cls.fuse = fuse
+    try:
+        yield
+    finally:
+        cls.fuse = original
+
+
 def _fuse(model, provider: str, fp16: bool, progress: Progress):
     """optimize_model(model_type="unet", opt_level=0) with its fusion steps reported as progress."""
-    with _light_shape_inference():
+    with _light_shape_inference(), _group_norm_children_from_fusion_maps():
         return _fuse_steps(model, provider, fp16, progress)
 
 
@@ -519,13 +587,19 @@ def time_embedding_nodes(model) -> list[str]:
 
 def optimize(onnx_path: Path, out_path: Path, fp16: bool, provider: str = "cuda",
              progress: Progress | None = None) -> Path:
-    """ORT transformer fusions for `provider` ("cuda", "cpu", "dml", "migraphx"), then fp16 when asked.
+    """ORT transformer fusions for `provider` ("cuda", "cpu", "dml", "migraphx"), then fp16 when asked; saved
+    to out_path. onnx_path: an exported model's file, or the model (export_model)."""
+    return save_model(optimized_model(onnx_path, fp16, provider, progress), Path(out_path))
+
+
+def optimized_model(model_or_path, fp16: bool, provider: str = "cuda", progress: Progress | None = None):
+    """optimize's model, in memory. A model passed in is changed in place (the fusions rewrite its graph).
 
     In fp16, x, context, y and the output become fp16 (Microsoft's SD pipeline uses keep_io_types=False), so the
     graph starts and ends without Cast nodes and the engine hands over the host's fp16 tensors as they are. Only
     `timesteps` stays fp32, with the sinusoidal embedding it feeds (see time_embedding_nodes)."""
     progress = progress or NullProgress()
-    model = _load(onnx_path, external=True)
+    model = _load(model_or_path, external=True)
     metadata = list(model.metadata_props)
     m = _fuse(model, provider, fp16, progress)
     if fp16:
@@ -537,7 +611,7 @@ def optimize(onnx_path: Path, out_path: Path, fp16: bool, provider: str = "cuda"
         progress.done()
     if not m.model.metadata_props:
         m.model.metadata_props.extend(metadata)
-    return save_model(m.model, Path(out_path))
+    return m.model
 
 
 def fused_operator_counts(model_or_path) -> dict[str, int]:

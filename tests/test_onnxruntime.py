@@ -425,3 +425,26 @@ def test_engine_cache_builds_once_then_loads(tmp_path, monkeypatch):
     for engine in (first, second, third):
         engine.release()
     print(f"ORT tiny-sd15 on the CPU: build {build_s:.2f} s, cache hit {load_s:.2f} s")
+
+
+def test_shape_inference_view_gives_inputs_generic_concrete_sizes(sd15):
+    """ORT's shape inference runs over a view whose dynamic inputs have fixed sizes (integers instead of sympy
+    expressions); the fused operator counts above are what guards the fusions against that."""
+    import onnx
+
+    _, engine, _, _ = sd15
+    model = onnx.load(str(engine.path), load_external_data=False)
+    view = export._shape_view(model)
+    info = export.model_info(model)
+    dims = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in view.graph.input}
+    m = info.size_multiple
+    assert dims["x"] == [3, info.in_channels, 9 * m, 11 * m]
+    assert dims["timesteps"] == [3] and dims["context"][:2] == [3, 77]
+    meta = {p.key: p.value for p in model.metadata_props}
+    controls = [n for n in dims if n.startswith("control_")]
+    assert controls
+    for name in controls:
+        f = int(meta[f"sd_accel.{name}_factor"])
+        assert dims[name][0] == 3 and dims[name][2:] == [-(-9 * m // f), -(-11 * m // f)]
+    # the model itself keeps its symbols
+    assert [d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim] == ["batch", "", "height", "width"]

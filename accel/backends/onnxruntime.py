@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..errors import BackendUnavailable
-from ..export import (OnnxUNetInfo, WeightMap, control_input_names, export_onnx, host_side_nodes, model_info,
-                      optimize, refreshed_initializers, save_model, weight_map)
+from ..export import (OnnxUNetInfo, WeightMap, control_input_names, export_model, host_side_nodes, model_info,
+                      optimized_model, refreshed_initializers, save_model, weight_map)
 from ..progress import NullProgress, Progress
 from ..unet import CanonicalUNet
 
@@ -185,9 +185,9 @@ def _gpu(options: dict):
 def build_model(unet: CanonicalUNet, folder: Path, options: dict | None = None, progress: Progress | None = None,
                 provider: str | None = None) -> Path:
     """Export and optimize `unet` for `provider` into `folder`; returns the path of the model to serve
-    (`unet.<profile>.onnx`, with `<that>.weights.json`, its weight map, when `refit`). The fp32 export is
-    deleted once optimized (for SDXL it is 10 GB). provider: the execution provider it is for; by default the
-    one chosen for options["gpu"] (or the detected GPU)."""
+    (`unet.<profile>.onnx`, with `<that>.weights.json`, its weight map, when `refit`). The fp32 export is never
+    written (for SDXL it would be 10 GB). provider: the execution provider it is for; by default the one chosen
+    for options["gpu"] (or the detected GPU)."""
     options = {**DEFAULTS, **(options or {})}
     progress = progress or NullProgress()
     if provider is None:
@@ -195,19 +195,20 @@ def build_model(unet: CanonicalUNet, folder: Path, options: dict | None = None, 
 
         provider = choose_provider(_gpu(options), ort.get_available_providers())
     fp16 = options["fp16"] if options["fp16"] is not None else provider != CPU
-    raw = export_onnx(unet, Path(folder), opset=int(options["opset"]), control=bool(options["control"]),
-                      progress=progress, name="unet.export.onnx")
     profile = PROFILE[provider]
-    out = optimize(raw, Path(folder) / f"unet.{profile}{'.fp16' if fp16 else ''}.onnx", fp16=fp16,
-                   provider=profile, progress=progress)
-    for f in (raw, raw.with_name(raw.name + ".data")):
-        if f.exists():
-            f.unlink()
+    # The model stays in memory from export to the optimized file: only the result is written.
+    model = export_model(unet, Path(folder), opset=int(options["opset"]), control=bool(options["control"]),
+                         progress=progress, name="unet.export.onnx")
+    model = optimized_model(model, fp16=fp16, provider=profile, progress=progress)
+    out = Path(folder) / f"unet.{profile}{'.fp16' if fp16 else ''}.onnx"
     if options["refit"]:
         progress.stage("weight map", total=1)
-        weight_map(out, unet).save(weight_map_path(out))
+        wmap = weight_map(model, unet)  # before saving: saving to external data empties the model's tensors
         progress.advance()
         progress.done()
+    save_model(model, out)
+    if options["refit"]:
+        wmap.save(weight_map_path(out))
     return out
 
 

@@ -94,6 +94,26 @@ def test_graph_recaptures_when_a_parameter_is_replaced():
 
 
 @gpu
+def test_a_signature_captured_again_warms_up_once_and_replays_right(monkeypatch):
+    from accel import graphs
+
+    monkeypatch.setattr(graphs, "_captured", set())
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
+    x, t, ctx, y = example_inputs(unet.unet, latent=32, device="cuda", dtype=torch.float16)
+    with torch.inference_mode():
+        ref = unet(x, t, ctx, y)
+    calls = []
+    for run in range(2):  # a host's sampling runs: the torch path is prepared, used, undone
+        engine = torch_fused.build(unet)
+        forward = engine._graph_fn
+        engine.graphs.fn = lambda *a: calls.append(run) or forward(*a)
+        for _ in range(2):
+            assert rel(engine(x, t, ctx, y), ref) <= 1e-2
+        engine.release()
+    assert calls.count(0) == 3 and calls.count(1) == 2  # warm-ups + capture: 2 + 1, then 1 + 1
+
+
+@gpu
 def test_graph_memory_stays_bounded_over_20_shapes():
     unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
     ctx = torch.randn(3, 77, 32, device="cuda", dtype=torch.float16)

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",
                    help="with --vae: also time the tiled decode limited to this much GPU memory (default 4)")
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae: time the UNets too")
-    b.add_argument("--profile", action="store_true", help="GPU kernel time per step by operator class")
+    b.add_argument("--profile", action="store_true",
+                   help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("demo", help="detect, plan, build, sample plain and accelerated, compare, save a PNG")

@@ -47,6 +47,22 @@ def comfy_root() -> Path | None:
     return Path(root) if root and (Path(root) / "comfy" / "model_patcher.py").is_file() else None
 
 
+_STUB_DOC = '"""Stub for tests: the real torchvision is not installed."""\n'
+# Once the stub is importable, transformers (imported by diffusers' PEFT loader) takes torchvision for installed
+# and imports these names at module level; they are never called.
+_STUB_FILES = {
+    "torchvision/__init__.py": _STUB_DOC + '__version__ = "0.0.0"\n',  # below any version a feature asks for
+    "torchvision/transforms/__init__.py": _STUB_DOC + (
+        "import enum\n\n\nclass InterpolationMode(enum.Enum):\n"
+        + "".join(f"    {m} = {m.lower()!r}\n" for m in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC", "BOX",
+                                                        "HAMMING", "LANCZOS"))),
+    "torchvision/transforms/functional.py": _STUB_DOC + "\n\ndef pil_to_tensor(pic):\n    raise NotImplementedError\n",
+    "torchvision/transforms/v2/__init__.py": _STUB_DOC,
+    "torchvision/transforms/v2/functional.py": _STUB_DOC,
+    "torchvision/io.py": _STUB_DOC,
+}
+
+
 def torchvision_stub() -> Path | None:
     """ComfyUI imports torchvision at module level in a few model files the tests never use; where torchvision is
     not installed (its PyPI wheels pin another torch), a stub package stands in. None when it is installed."""
@@ -54,11 +70,11 @@ def torchvision_stub() -> Path | None:
     found = importlib.util.find_spec("torchvision")
     if found is not None and not str(found.origin).startswith(str(folder)):
         return None
-    for sub in ("torchvision", "torchvision/transforms"):
-        (folder / sub).mkdir(parents=True, exist_ok=True)
-        init = folder / sub / "__init__.py"
-        if not init.exists():
-            init.write_text('"""Stub for tests: the real torchvision is not installed."""\n')
+    for name, text in _STUB_FILES.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
     return folder
 
 

@@ -119,6 +119,19 @@ def control_shapes(unet: CanonicalUNet, x: torch.Tensor, timesteps: torch.Tensor
     return skips, mid[0]
 
 
+@contextlib.contextmanager
+def _patched(*changes: tuple[Any, str, Any]) -> Iterator[None]:
+    """Set each (object, attribute, value) for the duration, then restore what was there."""
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
+    for obj, name, value in changes:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(originals):
+            setattr(obj, name, value)
+
+
 def _math_sdpa(original):
     """scaled_dot_product_attention written the way diffusers' AttnProcessor computes it, heads folded into the
     batch, so that the exported graph has the pattern ORT's attention fusion matches."""
@@ -158,12 +171,8 @@ def classic_attention(unet: CanonicalUNet) -> Iterator[None]:
             m.set_attn_processor(original)
         return
     F = torch.nn.functional
-    original_sdpa = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _math_sdpa(original_sdpa)
-    try:
+    with _patched((F, "scaled_dot_product_attention", _math_sdpa(F.scaled_dot_product_attention))):
         yield
-    finally:
-        F.scaled_dot_product_attention = original_sdpa
 
 
 @contextlib.contextmanager
@@ -496,11 +505,8 @@ def _light_shape_inference() -> Iterator[None]:
             return np.broadcast_to(np.zeros((), helper.tensor_dtype_to_np_dtype(init.data_type)), tuple(init.dims))
         return original_value(self, node, idx)
 
-    OnnxModel.infer_runtime_shape, Shapes._get_value = infer_runtime_shape, get_value
-    try:
+    with _patched((OnnxModel, "infer_runtime_shape", infer_runtime_shape), (Shapes, "_get_value", get_value)):
         yield
-    finally:
-        OnnxModel.infer_runtime_shape, Shapes._get_value = original_infer, original_value
 
 
 @contextlib.contextmanager
@@ -530,11 +536,8 @@ def _group_norm_children_from_fusion_maps() -> Iterator[None]:
         finally:
             del model.find_first_child_by_type
 
-    cls.fuse = fuse
-    try:
+    with _patched((cls, "fuse", fuse)):
         yield
-    finally:
-        cls.fuse = original
 
 
 def _fuse(model, provider: str, fp16: bool, progress: Progress):
@@ -698,14 +701,8 @@ def _fast_float16() -> Iterator[None]:
 
     modules = [m for m in (sys.modules.get("float16"), sys.modules.get("onnxruntime.transformers.float16"))
                if m is not None and hasattr(m, "convert_np_to_float16")]
-    originals = [m.convert_np_to_float16 for m in modules]
-    for m in modules:
-        m.convert_np_to_float16 = to_float16
-    try:
+    with _patched(*[(m, "convert_np_to_float16", to_float16) for m in modules]):
         yield
-    finally:
-        for m, f in zip(modules, originals):
-            m.convert_np_to_float16 = f
 
 
 def _as(a, dtype: str):

@@ -201,13 +201,14 @@ def build_model(unet: CanonicalUNet, folder: Path, options: dict | None = None, 
                          progress=progress, name="unet.export.onnx")
     model = optimized_model(model, fp16=fp16, provider=profile, progress=progress)
     out = Path(folder) / f"unet.{profile}{'.fp16' if fp16 else ''}.onnx"
+    wmap = None
     if options["refit"]:
         progress.stage("weight map", total=1)
         wmap = weight_map(model, unet)  # before saving: saving to external data empties the model's tensors
         progress.advance()
         progress.done()
     save_model(model, out)
-    if options["refit"]:
+    if wmap is not None:
         wmap.save(weight_map_path(out))
     return out
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Undo, kernel_module, patch_forward
+from .groupnorm import _SiLUForEmbeddings
 
 
 def _plain_conv(conv: nn.Module) -> bool:
@@ -60,7 +61,7 @@ def _block(x: torch.Tensor, norm1: nn.GroupNorm, conv1: nn.Conv2d, t: torch.Tens
 def _is_silu(m: nn.Module) -> bool:
     # after the groupnorm fusion the norms' SiLU is part of the norm: the module left is an Identity or
     # diffusers' embeddings-only SiLU
-    return isinstance(m, (nn.SiLU, nn.Identity)) or type(m).__name__ == "_SiLUForEmbeddings"
+    return isinstance(m, (nn.SiLU, nn.Identity, _SiLUForEmbeddings))
 
 
 def _diffusers_covered(m: nn.Module) -> bool:

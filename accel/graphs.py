@@ -46,11 +46,14 @@ class WeightsWatch:
         self._seen = -1
         self._tensors: list[torch.Tensor] = []
 
-    def token(self) -> tuple:
+    def tensors(self) -> list[torch.Tensor]:
         if self._seen != _registrations:
             self._seen = _registrations
             self._tensors = list(self.module.parameters()) + list(self.module.buffers())
-        return tuple(map(torch.Tensor.data_ptr, self._tensors))
+        return self._tensors
+
+    def token(self) -> tuple:
+        return tuple(map(torch.Tensor.data_ptr, self.tensors()))
 
 
 # Input signatures captured before in this process. cuDNN's autotuning and the Triton kernels' compilation for them

@@ -211,7 +211,10 @@ class EngineSlot:
             from .progress import NullProgress
 
             self.acc.fallback = backends.load("torch").build(self.acc.unet, {}, NullProgress())
-        return self.acc if self.acc is not None and self.acc.engine is not None else None
+        if self.acc is None or self.acc.engine is None:
+            return None
+        self.acc.resume()
+        return self.acc
 
     def _build(self, module: torch.nn.Module, weights_key: Any) -> None:
         from .accelerate import accelerate
@@ -262,14 +265,18 @@ class EngineSlot:
         self.acc.release()
         self.acc = None
 
-    def end_run(self) -> None:
+    def end_run(self, keep_graphs: bool = False) -> None:
         """The host finished a run (one sampling). The torch path changed the module in place (memory format,
-        fused kernels), and the host's other models share that module: undo it now and redo it on the next
-        run. Engines of other paths hold no module changes and stay; their torch fallback is freed."""
+        fused kernels), and the host's other models share that module: undo that now and redo it on the next
+        call. With keep_graphs the torch path's CUDA graphs stay for the next run (they replay unless the
+        weights moved meanwhile: no warm-up, no capture); without, the torch path is freed. Engines of other
+        paths hold no module changes and stay."""
         self._broken = False
         if self.acc is None:
             return
-        if self.acc.backend == "torch":
+        if keep_graphs:
+            self.acc.suspend()
+        elif self.acc.backend == "torch":
             self.acc.release()
             self.acc = None
         elif self.acc.fallback is not None:

@@ -5,7 +5,8 @@ ModelPatcher wrappers, which travel with every clone (LoraLoader downstream incl
 while this model samples. Two wrappers:
 
 - OUTER_SAMPLE: knows the ModelPatcher that samples (its weight patches, hooks, lowvram state) and ends the
-  run (the torch path undoes its in-place module changes, so models that share the UNet see none of them).
+  run: the torch path undoes its in-place module changes, so models that share the UNet see none of them,
+  and keeps its CUDA graphs for the next run (freed when ComfyUI unloads the model: an ON_DETACH callback).
 - DIFFUSION_MODEL: around the UNet's forward. A call that carries nothing the engine cannot honour goes to
   the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
   (patches, inner wrappers and all), and the node says why once.
@@ -130,12 +131,14 @@ def unsupported(model) -> str | None:
 
 def attach(model, session: "Session") -> None:
     """Install the session's wrappers on a ModelPatcher, replacing an earlier Accelerated UNet's."""
-    from comfy.patcher_extension import WrappersMP
+    from comfy.patcher_extension import CallbacksMP, WrappersMP
 
     for kind, fn in ((WrappersMP.OUTER_SAMPLE, session.outer_sample),
                      (WrappersMP.DIFFUSION_MODEL, session.diffusion_model)):
         model.remove_wrappers_with_key(kind, KEY)
         model.add_wrapper_with_key(kind, KEY, fn)
+    model.remove_callbacks_with_key(CallbacksMP.ON_DETACH, KEY)
+    model.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, session.on_detach)
 
 
 def session_of(model) -> "Session | None":
@@ -162,17 +165,30 @@ class Session:
         self.slot = slot
         self.node_id = node_id
         self.patcher = None  # the ModelPatcher sampling now; None between runs
+        self._objects: tuple | None = None  # the last run's object patches (see outer_sample)
 
     def outer_sample(self, executor, *args, **kwargs):
         outer = self.patcher  # set when a sampler runs inside another sampler's run of this model
         self.patcher = getattr(executor.class_obj, "model_patcher", None)
+        if outer is None:
+            # Kept CUDA graphs replay the modules as they were captured; object patches (other nodes' replaced
+            # submodules or methods) that differ from the last run's need the torch path prepared again.
+            objects = tuple(sorted((k, id(v)) for k, v in getattr(self.patcher, "object_patches", {}).items()))
+            if self._objects is not None and objects != self._objects:
+                self.slot.end_run()
+            self._objects = objects
         try:
             return executor(*args, **kwargs)
         finally:
             self.patcher = outer
             if outer is None:
-                self.slot.end_run()
+                self.slot.end_run(keep_graphs=True)
                 publish(self.node_id, status_payload(self.slot.status))
+
+    def on_detach(self, patcher, unpatch_all: bool) -> None:
+        """ComfyUI unloads the model (not the detach and load it does before every run): free the kept graphs."""
+        if unpatch_all:
+            self.slot.end_run()
 
     def diffusion_model(self, executor, x, timesteps=None, context=None, y=None, control=None,
                         transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's own signature)
@@ -181,6 +197,8 @@ class Session:
 
         why = self.why_plain(executor, transformer_options, kwargs)
         if why is not None:
+            if why[0] == "lowvram":  # memory is short: the graphs kept from earlier runs go
+                self.slot.end_run()
             return self.slot.run_plain(why[0], why[1], plain)
         return self.slot.call(executor.class_obj, self.patcher.patches_uuid, x, timesteps, context, y, control,
                               plain)

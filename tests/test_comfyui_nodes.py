@@ -1,12 +1,14 @@
 """The nodes against ComfyUI's real classes (ModelPatcher, model_base, samplers, ControlNet, hooks), in this
 process, on tiny seeded models. Skipped unless COMFYUI_ROOT names a ComfyUI checkout.
 
-On the CPU the torch path runs the same kernels as the plain model, so "equal" is exact here; what these tests
-pin down is the routing: which calls reach the engine, which must not, and that nothing is lost on the way.
+On the CPU the torch path runs the same kernels as the plain model, so "same" is exact there (on a GPU: within
+fp16-level error); what these tests pin down is the routing: which calls reach the engine, which must not, and
+that nothing is lost on the way.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -57,18 +59,60 @@ def test_accelerated_equals_plain_and_input_model_is_untouched(pack, tiny):
     uuid_before = tiny.patches_uuid
     acc, text = accelerate(pack, tiny)
     assert acc is not tiny and "backend: torch" in text
-    assert torch.equal(sample(acc, pos, neg), sample(tiny, pos, neg))
+    assert H.same(sample(acc, pos, neg), sample(tiny, pos, neg))
     s = status(pack, acc)
     assert s.backend == "torch" and s.engine_calls == 2 and s.plain_calls == 0
     assert tiny.wrappers == wrappers_before and tiny.patches_uuid == uuid_before
     assert pack.nodes.accelerated_unet.session_of(tiny) is None
 
 
+def test_torch_path_is_kept_between_runs_and_freed_when_comfyui_unloads_the_model(pack, tiny):
+    import comfy.model_management
+
+    pos, neg = H.tiny_conditioning(2)
+    acc, _ = accelerate(pack, tiny)
+    slot = pack.nodes.accelerated_unet.session_of(acc).slot
+    sample(acc, pos, neg)
+    kept = slot.acc
+    assert kept is not None and kept.engine.suspended  # module changes undone, graphs kept
+    assert H.same(sample(acc, pos, neg), sample(tiny, pos, neg))
+    assert slot.acc is kept and kept.engine.suspended
+
+    patched = acc.clone()  # another node replaces a submodule: the kept path is prepared again
+    patched.add_object_patch("diffusion_model.out", copy.deepcopy(tiny.model.diffusion_model.out))
+    sample(patched, pos, neg)
+    assert slot.acc is not kept and slot.acc is not None
+
+    comfy.model_management.unload_all_models()
+    assert slot.acc is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_gpu_next_run_replays_the_kept_graph_and_a_lora_in_between_is_honoured(pack, tiny):
+    import comfy.sd
+
+    pos, neg = H.tiny_conditioning(2)
+    lora = H.lora_patches(tiny)
+    plain = sample(tiny, pos, neg)
+    plain_lora = sample(comfy.sd.load_lora_for_models(tiny, None, lora, 1.0, 0.0)[0], pos, neg)
+    assert not H.same(plain_lora, plain)
+    acc, _ = accelerate(pack, tiny)
+    assert H.same(sample(acc, pos, neg), plain)
+    slot = pack.nodes.accelerated_unet.session_of(acc).slot
+    engine = slot.acc.engine
+    captures = engine.graphs.captures
+    assert captures >= 1
+    assert H.same(sample(acc, pos, neg), plain)
+    assert slot.acc.engine is engine and engine.graphs.captures == captures  # the kept graph replayed
+    assert H.same(sample(comfy.sd.load_lora_for_models(acc, None, lora, 1.0, 0.0)[0], pos, neg), plain_lora)
+    assert H.same(sample(acc, pos, neg), plain)  # and back: no LoRA weights left in a replayed graph
+
+
 def test_sdxl_model_is_accelerated(pack):
     xl = H.tiny_model(5, xl=True)
     pos, neg = H.tiny_conditioning(6, xl=True)
     acc, _ = accelerate(pack, xl)
-    assert torch.equal(sample(acc, pos, neg), sample(xl, pos, neg))
+    assert H.same(sample(acc, pos, neg), sample(xl, pos, neg))
     assert status(pack, acc).engine_calls == 2
 
 
@@ -86,11 +130,11 @@ def test_lora_before_or_after_the_node_matches_plain_lora(pack, tiny):
     after, _ = accelerate(pack, tiny)
     after = with_lora(after)  # LoraLoader downstream: a clone of the accelerated model, same session
     before, _ = accelerate(pack, with_lora(tiny))
-    assert torch.equal(sample(after, pos, neg), plain)
-    assert torch.equal(sample(before, pos, neg), plain)
+    assert H.same(sample(after, pos, neg), plain)
+    assert H.same(sample(before, pos, neg), plain)
     assert status(pack, after).engine_calls == 2 and status(pack, before).engine_calls == 2
     # and without the LoRA again the accelerated model is back to the plain result: no weights left behind
-    assert torch.equal(sample(accelerate(pack, tiny)[0], pos, neg), sample(tiny, pos, neg))
+    assert H.same(sample(accelerate(pack, tiny)[0], pos, neg), sample(tiny, pos, neg))
 
 
 def test_controlnet_residuals_reach_the_unet_on_the_torch_path(pack, tiny):
@@ -102,7 +146,7 @@ def test_controlnet_residuals_reach_the_unet_on_the_torch_path(pack, tiny):
     plain = sample(tiny, cpos, cneg)
     assert not torch.allclose(plain, sample(tiny, pos, neg), atol=1e-3)
     acc, _ = accelerate(pack, tiny)
-    assert torch.equal(sample(acc, cpos, cneg), plain)
+    assert H.same(sample(acc, cpos, cneg), plain)
     s = status(pack, acc)
     assert s.engine_calls == 2 and s.plain_calls == 0
 
@@ -114,7 +158,7 @@ def test_attention_replace_patch_that_changes_per_step_is_honoured(pack, tiny, c
     acc, _ = accelerate(pack, tiny)
     for patched in (H.step_attention_patch(acc), accelerate(pack, H.step_attention_patch(tiny))[0]):
         with caplog.at_level(logging.WARNING, logger="sd-accel"):
-            assert torch.equal(sample(patched, pos, neg), plain)
+            assert H.same(sample(patched, pos, neg), plain)
         s = status(pack, patched)
         assert s.plain_calls == 2 and s.engine_calls == 0
         assert any("attn2 replace" in m for m in s.messages)
@@ -135,7 +179,7 @@ def test_model_function_wrapper_outside_the_unet_keeps_the_engine(pack, tiny):
     plain = sample(wrapped(tiny), pos, neg)
     assert not torch.allclose(plain, sample(tiny, pos, neg), atol=1e-3)
     acc = wrapped(accelerate(pack, tiny)[0])
-    assert torch.equal(sample(acc, pos, neg), plain)
+    assert H.same(sample(acc, pos, neg), plain)
     assert status(pack, acc).engine_calls == 2
 
 
@@ -147,14 +191,14 @@ def test_weight_hooks_and_lowvram_run_the_plain_model(pack, tiny):
     hooks = comfy.hooks.create_hook_lora(H.lora_patches(tiny), 1.0, 0.0)
     hpos = comfy.hooks.set_hooks_for_conditioning(pos, hooks)
     acc, _ = accelerate(pack, tiny)
-    assert torch.equal(sample(acc, hpos, neg), sample(tiny, hpos, neg))
+    assert H.same(sample(acc, hpos, neg), sample(tiny, hpos, neg))
     s = status(pack, acc)
     assert s.engine_calls == 0 and any("hooks" in m for m in s.messages)
 
     low, _ = accelerate(pack, tiny)
     low.add_callback(CallbacksMP.ON_PRE_RUN, lambda patcher: setattr(patcher.model, "model_lowvram", True))
     try:
-        assert torch.equal(sample(low, pos, neg), sample(tiny, pos, neg))
+        assert H.same(sample(low, pos, neg), sample(tiny, pos, neg))
     finally:
         tiny.model.model_lowvram = False
     s = status(pack, low)
@@ -187,7 +231,7 @@ def test_bad_profile_says_so_and_still_runs_the_torch_path(pack, tiny, changes, 
         acc, text = accelerate(pack, tiny, backend="tensorrt", **changes)
     assert words in text and "torch path runs" in text
     assert words in caplog.text
-    assert torch.equal(sample(acc, pos, neg, ), sample(tiny, pos, neg))
+    assert H.same(sample(acc, pos, neg, ), sample(tiny, pos, neg))
     assert status(pack, acc).backend == "torch"
 
 
@@ -197,7 +241,7 @@ def test_backend_not_installed_falls_back_with_the_reason(pack, tiny, caplog):
         acc, text = accelerate(pack, tiny, backend="tensorrt")
     assert "tensorrt was asked for but cannot run" in text
     assert "tensorrt was asked for but cannot run" in caplog.text
-    assert torch.equal(sample(acc, pos, neg, ), sample(tiny, pos, neg))
+    assert H.same(sample(acc, pos, neg, ), sample(tiny, pos, neg))
     assert status(pack, acc).backend == "torch"
 
 
@@ -206,7 +250,7 @@ def test_sd_accel_backend_off_is_honoured_by_auto(pack, tiny, monkeypatch):
     pos, neg = H.tiny_conditioning(2)
     acc, text = accelerate(pack, tiny, backend="auto")
     assert text.startswith("backend: off")
-    assert torch.equal(sample(acc, pos, neg), sample(tiny, pos, neg))
+    assert H.same(sample(acc, pos, neg), sample(tiny, pos, neg))
     s = status(pack, acc)
     assert s.backend == "plain" and s.engine_calls == 0 and s.plain_calls == 2
 
@@ -220,7 +264,7 @@ def test_failed_build_runs_the_plain_model_and_says_why(pack, tiny, monkeypatch)
     monkeypatch.setattr(torch_fused, "build", broken)
     pos, neg = H.tiny_conditioning(2)
     acc, _ = accelerate(pack, tiny)
-    assert torch.equal(sample(acc, pos, neg, ), sample(tiny, pos, neg))
+    assert H.same(sample(acc, pos, neg, ), sample(tiny, pos, neg))
     s = status(pack, acc)
     assert s.backend == "plain" and s.plain_calls == 2
     assert any("ran out of luck" in m for m in s.messages)
@@ -252,12 +296,13 @@ def test_tiled_vae_decode_and_encode(pack):
     assert z["samples"].shape == (1, 4, 16, 16)
     untiled = vae.decode(latent)
     if pack.nodes.tiled_vae._tiled() is not None:
-        # global GroupNorm statistics: the tiles add up to the untiled decode
-        assert (image - untiled).abs().max() < 2e-3
-        assert (z["samples"] - vae.encode(image)).abs().max() < 2e-3
+        # global GroupNorm statistics: the tiles add up to the untiled decode (a GPU's TF32 convolutions: 1e-2)
+        tol = 1e-2 if torch.cuda.is_available() else 2e-3
+        assert (image - untiled).abs().max() < tol
+        assert (z["samples"] - vae.encode(image)).abs().max() < tol
     else:
         # the seam: ComfyUI's own tiled code runs until accel.vae_tiled exists
-        assert torch.equal(image, vae.decode_tiled(latent, tile_x=8, tile_y=8, overlap=2))
+        assert H.same(image, vae.decode_tiled(latent, tile_x=8, tile_y=8, overlap=2))
 
 
 def test_tiled_vae_nodes_pass_the_memory_limit_on(pack, monkeypatch):

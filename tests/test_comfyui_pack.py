@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import comfy_helpers as H
+from accel.device import GpuInfo
 from accel.errors import BadInput
 from accel.host_support import EngineSlot, shape_profile
 
@@ -136,6 +137,12 @@ def test_slot_builds_on_first_call_serves_and_undoes_at_run_end(unet_and_inputs)
     slot.call(unet, "w1", x, t, ctx, None, None, plain)
     assert slot.status.engine_calls == 2 and slot.acc is not None
 
+    kept = slot.acc
+    slot.end_run(keep_graphs=True)  # undone as well, graphs kept: the next call redoes the changes
+    assert slot.acc is kept and kept.engine.suspended
+    slot.call(unet, "w1", x, t, ctx, None, None, plain)
+    assert slot.acc is kept and not kept.engine.suspended and slot.status.engine_calls == 3
+
 
 def test_slot_runs_plain_when_the_build_or_a_call_fails(unet_and_inputs, monkeypatch, caplog):
     import accel.backends.torch_fused as torch_fused
@@ -207,7 +214,8 @@ def test_engine_path_follows_weight_changes_and_sends_other_shapes_to_torch(unet
     monkeypatch.setitem(accel.backends.BACKENDS, "onnxruntime", "fake_engine_backend")
     monkeypatch.setattr(accel.policy, "probe_packages", lambda: {"onnxruntime": True})
     profile = shape_profile((1, 1, 1), (64, 64, 64), (64, 64, 64))
-    slot = EngineSlot("onnxruntime", {"cache_root": "/nowhere"}, profile)
+    # planned for a CPU (a GPU's plan would also ask for ORT's GPU provider), where the fake engine serves calls
+    slot = EngineSlot("onnxruntime", {"cache_root": "/nowhere"}, profile, gpu=GpuInfo("cpu", "cpu"))
     plain = lambda: reference(unet, x, t, ctx)  # noqa: E731
 
     assert (slot.call(unet, "lora-a", x, t, ctx, None, None, plain) == 7).all()

@@ -3,6 +3,8 @@ graphs honest: recaptured when weights are swapped, bounded in number and memory
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -111,6 +113,71 @@ def test_a_signature_captured_again_warms_up_once_and_replays_right(monkeypatch)
             assert rel(engine(x, t, ctx, y), ref) <= 1e-2
         engine.release()
     assert calls.count(0) == 3 and calls.count(1) == 2  # warm-ups + capture: 2 + 1, then 1 + 1
+
+
+def test_restride_keeps_addresses_and_values_and_goes_back():
+    from accel.backends.torch_fused import restride, restride_tensors
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(4, 4))
+    already = net[1].weight
+    already.data = already.data.contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 9, 9)
+    before = net[:2](x)
+    ptrs = [p.data_ptr() for p in net.parameters()]
+    values = [p.detach().clone() for p in net.parameters()]
+    converted = restride(net, torch.channels_last)
+    assert converted == [net[0].weight]  # 4-D and contiguous only; the user's channels_last weight is left alone
+    assert net[0].weight.is_contiguous(memory_format=torch.channels_last) and not net[0].weight.is_contiguous()
+    assert [p.data_ptr() for p in net.parameters()] == ptrs
+    assert all(torch.equal(a, b) for a, b in zip(values, net.parameters()))
+    assert rel(net[:2](x), before) <= 1e-6
+    restride_tensors(converted, torch.contiguous_format)
+    assert net[0].weight.is_contiguous() and already.is_contiguous(memory_format=torch.channels_last)
+    assert [p.data_ptr() for p in net.parameters()] == ptrs
+    assert all(torch.equal(a, b) for a, b in zip(values, net.parameters()))
+
+
+def _changed_modules(module: torch.nn.Module) -> list[str]:
+    """Modules carrying an instance-level method or an attention processor of ours (the fusions' patches), or
+    a 4-D weight not in contiguous layout."""
+    out = [n for n, m in module.named_modules() if any(isinstance(v, types.MethodType) for v in vars(m).values())
+           or type(getattr(m, "processor", None)).__module__.startswith("accel.")]
+    return out + [n for n, p in module.named_parameters() if p.dim() == 4 and not p.is_contiguous()]
+
+
+@gpu
+def test_suspended_engine_leaves_the_module_plain_and_resumes_on_its_graphs():
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
+    x, t, ctx, y = example_inputs(unet.unet, latent=32, device="cuda", dtype=torch.float16)
+    with torch.inference_mode():
+        plain = unet(x, t, ctx, y)
+    assert not _changed_modules(unet.unet)
+    engine = torch_fused.build(unet)
+    first = engine(x, t, ctx, y)
+    assert _changed_modules(unet.unet) and engine.graphs.captures == 1
+    engine.suspend()
+    assert not _changed_modules(unet.unet)
+    with torch.inference_mode():
+        assert torch.equal(unet(x, t, ctx, y), plain)  # what the host's other models run meanwhile
+
+    assert torch.equal(engine(x, t, ctx, y), first)  # resumed: replayed, not captured again
+    assert engine.graphs.captures == 1
+
+    engine.suspend()  # the host scales a weight in place meanwhile: the graph reads the new values
+    conv = unet.unet.down_blocks[0].resnets[0].conv1
+    with torch.no_grad():
+        conv.weight.mul_(3)
+    with torch.inference_mode():
+        scaled = unet(x, t, ctx, y)
+    assert rel(engine(x, t, ctx, y), scaled) <= 1e-2 and rel(scaled, plain) > 1e-3
+    assert engine.graphs.captures == 1
+
+    engine.suspend()  # the host replaces a weight (ComfyUI's LoRA patching): captured again
+    conv.weight = torch.nn.Parameter(conv.weight.detach() / 3, requires_grad=False)
+    assert rel(engine(x, t, ctx, y), plain) <= 1e-2
+    assert engine.graphs.captures == 2
+    engine.release()
+    assert not _changed_modules(unet.unet)
 
 
 @gpu

@@ -2,7 +2,8 @@
 torch.compile. The fallback for every other path, so it must run wherever torch runs.
 
 Everything it changes on the user's module is recorded and undone by `release()`, like ComfyUI's
-ModelPatcher: attention processors and the memory format of the weights.
+ModelPatcher: attention processors, the memory format of the weights and the fused kernels. `suspend()` undoes
+the same changes but keeps the CUDA graphs, so a host's next sampling run replays them after `resume()`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,31 @@ def _unflatten_control(tensors: list[torch.Tensor], layout: tuple) -> dict | Non
     return {name: [next(it) if present else None for present in row] for name, row in layout}
 
 
+def _strides(shape: torch.Size, memory_format: torch.memory_format) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta", memory_format=memory_format).stride()
+
+
+def restride_tensors(tensors: list[torch.Tensor], memory_format: torch.memory_format) -> None:
+    """Rewrite each tensor's values in `memory_format` inside its own storage: unlike `Module.to(memory_format=)`,
+    the tensor keeps its address, so CUDA graphs captured on it stay valid, and nothing is allocated but one
+    tensor's worth of scratch at a time."""
+    with torch.no_grad():
+        for t in tensors:
+            values = t.detach().clone()
+            t.data = values.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                              _strides(t.shape, memory_format))
+            t.data.copy_(values)
+
+
+def restride(module: torch.nn.Module, memory_format: torch.memory_format) -> list[torch.Tensor]:
+    """The module's 4-D parameters and buffers that are contiguous and not yet in `memory_format`, rewritten in it
+    in place (see restride_tensors); returns them, for the way back."""
+    tensors = [t for t in (*module.parameters(), *module.buffers())
+               if t.dim() == 4 and t.is_contiguous() and not t.is_contiguous(memory_format=memory_format)]
+    restride_tensors(tensors, memory_format)
+    return tensors
+
+
 class TorchEngine:
     backend = "torch"
 
@@ -73,10 +99,24 @@ class TorchEngine:
         self.options = options
         module = unet.unet
         self._undo: list = []
-        device = unet.device
-        self.on_gpu = device.type == "cuda"
+        self.on_gpu = unet.device.type == "cuda"
+        self.suspended = False
+        self._fusion_counts: dict[str, int] | None = None
+        self._layout_at_suspend: list | None = None
         progress.stage("prepare torch path", total=3)
-        if options.get("attention") == "flash_attn" and unet.spec.form == "diffusers":
+        self._apply(progress)
+        self._forward = unet
+        self.graphs = GraphCache(self._graph_fn, max_graphs=int(options.get("max_graphs", 4))) \
+            if options.get("cuda_graphs") and self.on_gpu else None
+        self._layout: tuple = ()
+        self._weights = WeightsWatch(module)
+        progress.advance()
+        progress.done()
+
+    def _apply(self, progress: Progress) -> None:
+        """Make every change to the module, each with its undo step in self._undo."""
+        options, module = self.options, self.unet.unet
+        if options.get("attention") == "flash_attn" and self.unet.spec.form == "diffusers":
             try:
                 original = dict(module.attn_processors)
                 module.set_attn_processor(FlashAttnProcessor())
@@ -86,8 +126,8 @@ class TorchEngine:
                 options["attention"] = "flash"
         progress.advance()
         if options.get("channels_last") and self.on_gpu:
-            module.to(memory_format=torch.channels_last)
-            self._undo.append(lambda: module.to(memory_format=torch.contiguous_format))
+            converted = restride(module, torch.channels_last)
+            self._undo.append(lambda: restride_tensors(converted, torch.contiguous_format))
         progress.advance()
         if options.get("cudnn_benchmark") and self.on_gpu:
             previous = torch.backends.cudnn.benchmark
@@ -99,16 +139,41 @@ class TorchEngine:
 
             undo, counts = fusions.apply(module, list(options.get("fusions", [])))
             self._undo.append(undo)
-            log.info("sd-accel: fused kernels in %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
+            if self._fusion_counts is None:
+                log.info("sd-accel: fused kernels in %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
+            self._fusion_counts = counts
         if options.get("compile"):
             self._compile_blocks(module)
-        self._forward = unet
-        self.graphs = GraphCache(self._graph_fn, max_graphs=int(options.get("max_graphs", 4))) \
-            if options.get("cuda_graphs") and self.on_gpu else None
-        self._layout: tuple = ()
-        self._weights = WeightsWatch(module)
-        progress.advance()
-        progress.done()
+
+    def _undo_changes(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _tensor_layout(self) -> list:
+        return [(t.data_ptr(), t.stride()) for t in self._weights.tensors()]
+
+    def suspend(self) -> None:
+        """Undo every change to the module (a host's other models share it) but keep the CUDA graphs.
+
+        The graphs read the weights where they were at capture; the memory format is changed inside each
+        tensor's own storage, so resume() puts every weight back where the graphs read it and they replay
+        with no new capture. Weights the host replaced or moved meanwhile are seen on resume(), which then
+        drops the graphs."""
+        if self.suspended:
+            return
+        self._layout_at_suspend = self._tensor_layout() if self.graphs is not None and len(self.graphs) else None
+        self._undo_changes()
+        self.suspended = True
+
+    def resume(self) -> None:
+        """Redo what suspend() undid; keep the graphs only when every weight is where they read it."""
+        if not self.suspended:
+            return
+        self._apply(NullProgress())
+        self.suspended = False
+        if self._layout_at_suspend is not None and self._tensor_layout() != self._layout_at_suspend:
+            self.graphs.clear()
+        self._layout_at_suspend = None
 
     def _compile_blocks(self, module: torch.nn.Module) -> None:
         blocks = [m for m in module.modules() if type(m).__name__ in REPEATED_BLOCKS]
@@ -142,6 +207,7 @@ class TorchEngine:
 
     def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
                  y: torch.Tensor | None = None, control: dict | None = None, **kwargs: Any) -> torch.Tensor:
+        self.resume()
         dtype = self.unet.dtype
         x_in, ctx = x.to(dtype), context.to(dtype)
         y = None if y is None else y.to(dtype)
@@ -160,8 +226,8 @@ class TorchEngine:
         """Frees every graph and undoes what was changed on the module (in reverse order)."""
         if self.graphs is not None:
             self.graphs.clear()
-        while self._undo:
-            self._undo.pop()()
+        self._undo_changes()
+        self.suspended = False
         if self.on_gpu:
             # The graphs' warm-up stream got cuBLAS workspaces of its own; they would outlive the engine.
             clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

@@ -75,4 +75,5 @@ class FlashAttnProcessor:
             out = out.transpose(-1, -2).reshape(b, c, h, w)
         if attn.residual_connection:
             out = out + residual
-        return out / attn.rescale_output_factor
+        # a division by 1 would still be a pass over the output
+        return out if attn.rescale_output_factor == 1.0 else out / attn.rescale_output_factor

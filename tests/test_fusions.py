@@ -128,3 +128,27 @@ def test_skip_layernorm_fusion_same_function_and_undo_restores():
     undo()
     assert not any("forward" in vars(m) for m in unet.unet.modules())
     assert torch.equal(unet(x, t, ctx, y), ref)
+
+
+def test_sdpa_processor_drops_only_the_division_by_one_and_undo_restores():
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+    _, unet, (x, t, ctx, y) = next(_models())
+    ref = unet(x, t, ctx, y)
+    attentions = [m for m in unet.unet.modules() if isinstance(m, Attention)]
+    undo, counts = fusions.apply(unet.unet, ["sdpa_processor"])
+    assert counts["sdpa_processor"] == len(attentions) > 0
+    assert torch.equal(unet(x, t, ctx, y), ref)  # the same kernels, less the division by 1
+    attn = attentions[0]
+    tokens = torch.randn(2, 16, attn.query_dim)
+    mask = torch.zeros(2, 1, 16)
+    mask[:, :, 8:] = -1e4
+    with torch.no_grad():
+        expected = AttnProcessor2_0()(attn, tokens, attention_mask=mask)
+        assert torch.equal(attn(tokens, attention_mask=mask), expected)  # a masked call: the original processor
+    undo()
+    assert all(type(m.processor) is AttnProcessor2_0 for m in attentions)
+    assert torch.equal(unet(x, t, ctx, y), ref)
+    scaled = Attention(32, heads=2, dim_head=16, rescale_output_factor=2.0)
+    _, counts = fusions.apply(nn.Sequential(scaled), ["sdpa_processor"])
+    assert counts["sdpa_processor"] == 0 and type(scaled.processor) is AttnProcessor2_0

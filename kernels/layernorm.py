@@ -2,7 +2,8 @@
 bias + residual add (BiasAdd).
 
 In a transformer block the residual sum feeds both the next LayerNorm and the next residual: `layer_norm(x,
-residual=r)` returns both from one read of x and r. A row (C <= 16384 channels, SD uses up to 2560) is held in
+residual=r)` returns both from one read of x and r; `sum_bias` adds the bias of the layer whose output will be
+added to that sum (the feed-forward's output projection, which then adds it in its GEMM). A row (C <= 16384 channels, SD uses up to 2560) is held in
 registers, so statistics are exact two-pass ones at one read.
 """
 
@@ -21,8 +22,9 @@ MAX_C = 16384
 
 
 @jit
-def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, C, eps, HAS_RES: tl.constexpr,
-                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, sb_ptr, y_ptr, s_ptr, M, C, eps, HAS_RES: tl.constexpr,
+                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SB: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.arange(0, BLOCK_C)[None, :]
     mask = (rows < M) & (cols < C)
@@ -30,8 +32,12 @@ def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, C, eps, HAS_
     x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         s = (x + tl.load(r_ptr + off, mask=mask, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
-        tl.store(s_ptr + off, s, mask=mask)
-        # Normalize the sum as stored, so that the pair equals (layer_norm(s), s) exactly.
+        if HAS_SB:
+            sb = tl.load(sb_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
+            tl.store(s_ptr + off, (s.to(tl.float32) + sb).to(s_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(s_ptr + off, s, mask=mask)
+        # Normalize the sum as rounded, so that the pair equals (layer_norm(s), s) exactly.
         x = s.to(tl.float32)
     mean = tl.sum(x, 1) / C
     d = tl.where(mask, x - mean[:, None], 0.0)
@@ -79,8 +85,10 @@ def _same(r: torch.Tensor, x: torch.Tensor, fn: str) -> torch.Tensor:
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float = 1e-5,
-               residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """F.layer_norm over the last dim; with `residual`, s = x + residual and returns (layer_norm(s), s)."""
+               residual: Optional[torch.Tensor] = None, sum_bias: Optional[torch.Tensor] = None
+               ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """F.layer_norm over the last dim; with `residual`, s = x + residual and returns (layer_norm(s), s), or
+    (layer_norm(s), s + sum_bias) when `sum_bias` (over the last dim) is given."""
     require(x, _layer_norm_kernel, "layer_norm")
     if x.dim() == 0 or x.shape[-1] > MAX_C:
         raise BadInput(f"layer_norm: rows of {x.shape[-1] if x.dim() else 0} channels; the kernel holds up to {MAX_C}.",
@@ -89,6 +97,9 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
     w = _vector(weight, "weight", x, "layer_norm")
     b = _vector(bias, "bias", x, "layer_norm")
     r = _same(residual, x, "layer_norm") if residual is not None else None
+    if sum_bias is not None and r is None:
+        raise BadInput("layer_norm: sum_bias was given without a residual.", "Pass sum_bias only with residual.")
+    sb = _vector(sum_bias, "sum_bias", x, "layer_norm")
     x = x.contiguous()
     M = x.numel() // C if C else 0
     y = torch.empty_like(x)
@@ -98,8 +109,9 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
         with on_device(x):
             _layer_norm_kernel[(cdiv(M, block_m),)](
-                x, r if r is not None else x, w, b, y, s, M, C, eps, HAS_RES=r is not None, HAS_W=weight is not None,
-                HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps(block_m * block_c))
+                x, r if r is not None else x, w, b, sb, y, s, M, C, eps, HAS_RES=r is not None,
+                HAS_W=weight is not None, HAS_B=bias is not None, HAS_SB=sum_bias is not None, BLOCK_M=block_m,
+                BLOCK_C=block_c, num_warps=warps(block_m * block_c))
     return (y, s) if r is not None else y
 
 
@@ -124,11 +136,14 @@ def add_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
 
 
 def layer_norm_ref(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float = 1e-5,
-                   residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                   residual: Optional[torch.Tensor] = None, sum_bias: Optional[torch.Tensor] = None
+                   ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The torch reference of `layer_norm`."""
     s = x + residual if residual is not None else x
     y = F.layer_norm(s, (x.shape[-1],), weight, bias, eps)
-    return (y, s) if residual is not None else y
+    if residual is None:
+        return y
+    return (y, s if sum_bias is None else s + sum_bias)
 
 
 def add_bias_residual_ref(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

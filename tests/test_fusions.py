@@ -124,6 +124,10 @@ def test_skip_layernorm_fusion_same_function_and_undo_restores():
     undo, counts = fusions.apply(unet.unet, ["skip_layernorm", "geglu"])
     blocks = sum(type(m).__name__ == "BasicTransformerBlock" for m in unet.unet.modules())
     assert counts["skip_layernorm"] == blocks > 0
+    from accel.fusions.skip_layernorm import _plain_output_linear
+
+    block = next(m for m in unet.unet.modules() if type(m).__name__ == "BasicTransformerBlock")
+    assert _plain_output_linear(block.ff, x.dtype) is block.ff.net[2]  # the residual add goes into its GEMM
     assert rel(unet(x, t, ctx, y), ref) <= 1e-5
     undo()
     assert not any("forward" in vars(m) for m in unet.unet.modules())

@@ -202,6 +202,10 @@ def test_layer_norm_matches_torch(shape, affine, dtype):
         assert torch.equal(s, x + r)
     _close(s, x.float() + r.float(), dtype)
     _close(y, F.layer_norm(s.float(), shape[-1:], wf, bf, 1e-5), dtype)
+    sb = _randn(shape[-1], dtype=dtype, seed=4)  # the next layer's bias joins the sum; the norm is of the sum alone
+    y2, s2 = ln.layer_norm(x, w, b, eps=1e-5, residual=r, sum_bias=sb)
+    _close(y2, y, dtype)
+    _close(s2, s.float() + sb.float(), dtype)  # the rounded sum, then the bias added and rounded once
 
 
 def test_layer_norm_large_offset():
@@ -220,6 +224,8 @@ def test_layer_norm_errors_say_what_to_do():
     x = _randn(2, 8)
     with pytest.raises(BadInput, match="does not match x"):
         ln.layer_norm(x, None, None, residual=_randn(2, 4))
+    with pytest.raises(BadInput, match="without a residual"):
+        ln.layer_norm(x, None, None, sum_bias=_randn(8))
     with pytest.raises(BadInput, match="layer_norm_ref"):
         ln.layer_norm(_randn(1, ln.MAX_C + 1), None, None)
 

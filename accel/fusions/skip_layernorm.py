@@ -3,7 +3,9 @@
 Inside the block the residual stream goes attention -> add -> LayerNorm twice (before cross-attention and
 before the feed-forward); each add and each norm reads and writes the whole (tokens, channels) stream.
 kernels/layernorm.layer_norm(x, residual=r) returns both the sum and its normalization from one read of x and r.
-SD1.5 has 16 such blocks, SDXL 70.
+The block's last residual add goes into the feed-forward's output GEMM: the second sum is written with that
+layer's bias already added, and the GEMM accumulates onto it in place (cuBLAS reads it as its C matrix), so
+no pass of its own is left. SD1.5 has 16 such blocks, SDXL 70.
 
 Covered: the plain text-to-image block (norm_type "layer_norm", self- and cross-attention, no positional
 embedding, no GLIGEN, feed-forward not chunked) where the Triton kernels run; any other call runs the block's
@@ -12,6 +14,7 @@ own forward. Attention processors are still called, so attention patches apply.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .base import Undo, kernel_module, patch_forward
@@ -34,8 +37,24 @@ def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=Non
     n2, h = layernorm.layer_norm(attn, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=hidden_states)
     attn = self.attn2(n2, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
                       **kwargs)
-    n3, h = layernorm.layer_norm(attn, self.norm3.weight, self.norm3.bias, self.norm3.eps, residual=h)
-    return self.ff(n3) + h
+    out = _plain_output_linear(self.ff, attn.dtype)
+    if out is None:
+        n3, h = layernorm.layer_norm(attn, self.norm3.weight, self.norm3.bias, self.norm3.eps, residual=h)
+        return self.ff(n3) + h
+    n3, h = layernorm.layer_norm(attn, self.norm3.weight, self.norm3.bias, self.norm3.eps, residual=h,
+                                 sum_bias=out.bias)
+    inner = self.ff.net[1](self.ff.net[0](n3))
+    return h.view(-1, h.shape[-1]).addmm_(inner.reshape(-1, inner.shape[-1]), out.weight.t()).view(h.shape)
+
+
+def _plain_output_linear(ff: nn.Module, dtype: torch.dtype) -> nn.Linear | None:
+    """The output Linear of a diffusers FeedForward (act, dropout, Linear) that computes x @ W.T + b and nothing
+    else (no subclass: a LoRA layer adds its own terms), with the dtype of the block, else None."""
+    net = getattr(ff, "net", None)
+    if net is None or len(net) != 3 or not isinstance(net[1], nn.Dropout) or (ff.training and net[1].p):
+        return None
+    out = net[2]
+    return out if type(out) is nn.Linear and out.bias is not None and out.weight.dtype == dtype else None
 
 
 def apply(model: nn.Module, undo: Undo) -> int:

@@ -69,6 +69,20 @@ def test_group_norm_matches_torch(shape, groups, channels_last, silu, dtype):
     _close(y, ref, dtype)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("shape", [(2, 640, 32, 32), (2, 960, 32, 32), (2, 2560, 8, 8), (2, 1280, 12, 12),
+                                   (2, 1920, 24, 24)])
+def test_group_norm_at_unet_shapes_of_several_resolutions(shape, channels_last):
+    # 512, 768 and 1024 px UNets: groups split into partials of unequal size, merged by the finalize kernel (on an
+    # H100 a one-warp finalize got these wrong by up to 0.37 relative while the interpreter was exact)
+    x = _randn(*shape, dtype=torch.float16)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = _randn(shape[1], dtype=torch.float16, seed=1), _randn(shape[1], dtype=torch.float16, seed=2)
+    _close(gn.group_norm(x, 32, w, b, eps=1e-5, silu=True),
+           gn.group_norm_ref(x.float(), 32, w.float(), b.float(), eps=1e-5, silu=True), torch.float16)
+
+
 @pytest.mark.parametrize("shape,channels_last,dtype", [((2, 320, 8, 8), True, torch.float16),
                                                          ((3, 96, 5, 7), True, torch.float32),
                                                          ((1, 64, 4, 4), False, torch.float32)])

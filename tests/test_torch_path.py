@@ -118,7 +118,8 @@ def test_a_signature_captured_again_warms_up_once_and_replays_right(monkeypatch)
 def test_restride_keeps_addresses_and_values_and_goes_back():
     from accel.backends.torch_fused import restride, restride_tensors
 
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(4, 4))
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(4, 4),
+                              torch.nn.Conv2d(8, 8, 1))
     already = net[1].weight
     already.data = already.data.contiguous(memory_format=torch.channels_last)
     x = torch.randn(2, 3, 9, 9)
@@ -126,13 +127,17 @@ def test_restride_keeps_addresses_and_values_and_goes_back():
     ptrs = [p.data_ptr() for p in net.parameters()]
     values = [p.detach().clone() for p in net.parameters()]
     converted = restride(net, torch.channels_last)
-    assert converted == [net[0].weight]  # 4-D and contiguous only; the user's channels_last weight is left alone
+    # 4-D and contiguous only (the user's channels_last weight is left alone), 1x1 included: explicit strides
+    assert converted == [net[0].weight, net[3].weight]
     assert net[0].weight.is_contiguous(memory_format=torch.channels_last) and not net[0].weight.is_contiguous()
+    assert net[3].weight.stride() == (8, 1, 8, 8)
+    assert net[3](x.new_ones(1, 8, 2, 2)).is_contiguous(memory_format=torch.channels_last)
     assert [p.data_ptr() for p in net.parameters()] == ptrs
     assert all(torch.equal(a, b) for a, b in zip(values, net.parameters()))
     assert rel(net[:2](x), before) <= 1e-6
     restride_tensors(converted, torch.contiguous_format)
     assert net[0].weight.is_contiguous() and already.is_contiguous(memory_format=torch.channels_last)
+    assert net[3].weight.stride() == (8, 1, 1, 1)
     assert [p.data_ptr() for p in net.parameters()] == ptrs
     assert all(torch.equal(a, b) for a, b in zip(values, net.parameters()))
 

@@ -83,10 +83,14 @@ def restride_tensors(tensors: list[torch.Tensor], memory_format: torch.memory_fo
 
 
 def restride(module: torch.nn.Module, memory_format: torch.memory_format) -> list[torch.Tensor]:
-    """The module's 4-D parameters and buffers that are contiguous and not yet in `memory_format`, rewritten in it
-    in place (see restride_tensors); returns them, for the way back."""
+    """The module's contiguous 4-D parameters and buffers, rewritten in `memory_format` in place (see
+    restride_tensors); returns them, for the way back.
+
+    A 1x1 convolution's weight is contiguous in both formats, but only explicit channels_last strides make
+    a convolution of NCHW input (ComfyUI's SpatialTransformer hands its proj_out one) return channels_last, as
+    `Module.to(memory_format=)` does; with plain strides the rest of the UNet would run on NCHW."""
     tensors = [t for t in (*module.parameters(), *module.buffers())
-               if t.dim() == 4 and t.is_contiguous() and not t.is_contiguous(memory_format=memory_format)]
+               if t.dim() == 4 and t.is_contiguous() and t.stride() != _strides(t.shape, memory_format)]
     restride_tensors(tensors, memory_format)
     return tensors
 

@@ -130,7 +130,7 @@ class BasicTransformerBlock(nn.Module):
         self.attn2 = CrossAttention(dim, context_dim, n_heads, d_head)
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
 
-    def forward(self, x, context=None):
+    def forward(self, x, context=None, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
         x = self.attn1(self.norm1(x)) + x
         x = self.attn2(self.norm2(x), context) + x
         return self.ff(self.norm3(x)) + x
@@ -148,20 +148,24 @@ class SpatialTransformer(nn.Module):
             [BasicTransformerBlock(inner, n_heads, d_head, context_dim) for _ in range(depth)])
         self.proj_out = nn.Linear(inner, in_channels) if use_linear else nn.Conv2d(inner, in_channels, 1)
 
-    def forward(self, x, context=None):
+    def forward(self, x, context=None, transformer_options={}):  # noqa: B006 (ComfyUI's signature and body)
+        if not isinstance(context, list):
+            context = [context] * len(self.transformer_blocks)
         b, c, h, w = x.shape
+        transformer_options["activations_shape"] = list(x.shape)
         x_in = x
         x = self.norm(x)
         if not self.use_linear:
             x = self.proj_in(x)
-        x = x.flatten(2).transpose(1, 2)
+        x = x.movedim(1, 3).flatten(1, 2).contiguous()
         if self.use_linear:
             x = self.proj_in(x)
-        for block in self.transformer_blocks:
-            x = block(x, context)
+        for i, block in enumerate(self.transformer_blocks):
+            transformer_options["block_index"] = i
+            x = block(x, context=context[i], transformer_options=transformer_options)
         if self.use_linear:
             x = self.proj_out(x)
-        x = x.transpose(1, 2).reshape(b, -1, h, w)
+        x = x.reshape(x.shape[0], h, w, x.shape[-1]).movedim(3, 1).contiguous()
         if not self.use_linear:
             x = self.proj_out(x)
         return x + x_in

@@ -108,6 +108,27 @@ def test_gpu_next_run_replays_the_kept_graph_and_a_lora_in_between_is_honoured(p
     assert H.same(sample(acc, pos, neg), plain)  # and back: no LoRA weights left in a replayed graph
 
 
+def test_layout_fusion_covers_comfyui_spatial_transformer(tiny):
+    from accel import fusions
+
+    unet = tiny.model.diffusion_model
+    device = next(unet.parameters()).device
+    n = sum(type(m).__name__ == "SpatialTransformer" for m in unet.modules())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 4, 8, 8, generator=g).to(device).contiguous(memory_format=torch.channels_last)
+    t, ctx = torch.tensor([10.0, 500.0], device=device), torch.randn(2, 77, 768, generator=g).to(device)
+    with torch.no_grad():
+        ref = unet(x, t, ctx)
+        undo, counts = fusions.apply(unet, ["layout"])
+        try:
+            out = unet(x, t, ctx)
+        finally:
+            undo()
+    # ComfyUI's forward, restated without its NCHW copy: the same function, and channels_last all the way out
+    assert counts["layout"] == n > 0 and out.is_contiguous(memory_format=torch.channels_last)
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-5
+
+
 def test_sdxl_model_is_accelerated(pack):
     xl = H.tiny_model(5, xl=True)
     pos, neg = H.tiny_conditioning(6, xl=True)

@@ -43,8 +43,12 @@ def _bench(args: argparse.Namespace) -> int:
 
         modes = [] if args.no_compile or args.tiny else ["default", "reduce-overhead"]
         paths = [p for p in args.paths.split(",") if p and not (p.endswith("-compile") and (args.no_compile or args.tiny))]
-        rows = bench.run([m for m in args.models.split(",") if m], args.tiny, args.iters, modes, paths,
-                         log=(lambda s: print(s, file=sys.stderr)), profile=args.profile)
+        try:
+            rows = bench.run([m for m in args.models.split(",") if m], args.tiny, args.iters, modes, paths,
+                             log=(lambda s: print(s, file=sys.stderr)), profile=args.profile, comfyui=args.comfyui)
+        except ValueError as e:  # an unknown model name or a folder that is not a ComfyUI checkout
+            print(f"sd-accel bench: {e}", file=sys.stderr)
+            return 2
         out["unet"] = bench.as_dicts(rows)
         print(bench.table(rows))
     if args.json:
@@ -81,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae: time the UNets too")
     b.add_argument("--profile", action="store_true",
                    help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")
+    b.add_argument("--comfyui", metavar="DIR",
+                   help="build the UNets with ComfyUI's own UNetModel from this ComfyUI checkout (the ldm form "
+                        "ComfyUI runs; sd15 and sdxl) instead of diffusers'")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("demo", help="detect, plan, build, sample plain and accelerated, compare, save a PNG")

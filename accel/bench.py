@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .configs import SHAPES, build_unet, example_inputs
+from .configs import SHAPES, build_comfy_unet, build_unet, example_inputs, ldm_example_inputs
 from .progress import StageLog
 from .unet import CanonicalUNet
 
@@ -99,12 +99,19 @@ def _graphed(fn: Callable, args: tuple) -> Callable[[], torch.Tensor]:
 
 
 def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, compile_modes: list[str],
-               paths: list[str], log: Callable[[str], None] = print, profile: bool = False) -> list[Row]:
+               paths: list[str], log: Callable[[str], None] = print, profile: bool = False,
+               comfyui: str | None = None) -> list[Row]:
+    """Rows for one UNet: diffusers' model, or with `comfyui` (a ComfyUI checkout) ComfyUI's own UNetModel."""
     rows: list[Row] = []
     tokens, latent = SHAPES[name]
     t0 = time.perf_counter()
-    ref_model = build_unet(name, seed=0, device=device, dtype=torch.float32)
-    x, t, ctx, y = example_inputs(ref_model, batch=2, latent=latent, tokens=tokens, device=device)
+    if comfyui:
+        ref_model = build_comfy_unet(name, comfyui, seed=0, device=device, dtype=torch.float32)
+        x, t, ctx, y = (None if a is None else a.to(device) for a in ldm_example_inputs(name))
+        name = f"{name}/comfy"
+    else:
+        ref_model = build_unet(name, seed=0, device=device, dtype=torch.float32)
+        x, t, ctx, y = example_inputs(ref_model, batch=2, latent=latent, tokens=tokens, device=device)
     with torch.inference_mode():
         ref = CanonicalUNet(ref_model)(x, t, ctx, y)
     model = copy.deepcopy(ref_model).to(dtype)
@@ -215,12 +222,17 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
 
 
 def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], paths: list[str],
-        log: Callable[[str], None] = print, profile: bool = False) -> list[Row]:
+        log: Callable[[str], None] = print, profile: bool = False, comfyui: str | None = None) -> list[Row]:
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
+    names = [("tiny-" + name) if tiny else name for name in models]
+    known = [n for n in SHAPES if n.startswith("tiny-") == tiny]
+    for name in names:
+        if name not in known:
+            raise ValueError(f"no {name!r} UNet to time; choose from {', '.join(known)} (names given without 'tiny-').")
     rows: list[Row] = []
-    for name in models:
-        rows += bench_unet(("tiny-" + name) if tiny else name, device, dtype, iters, compile_modes, paths, log, profile)
+    for name in names:
+        rows += bench_unet(name, device, dtype, iters, compile_modes, paths, log, profile, comfyui)
     return rows
 
 

@@ -5,6 +5,9 @@ Models are built from these with seeded random weights: nothing is downloaded.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -57,6 +60,26 @@ VAE_CONFIGS: dict[str, dict] = {
         norm_num_groups=8, sample_size=32, scaling_factor=0.18215),
 }
 
+# The same UNets in ldm form, as ComfyUI's model detection configures its UNetModel for those checkpoints.
+_LDM_SD15 = dict(image_size=32, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=[2, 2, 2, 2],
+                 channel_mult=[1, 2, 4, 4], transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0],
+                 transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0], transformer_depth_middle=1,
+                 context_dim=768, use_linear_in_transformer=False, adm_in_channels=None, use_temporal_attention=False,
+                 use_temporal_resblock=False, use_spatial_transformer=True, num_heads=8, num_head_channels=-1,
+                 legacy=False, use_checkpoint=False)
+_LDM_SDXL = {**_LDM_SD15, "num_res_blocks": [2, 2, 2], "channel_mult": [1, 2, 4],
+             "transformer_depth": [0, 0, 2, 2, 10, 10], "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+             "transformer_depth_middle": 10, "context_dim": 2048, "adm_in_channels": 2816,
+             "use_linear_in_transformer": True, "num_classes": "sequential", "num_head_channels": 64, "num_heads": -1}
+LDM_UNET_CONFIGS: dict[str, dict] = {
+    "sd15": _LDM_SD15, "sdxl": _LDM_SDXL,
+    "tiny-sd15": {**_LDM_SD15, "model_channels": 32, "num_res_blocks": [1, 1], "channel_mult": [1, 2],
+                  "transformer_depth": [1, 1], "transformer_depth_output": [1, 1, 1, 1], "num_heads": 2},
+    "tiny-sdxl": {**_LDM_SDXL, "model_channels": 32, "num_res_blocks": [1, 1], "channel_mult": [1, 2],
+                  "transformer_depth": [0, 1], "transformer_depth_output": [0, 0, 1, 1], "transformer_depth_middle": 1,
+                  "num_head_channels": 16},
+}
+
 # Token count and context width of each UNet's text conditioning, and the latent side at its native resolution.
 SHAPES = {"sd15": (77, 64), "sd21": (77, 96), "sdxl": (77, 128), "tiny-sd15": (77, 16), "tiny-sdxl": (77, 16)}
 
@@ -87,6 +110,54 @@ def build_vae(name: str = "sd", seed: int = 0, device: torch.device | str = "cpu
     if name not in VAE_CONFIGS:
         raise ValueError(f"unknown VAE config {name!r}; choose one of {', '.join(VAE_CONFIGS)}")
     return _seeded(lambda: AutoencoderKL(**VAE_CONFIGS[name]), seed, device, dtype)
+
+
+def seed_parameters(module: nn.Module, seed: int) -> nn.Module:
+    """Seeded weights with sane activations, for modules whose own init is skipped (ComfyUI builds its layers
+    uninitialised): norm scales near 1, biases small, matrices scaled by 1/sqrt(fan_in)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.dim() == 1:
+                r = 1 + 0.1 * r if name.endswith("weight") and "norm" in name else 0.1 * r
+            else:
+                r = r / p[0].numel() ** 0.5
+            p.copy_(r)
+    return module
+
+
+def build_comfy_unet(name: str, comfyui_root: str | Path, seed: int = 0, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> nn.Module:
+    """ComfyUI's own UNetModel (from the checkout at comfyui_root) of a published architecture, seeded weights."""
+    if name not in LDM_UNET_CONFIGS:
+        raise ValueError(f"no ComfyUI config for {name!r}; choose one of {', '.join(LDM_UNET_CONFIGS)}")
+    root = Path(comfyui_root).expanduser().resolve()
+    if not (root / "comfy" / "ldm" / "modules" / "diffusionmodules" / "openaimodel.py").is_file():
+        raise ValueError(f"{root} is not a ComfyUI checkout (no comfy/ldm/modules/diffusionmodules/openaimodel.py); "
+                         "pass the folder that holds ComfyUI's main.py.")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    unet = UNetModel(**LDM_UNET_CONFIGS[name], dtype=torch.float32, device="cpu",
+                     operations=comfy.ops.disable_weight_init)
+    return seed_parameters(unet, seed).to(device, dtype).eval().requires_grad_(False)
+
+
+def ldm_example_inputs(name: str, batch: int = 2, seed: int = 1):
+    """Seeded (x, timesteps, context, y) for the canonical call of the ldm-form UNet `name` at its native size."""
+    cfg = LDM_UNET_CONFIGS[name]
+    tokens, latent = SHAPES[name]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, cfg["in_channels"], latent, latent, generator=g)
+    context = torch.randn(batch, tokens, cfg["context_dim"], generator=g)
+    y = torch.randn(batch, cfg["adm_in_channels"], generator=g) if cfg["adm_in_channels"] else None
+    return x, torch.full((batch,), 500.0), context, y
 
 
 def example_inputs(unet: nn.Module, batch: int = 2, latent: int | tuple[int, int] | None = None, tokens: int = 77,

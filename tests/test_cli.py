@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,6 +37,24 @@ def test_bench_tiny_writes_rows_with_errors(tmp_path):
     ours = [row for row in rows if row["variant"] == "sd-accel torch"]
     assert all(row["rel_err"] <= 1e-5 and row["ms"] > 0 for row in ours)
     assert "speedup" in r.stdout
+
+
+def test_bench_says_what_it_cannot_time(tmp_path):
+    r = run("bench", "--tiny", "--models", "sd21", "--paths", "torch")
+    assert r.returncode == 2 and "no 'tiny-sd21' UNet to time; choose from tiny-sd15, tiny-sdxl" in r.stderr
+    r = run("bench", "--tiny", "--models", "sd15", "--paths", "torch", "--comfyui", str(tmp_path))
+    assert r.returncode == 2 and "is not a ComfyUI checkout" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+def test_bench_times_comfyuis_own_unet(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "--tiny", "--iters", "2", "--paths", "torch", "--comfyui", os.environ["COMFYUI_ROOT"],
+            "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["unet"]
+    assert {row["model"] for row in rows} == {"tiny-sd15/comfy", "tiny-sdxl/comfy"}
+    assert all(row["rel_err"] <= 1e-5 for row in rows if row["variant"] == "sd-accel torch")
 
 
 def test_demo_saves_png_and_reports(tmp_path):

@@ -94,9 +94,9 @@ class CrossAttention(nn.Module):
         self.to_v = nn.Linear(context_dim or query_dim, inner, bias=False)
         self.to_out = nn.Sequential(nn.Linear(inner, query_dim), nn.Dropout(dropout))
 
-    def forward(self, x, context=None):
+    def forward(self, x, context=None, value=None, mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
         context = x if context is None else context
-        q, k, v = self.to_q(x), self.to_k(context), self.to_v(context)
+        q, k, v = self.to_q(x), self.to_k(context), self.to_v(context if value is None else value)
         b, h = x.shape[0], self.heads
         q, k, v = (t.view(b, -1, h, t.shape[-1] // h).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, q.shape[-1] * h)
@@ -129,6 +129,8 @@ class BasicTransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
         self.attn2 = CrossAttention(dim, context_dim, n_heads, d_head)
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # ComfyUI's options, in their text-to-image settings
+        self.ff_in, self.disable_self_attn, self.switch_temporal_ca_to_sa, self.is_res = False, False, False, True
 
     def forward(self, x, context=None, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
         x = self.attn1(self.norm1(x)) + x

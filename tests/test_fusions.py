@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from accel import fusions
+from accel.fusions.skip_layernorm import _plain_output_linear
 from accel.configs import build_unet, example_inputs
 from accel.unet import CanonicalUNet
 from kernels import groupnorm
@@ -119,14 +120,13 @@ def test_resnet_fusion_leaves_what_it_does_not_cover_to_the_block(monkeypatch):
     assert rel(plain(x, emb), fused) <= 1e-5
 
 
-def test_skip_layernorm_fusion_same_function_and_undo_restores():
-    _, unet, (x, t, ctx, y) = next(_models())
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+def test_skip_layernorm_fusion_same_function_and_undo_restores(form):
+    _, unet, (x, t, ctx, y) = next(m for m in _models() if m[0] == form)
     ref = unet(x, t, ctx, y)
     undo, counts = fusions.apply(unet.unet, ["skip_layernorm", "geglu"])
     blocks = sum(type(m).__name__ == "BasicTransformerBlock" for m in unet.unet.modules())
     assert counts["skip_layernorm"] == blocks > 0
-    from accel.fusions.skip_layernorm import _plain_output_linear
-
     block = next(m for m in unet.unet.modules() if type(m).__name__ == "BasicTransformerBlock")
     assert _plain_output_linear(block.ff, x.dtype) is block.ff.net[2]  # the residual add goes into its GEMM
     assert rel(unet(x, t, ctx, y), ref) <= 1e-5

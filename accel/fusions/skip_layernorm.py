@@ -1,4 +1,5 @@
-"""Residual add + LayerNorm as one pass in diffusers' BasicTransformerBlock (ONNX Runtime's SkipLayerNorm).
+"""Residual add + LayerNorm as one pass in diffusers' and ComfyUI's BasicTransformerBlock (ONNX Runtime's
+SkipLayerNorm).
 
 Inside the block the residual stream goes attention -> add -> LayerNorm twice (before cross-attention and
 before the feed-forward); each add and each norm reads and writes the whole (tokens, channels) stream.
@@ -7,12 +8,15 @@ The block's last residual add goes into the feed-forward's output GEMM: the seco
 layer's bias already added, and the GEMM accumulates onto it in place (cuBLAS reads it as its C matrix), so
 no pass of its own is left. SD1.5 has 16 such blocks, SDXL 70.
 
-Covered: the plain text-to-image block (norm_type "layer_norm", self- and cross-attention, no positional
-embedding, no GLIGEN, feed-forward not chunked) where the Triton kernels run; any other call runs the block's
-own forward. Attention processors are still called, so attention patches apply.
+Covered: diffusers' plain text-to-image block (norm_type "layer_norm", self- and cross-attention, no positional
+embedding, no GLIGEN, feed-forward not chunked) and ComfyUI's (its forward restated for calls without
+transformer patches: no ff_in, self-attention in attn1, cross-attention in attn2, residual feed-forward) where
+the Triton kernels run; any other call runs the block's own forward. The attention modules are still called.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -20,10 +24,26 @@ from torch import nn
 from .base import Undo, kernel_module, patch_forward
 
 
+def _plain(m: nn.Module) -> bool:
+    """A layer whose forward is its functional op on its own weight and bias: not ComfyUI's cast-on-the-fly or
+    lowvram weight functions (its forward applies them; a direct read of the weight would skip them)."""
+    return (not getattr(m, "comfy_cast_weights", False) and not getattr(m, "weight_function", None)
+            and not getattr(m, "bias_function", None))
+
+
+def _plain_norms(*norms: nn.Module) -> bool:
+    return all(isinstance(n, nn.LayerNorm) and n.elementwise_affine and _plain(n) for n in norms)
+
+
 def _covered(m: nn.Module) -> bool:
     return (m.norm_type == "layer_norm" and m.pos_embed is None and m.attn2 is not None
-            and not m.only_cross_attention and m._chunk_size is None
-            and all(isinstance(n, nn.LayerNorm) and n.elementwise_affine for n in (m.norm2, m.norm3)))
+            and not m.only_cross_attention and m._chunk_size is None and _plain_norms(m.norm2, m.norm3))
+
+
+def _comfy_covered(m: nn.Module) -> bool:
+    """ComfyUI's BasicTransformerBlock in the text-to-image form (its forward restated in _comfy_forward)."""
+    return (not m.ff_in and not m.disable_self_attn and m.attn2 is not None and not m.switch_temporal_ca_to_sa
+            and m.is_res and _plain_norms(m.norm2, m.norm3))
 
 
 def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
@@ -37,6 +57,24 @@ def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=Non
     n2, h = layernorm.layer_norm(attn, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=hidden_states)
     attn = self.attn2(n2, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
                       **kwargs)
+    return _feed_forward(self, attn, h)
+
+
+def _comfy_forward(self, x, context=None, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
+    # ComfyUI's forward without patches: attn1, + x, norm2, attn2, + x, norm3, feed-forward, + x.
+    layernorm = kernel_module("layernorm")
+    if (x.dim() != 3 or transformer_options.get("patches") or transformer_options.get("patches_replace")
+            or not _comfy_covered(self) or not layernorm.supported(x)):
+        return type(self).forward(self, x, context, transformer_options)
+    n = self.attn1(self.norm1(x), context=None, value=None, transformer_options=transformer_options)
+    n2, h = layernorm.layer_norm(n, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=x)
+    n = self.attn2(n2, context=context, value=None, transformer_options=transformer_options)
+    return _feed_forward(self, n, h)
+
+
+def _feed_forward(self, attn, h):
+    """norm3(attn + h), the feed-forward, + (attn + h): with the output bias and residual in the GEMM when it can."""
+    layernorm = kernel_module("layernorm")
     out = _plain_output_linear(self.ff, attn.dtype)
     if out is None:
         n3, h = layernorm.layer_norm(attn, self.norm3.weight, self.norm3.bias, self.norm3.eps, residual=h)
@@ -48,19 +86,31 @@ def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=Non
 
 
 def _plain_output_linear(ff: nn.Module, dtype: torch.dtype) -> nn.Linear | None:
-    """The output Linear of a diffusers FeedForward (act, dropout, Linear) that computes x @ W.T + b and nothing
-    else (no subclass: a LoRA layer adds its own terms), with the dtype of the block, else None."""
+    """The output Linear of a diffusers or ComfyUI FeedForward (act, dropout, Linear) that computes x @ W.T + b and
+    nothing else, with the dtype of the block, else None. nn.Linear itself or ComfyUI's Linear without cast or
+    weight functions; any other subclass (a LoRA layer adds its own terms) is left to its forward."""
     net = getattr(ff, "net", None)
     if net is None or len(net) != 3 or not isinstance(net[1], nn.Dropout) or (ff.training and net[1].p):
         return None
     out = net[2]
-    return out if type(out) is nn.Linear and out.bias is not None and out.weight.dtype == dtype else None
+    ours = type(out) is nn.Linear or (isinstance(out, nn.Linear) and hasattr(out, "comfy_cast_weights") and _plain(out))
+    return out if ours and out.bias is not None and out.weight.dtype == dtype else None
+
+
+def _is_comfy_block(m: nn.Module) -> bool:
+    return (all(hasattr(m, a) for a in ("ff_in", "disable_self_attn", "switch_temporal_ca_to_sa", "is_res"))
+            and list(inspect.signature(type(m).forward).parameters) == ["self", "x", "context", "transformer_options"])
 
 
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if type(m).__name__ == "BasicTransformerBlock" and hasattr(m, "norm_type") and _covered(m):
+        if type(m).__name__ != "BasicTransformerBlock":
+            continue
+        if hasattr(m, "norm_type") and _covered(m):
             patch_forward(m, _forward, undo)
+            n += 1
+        elif _is_comfy_block(m) and _comfy_covered(m):
+            patch_forward(m, _comfy_forward, undo)
             n += 1
     return n

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([sys.executable, "-m", "accel", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from . import backends
 from .device import GpuInfo, detect
-from .errors import AccelError, BackendUnavailable, BadInput
+from .errors import AccelError, BackendUnavailable
 from .policy import Plan, choose
 from .progress import NullProgress, Progress
 from .unet import CanonicalUNet

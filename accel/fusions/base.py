@@ -9,6 +9,8 @@ import types
 from pathlib import Path
 from typing import Callable
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 _KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
@@ -62,3 +64,33 @@ def replace_child(parent: nn.Module, name: str, new: nn.Module, undo: Undo) -> N
     old = parent._modules[name]
     parent._modules[name] = new
     undo.add(lambda: parent._modules.__setitem__(name, old))
+
+
+def plain_conv(conv: nn.Module) -> bool:
+    """A Conv2d whose forward is F.conv2d of its own weight and bias: not ComfyUI's cast-on-the-fly or lowvram
+    weight functions, which its forward applies and a direct F.conv2d would skip."""
+    return (isinstance(conv, nn.Conv2d) and conv.bias is not None and conv.padding_mode == "zeros"
+            and not getattr(conv, "comfy_cast_weights", False)
+            and not getattr(conv, "weight_function", None) and not getattr(conv, "bias_function", None))
+
+
+def conv_without_bias(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    return F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+
+def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """h + bias (per channel) + residual for channels_last (N, C, H, W) tensors, in one pass of the Triton kernel."""
+    # channels_last (N, C, H, W) is (N, H, W, C) in memory: the bias runs along the last dimension of that view.
+    nhwc = (0, 2, 3, 1)
+    layernorm = kernel_module("layernorm")
+    return layernorm.add_bias_residual(h.permute(nhwc), bias, residual.permute(nhwc)).permute(0, 3, 1, 2)
+
+
+def conv_add(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """conv(x) + residual, with the conv's bias added in the residual's pass where the kernel runs on them."""
+    channels_last = torch.channels_last
+    if (plain_conv(conv) and residual.dim() == 4 and residual.is_contiguous(memory_format=channels_last)
+            and not residual.is_contiguous() and conv.weight.dtype == x.dtype
+            and kernel_module("layernorm").supported(residual)):
+        return add_bias_residual_nchw(conv_without_bias(conv, x), conv.bias, residual)
+    return conv(x) + residual

@@ -3,7 +3,8 @@
 Both end in `.permute(0, 3, 1, 2).contiguous()` (ComfyUI: `.movedim(3, 1).contiguous()`), which turns the
 (B, H*W, C) tokens back into an NCHW copy; the residual add then mixes NCHW and channels_last, and every op after
 it (GroupNorm, conv, upsample, the skip concatenation) pays for layout conversions. The permuted view already is
-a channels_last tensor, so dropping the copy keeps the whole UNet in one layout. Measured on an H100 with
+a channels_last tensor, so dropping the copy keeps the whole UNet in one layout. A 1x1 convolution proj_out
+(SD1.x) then runs without its bias, which is added with the residual in one pass. Measured on an H100 with
 ComfyUI's own UNetModel: SD1.5 8.31 -> 7.81 ms per step, SDXL 36.41 -> 35.01 ms.
 
 ComfyUI's SpatialTransformer.forward is restated below without that copy (the same calls, the same
@@ -17,13 +18,13 @@ import inspect
 import torch
 from torch import nn
 
-from .base import Undo, patch_forward, patch_method
+from .base import Undo, conv_add, patch_forward, patch_method
 
 
 def _output_channels_last(self, hidden_states, residual, batch_size, height, width, inner_dim):
     if not self.use_linear_projection:
         hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
-        hidden_states = self.proj_out(hidden_states)
+        return conv_add(self.proj_out, hidden_states, residual)
     else:
         hidden_states = self.proj_out(hidden_states)
         hidden_states = hidden_states.reshape(batch_size, height, width, inner_dim).permute(0, 3, 1, 2)
@@ -51,7 +52,7 @@ def _spatial_transformer_channels_last(self, x, context=None, transformer_option
         x = self.proj_out(x)
     x = x.reshape(x.shape[0], h, w, x.shape[-1]).movedim(3, 1)
     if not self.use_linear:
-        x = self.proj_out(x)
+        return conv_add(self.proj_out, x, x_in)
     return x + x_in
 
 

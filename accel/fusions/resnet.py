@@ -19,20 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward
+from .base import Undo, add_bias_residual_nchw, conv_without_bias, kernel_module, patch_forward, plain_conv
 from .groupnorm import _SiLUForEmbeddings
-
-
-def _plain_conv(conv: nn.Module) -> bool:
-    """A Conv2d whose forward is F.conv2d of its own weight and bias: not ComfyUI's cast-on-the-fly or lowvram
-    weight functions, which its forward applies and a direct F.conv2d would skip."""
-    return (isinstance(conv, nn.Conv2d) and conv.bias is not None and conv.padding_mode == "zeros"
-            and not getattr(conv, "comfy_cast_weights", False)
-            and not getattr(conv, "weight_function", None) and not getattr(conv, "bias_function", None))
-
-
-def _conv(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    return F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 
 def _runs(x: torch.Tensor, convs: list[nn.Module]) -> bool:
@@ -44,18 +32,16 @@ def _runs(x: torch.Tensor, convs: list[nn.Module]) -> bool:
 def _block(x: torch.Tensor, norm1: nn.GroupNorm, conv1: nn.Conv2d, t: torch.Tensor | None, norm2: nn.GroupNorm,
            conv2: nn.Conv2d, shortcut: nn.Conv2d | None) -> torch.Tensor:
     """norm1+SiLU -> conv1 -> (+ t + conv1 bias) norm2+SiLU -> conv2 -> + conv2 bias + shortcut(x)."""
-    groupnorm, layernorm = kernel_module("groupnorm"), kernel_module("layernorm")
+    groupnorm = kernel_module("groupnorm")
     h = groupnorm.group_norm(x, norm1.num_groups, norm1.weight, norm1.bias, norm1.eps, silu=True)
-    h = _conv(conv1, h)
+    h = conv_without_bias(conv1, h)
     shift = conv1.bias.to(h.dtype).expand(h.shape[0], -1) if t is None else t.to(h.dtype) + conv1.bias
     h = groupnorm.group_norm(h, norm2.num_groups, norm2.weight, norm2.bias, norm2.eps, silu=True, shift=shift)
-    h = _conv(conv2, h)
+    h = conv_without_bias(conv2, h)
     bias = conv2.bias
     if shortcut is not None:
-        x, bias = _conv(shortcut, x), bias + shortcut.bias
-    # channels_last (N, C, H, W) is (N, H, W, C) in memory: the bias runs along the last dimension of that view.
-    nhwc = (0, 2, 3, 1)
-    return layernorm.add_bias_residual(h.permute(nhwc), bias, x.permute(nhwc)).permute(0, 3, 1, 2)
+        x, bias = conv_without_bias(shortcut, x), bias + shortcut.bias
+    return add_bias_residual_nchw(h, bias, x)
 
 
 def _is_silu(m: nn.Module) -> bool:
@@ -68,8 +54,8 @@ def _diffusers_covered(m: nn.Module) -> bool:
     return (m.upsample is None and m.downsample is None and m.time_embedding_norm == "default"
             and m.output_scale_factor == 1.0 and _is_silu(m.nonlinearity)
             and isinstance(m.norm1, nn.GroupNorm) and isinstance(m.norm2, nn.GroupNorm)
-            and m.norm1.affine and m.norm2.affine and _plain_conv(m.conv1) and _plain_conv(m.conv2)
-            and (m.conv_shortcut is None or _plain_conv(m.conv_shortcut)))
+            and m.norm1.affine and m.norm2.affine and plain_conv(m.conv1) and plain_conv(m.conv2)
+            and (m.conv_shortcut is None or plain_conv(m.conv_shortcut)))
 
 
 def _diffusers_forward(self, input_tensor, temb, *args, **kwargs):
@@ -97,8 +83,8 @@ def _ldm_parts(m: nn.Module):
     skip = m.skip_connection
     if not (isinstance(norm1, nn.GroupNorm) and isinstance(norm2, nn.GroupNorm) and norm1.affine and norm2.affine
             and _is_silu(act1) and _is_silu(act2) and isinstance(act_e, nn.SiLU) and isinstance(linear, nn.Linear)
-            and isinstance(drop, nn.Dropout) and _plain_conv(conv1) and _plain_conv(conv2)
-            and (isinstance(skip, nn.Identity) or _plain_conv(skip))):
+            and isinstance(drop, nn.Dropout) and plain_conv(conv1) and plain_conv(conv2)
+            and (isinstance(skip, nn.Identity) or plain_conv(skip))):
         return None
     return norm1, conv1, emb, norm2, conv2, None if isinstance(skip, nn.Identity) else skip
 

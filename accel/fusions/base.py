@@ -88,8 +88,7 @@ def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.
 
 def conv_add(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """conv(x) + residual, with the conv's bias added in the residual's pass where the kernel runs on them."""
-    channels_last = torch.channels_last
-    if (plain_conv(conv) and residual.dim() == 4 and residual.is_contiguous(memory_format=channels_last)
+    if (plain_conv(conv) and residual.dim() == 4 and residual.is_contiguous(memory_format=torch.channels_last)
             and not residual.is_contiguous() and conv.weight.dtype == x.dtype
             and kernel_module("layernorm").supported(residual)):
         return add_bias_residual_nchw(conv_without_bias(conv, x), conv.bias, residual)

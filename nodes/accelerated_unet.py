@@ -6,7 +6,8 @@ while this model samples. Two wrappers:
 
 - OUTER_SAMPLE: knows the ModelPatcher that samples (its weight patches, hooks, lowvram state) and ends the
   run: the torch path undoes its in-place module changes, so models that share the UNet see none of them,
-  and keeps its CUDA graphs for the next run (freed when ComfyUI unloads the model: an ON_DETACH callback).
+  and keeps its CUDA graphs for the next run (freed when ComfyUI unloads the model, an ON_DETACH callback, and
+  after every run in ComfyUI's low-VRAM modes).
 - DIFFUSION_MODEL: around the UNet's forward. A call that carries nothing the engine cannot honour goes to
   the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
   (patches, inner wrappers and all), and the node says why once.
@@ -141,6 +142,14 @@ def attach(model, session: "Session") -> None:
     model.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, session.on_detach)
 
 
+def _memory_to_spare() -> bool:
+    """Whether kept CUDA graphs may hold their memory between runs: not when ComfyUI runs in its low-VRAM modes
+    (--lowvram, --novram, or chosen for a small GPU), where the VAE decode after sampling needs that memory."""
+    import comfy.model_management as mm
+
+    return mm.vram_state not in (mm.VRAMState.LOW_VRAM, mm.VRAMState.NO_VRAM)
+
+
 def session_of(model) -> "Session | None":
     """The Session an Accelerated UNet attached to this model (or to a model it was cloned from)."""
     from comfy.patcher_extension import WrappersMP
@@ -182,7 +191,7 @@ class Session:
         finally:
             self.patcher = outer
             if outer is None:
-                self.slot.end_run(keep_graphs=True)
+                self.slot.end_run(keep_graphs=_memory_to_spare())
                 publish(self.node_id, status_payload(self.slot.status))
 
     def on_detach(self, patcher, unpatch_all: bool) -> None:

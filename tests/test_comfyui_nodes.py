@@ -87,6 +87,17 @@ def test_torch_path_is_kept_between_runs_and_freed_when_comfyui_unloads_the_mode
     assert slot.acc is None
 
 
+def test_low_vram_mode_frees_the_torch_path_after_each_run(pack, tiny, monkeypatch):
+    import comfy.model_management as mm
+
+    pos, neg = H.tiny_conditioning(2)
+    acc, _ = accelerate(pack, tiny)
+    monkeypatch.setattr(mm, "vram_state", mm.VRAMState.LOW_VRAM)
+    assert H.same(sample(acc, pos, neg), sample(tiny, pos, neg))
+    slot = pack.nodes.accelerated_unet.session_of(acc).slot
+    assert slot.acc is None and slot.status.engine_calls == 2  # served, then freed: no graphs held between runs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 def test_gpu_next_run_replays_the_kept_graph_and_a_lora_in_between_is_honoured(pack, tiny):
     import comfy.sd

@@ -70,17 +70,12 @@ class AcceleratedUNet:
         runner = self.fallback if self.fallback is not None else self.unet
         return runner(x, timesteps, context, y, control, **kwargs)
 
-    def _torch_engines(self) -> list:
-        return [e for e in (self.engine, self.fallback) if e is not None and e.backend == "torch"]
-
     def suspend(self) -> None:
-        """Undo the torch path's changes to the module, keeping its graphs for resume()."""
-        for e in self._torch_engines():
-            e.suspend()
-
-    def resume(self) -> None:
-        for e in self._torch_engines():
-            e.resume()
+        """Undo the torch path's changes to the module, keeping its graphs: a torch engine resumes on its next
+        call."""
+        for e in (self.engine, self.fallback):
+            if e is not None and e.backend == "torch":
+                e.suspend()
 
     def release(self) -> None:
         for e in (self.engine, self.fallback):

@@ -211,10 +211,7 @@ class EngineSlot:
             from .progress import NullProgress
 
             self.acc.fallback = backends.load("torch").build(self.acc.unet, {}, NullProgress())
-        if self.acc is None or self.acc.engine is None:
-            return None
-        self.acc.resume()
-        return self.acc
+        return self.acc if self.acc is not None and self.acc.engine is not None else None
 
     def _build(self, module: torch.nn.Module, weights_key: Any) -> None:
         from .accelerate import accelerate

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import socket
 import subprocess
@@ -118,31 +117,18 @@ def same(a, b, tol: float = 1e-2) -> bool:
     return bool(((a - b).norm() / b.norm().clamp_min(1e-12)).item() <= tol)
 
 
-def seed_module(module, seed: int) -> None:
-    """Seeded weights with sane activations: norms near 1, biases small, matrices scaled by 1/sqrt(fan_in)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if p.ndim == 1:
-                value = 1 + 0.1 * r if name.endswith("weight") and "norm" in name else 0.1 * r
-            else:
-                value = r / math.sqrt(p[0].numel())
-            p.copy_(value.to(p.dtype))
-
-
 def tiny_model(seed: int = 0, xl: bool = False):
     """A ModelPatcher around ComfyUI's own BaseModel / SDXL with a tiny UNet of the SD1.5 / SDXL layout."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.supported_models
 
+    from accel import configs
+
     config = comfy.supported_models.SDXL(dict(TINY_SDXL)) if xl else comfy.supported_models.SD15(dict(TINY_SD15))
     config.unet_config.update(TINY_SDXL if xl else TINY_SD15)  # the classes add their own head counts
     model = config.get_model({})
-    seed_module(model.diffusion_model, seed)
+    configs.seed_parameters(model.diffusion_model, seed)
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                             offload_device=mm.unet_offload_device())
 
@@ -154,8 +140,10 @@ def tiny_vae(seed: int = 0):
     import comfy.ldm.models.autoencoder
     import comfy.sd
 
+    from accel import configs
+
     module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=TINY_VAE, embed_dim=4)
-    seed_module(module, seed)
+    configs.seed_parameters(module, seed)
     return comfy.sd.VAE(sd=module.state_dict(), config={"params": {"ddconfig": TINY_VAE, "embed_dim": 4}},
                         dtype=torch.float32)
 
@@ -181,10 +169,12 @@ def tiny_controlnet(seed: int = 0, xl: bool = False):
     import comfy.model_management as mm
     import comfy.ops
 
+    from accel import configs
+
     unet_only = ("out_channels", "transformer_depth_output", "use_temporal_attention", "use_temporal_resblock")
     config = {k: v for k, v in (TINY_SDXL if xl else TINY_SD15).items() if k not in unet_only}
     control = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
-    seed_module(control, seed)
+    configs.seed_parameters(control, seed)
     return comfy.controlnet.ControlNet(control, load_device=mm.get_torch_device())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import importlib.util
 import sys
 import types
@@ -66,12 +67,23 @@ def replace_child(parent: nn.Module, name: str, new: nn.Module, undo: Undo) -> N
     undo.add(lambda: parent._modules.__setitem__(name, old))
 
 
+def plain_weights(m: nn.Module) -> bool:
+    """A layer whose forward uses its own weight and bias as stored: not ComfyUI's cast-on-the-fly or lowvram
+    weight functions, which its forward applies and a fused kernel reading the weight directly would skip."""
+    return (not getattr(m, "comfy_cast_weights", False) and not getattr(m, "weight_function", None)
+            and not getattr(m, "bias_function", None))
+
+
+def comfy_forward(m: nn.Module) -> bool:
+    """A ComfyUI transformer module whose forward is (x, context, transformer_options), the form the fusions
+    restate."""
+    return list(inspect.signature(type(m).forward).parameters) == ["self", "x", "context", "transformer_options"]
+
+
 def plain_conv(conv: nn.Module) -> bool:
-    """A Conv2d whose forward is F.conv2d of its own weight and bias: not ComfyUI's cast-on-the-fly or lowvram
-    weight functions, which its forward applies and a direct F.conv2d would skip."""
+    """A Conv2d whose forward is F.conv2d of its own weight and bias."""
     return (isinstance(conv, nn.Conv2d) and conv.bias is not None and conv.padding_mode == "zeros"
-            and not getattr(conv, "comfy_cast_weights", False)
-            and not getattr(conv, "weight_function", None) and not getattr(conv, "bias_function", None))
+            and plain_weights(conv))
 
 
 def conv_without_bias(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,10 @@ transformer_options bookkeeping); it serves channels_last input only, anything e
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
-from .base import Undo, conv_add, patch_forward, patch_method
+from .base import Undo, comfy_forward, conv_add, patch_forward, patch_method
 
 
 def _output_channels_last(self, hidden_states, residual, batch_size, height, width, inner_dim):
@@ -61,7 +59,7 @@ def _comfy_spatial_transformer(m: nn.Module) -> bool:
     if type(m).__name__ != "SpatialTransformer" or not all(
             hasattr(m, a) for a in ("norm", "proj_in", "transformer_blocks", "proj_out", "use_linear")):
         return False
-    return list(inspect.signature(type(m).forward).parameters) == ["self", "x", "context", "transformer_options"]
+    return comfy_forward(m)
 
 
 def apply(model: nn.Module, undo: Undo) -> int:

@@ -16,23 +16,14 @@ the Triton kernels run; any other call runs the block's own forward. The attenti
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward
-
-
-def _plain(m: nn.Module) -> bool:
-    """A layer whose forward is its functional op on its own weight and bias: not ComfyUI's cast-on-the-fly or
-    lowvram weight functions (its forward applies them; a direct read of the weight would skip them)."""
-    return (not getattr(m, "comfy_cast_weights", False) and not getattr(m, "weight_function", None)
-            and not getattr(m, "bias_function", None))
+from .base import Undo, comfy_forward, kernel_module, patch_forward, plain_weights
 
 
 def _plain_norms(*norms: nn.Module) -> bool:
-    return all(isinstance(n, nn.LayerNorm) and n.elementwise_affine and _plain(n) for n in norms)
+    return all(isinstance(n, nn.LayerNorm) and n.elementwise_affine and plain_weights(n) for n in norms)
 
 
 def _covered(m: nn.Module) -> bool:
@@ -93,13 +84,13 @@ def _plain_output_linear(ff: nn.Module, dtype: torch.dtype) -> nn.Linear | None:
     if net is None or len(net) != 3 or not isinstance(net[1], nn.Dropout) or (ff.training and net[1].p):
         return None
     out = net[2]
-    ours = type(out) is nn.Linear or (isinstance(out, nn.Linear) and hasattr(out, "comfy_cast_weights") and _plain(out))
+    ours = type(out) is nn.Linear or (isinstance(out, nn.Linear) and hasattr(out, "comfy_cast_weights") and plain_weights(out))
     return out if ours and out.bias is not None and out.weight.dtype == dtype else None
 
 
 def _is_comfy_block(m: nn.Module) -> bool:
     return (all(hasattr(m, a) for a in ("ff_in", "disable_self_attn", "switch_temporal_ca_to_sa", "is_res"))
-            and list(inspect.signature(type(m).forward).parameters) == ["self", "x", "context", "transformer_options"])
+            and comfy_forward(m))
 
 
 def apply(model: nn.Module, undo: Undo) -> int:

@@ -3,6 +3,7 @@
 groupnorm: GroupNorm (+SiLU) for NCHW and channels_last, and its split statistics for the tiled VAE.
 geglu:     diffusers' GEGLU activation (with the projection bias folded in).
 layernorm: LayerNorm, LayerNorm after a residual add (SkipLayerNorm), bias + residual add.
+upsample:  nearest-neighbour 2x upsampling of channels_last activations.
 
 Importing this package imports nothing heavy; each module imports Triton if it can and says through `supported(x)`
 whether its kernel can run on a tensor. Set TRITON_INTERPRET=1 before the first import to run them on the CPU.
@@ -16,6 +17,7 @@ from typing import Any
 _EXPORTS = {
     "group_norm": "groupnorm", "group_norm_stats": "groupnorm", "group_norm_apply": "groupnorm",
     "mean_rstd": "groupnorm", "geglu": "geglu", "layer_norm": "layernorm", "add_bias_residual": "layernorm",
+    "upsample_nearest2x": "upsample",
 }
 
 

@@ -19,6 +19,7 @@ from accel.errors import BackendUnavailable
 from . import geglu as gg
 from . import groupnorm as gn
 from . import layernorm as ln
+from . import upsample as up
 
 COPY_BYTES = 1 << 30
 
@@ -87,6 +88,12 @@ def _bias_residual_case(name: str, shape: tuple[int, ...], device: torch.device,
                 lambda: ln.add_bias_residual_ref(x, b, r), 3 * x.numel() * x.element_size())
 
 
+def _upsample_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
+    x = _rand(shape, device, dtype, 0).to(memory_format=torch.channels_last)
+    return Case("upsample_nearest2x", name, shape, lambda: up.upsample_nearest2x(x), lambda: up.upsample_nearest2x_ref(x),
+                5 * x.numel() * x.element_size())
+
+
 def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
     """The shapes: SD1.5 / SDXL UNet at batch 2 (classifier-free guidance) and the SD VAE decoder at batch 1."""
     if tiny:
@@ -94,7 +101,8 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
                 _group_norm_case("tiny", (1, 64, 8, 8), False, device, dtype, 1e-5),
                 _geglu_case("tiny", (1, 16, 128), device, dtype),
                 _layer_norm_case("tiny", (1, 16, 64), device, dtype),
-                _bias_residual_case("tiny", (1, 16, 64), device, dtype)]
+                _bias_residual_case("tiny", (1, 16, 64), device, dtype),
+                _upsample_case("tiny", (1, 16, 4, 4), device, dtype)]
     out = []
     for name, shape, eps in [("sd15 unet 64x64", (2, 320, 64, 64), 1e-5), ("sd15 unet 32x32", (2, 640, 32, 32), 1e-5),
                              ("sd15 unet 8x8", (2, 1280, 8, 8), 1e-5), ("sdxl unet 128x128", (2, 320, 128, 128), 1e-5),
@@ -111,6 +119,9 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
                         ("sdxl 32x32", (2, 1024, 1280))]:
         out.append(_layer_norm_case(name, shape, device, dtype))
         out.append(_bias_residual_case(name, shape, device, dtype))
+    for name, shape in [("sd15 up 16x16", (2, 1280, 16, 16)), ("sd15 up 32x32", (2, 640, 32, 32)),
+                        ("sdxl up 32x32", (2, 1280, 32, 32)), ("sdxl up 64x64", (2, 640, 64, 64))]:
+        out.append(_upsample_case(name, shape, device, dtype))
     return out
 
 

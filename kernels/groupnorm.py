@@ -23,8 +23,9 @@ from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_
 
 # A chunk reduced by one stats program holds at least this many elements (fewer only when the group is smaller).
 MIN_CHUNK = 4096
-# Programs to aim for: about one wave of resident programs on a large GPU for the stats pass, more for the apply pass.
-STATS_PROGRAMS = 1024
+# Programs to aim for: two per SM of a large GPU for the stats pass, whose programs each end in one reduction (on an
+# H100, 264 beat 512 and 1024 at most UNet shapes, in a CUDA graph), many more for the apply pass.
+STATS_PROGRAMS = 264
 APPLY_PROGRAMS = 4096
 # Partials one finalize step loads per group.
 FINALIZE_BLOCK = 512
@@ -68,41 +69,51 @@ def _stats_nchw_kernel(x_ptr, part_ptr, NG, group_len, span, P, BLOCK_GRP: tl.co
 
 
 @jit
-def _stats_nhwc_kernel(x_ptr, sh_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
-    # NHWC: a row of C channels per pixel; the tile is [pixels, groups, channels of a group], reduced over axes 0, 2.
+def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.constexpr,
+                       HAS_SHIFT: tl.constexpr, SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_CG: tl.constexpr):
+    # NHWC: a row of C channels per pixel; the tile is [pixels, groups, channels of a group]. The loop only adds
+    # up deviations from the chunk's first pixel (per channel) and their squares, element by element; the
+    # reduction to one (count, mean, M2) per group happens once, after it. Deviations from a value of the same
+    # channel stay of the order of the spread, so the squares do not cancel when |mean| >> std.
     p = tl.program_id(0)
     n = tl.program_id(1)
     gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
+    g2 = gs[:, None]
+    j2 = tl.arange(0, BLOCK_CG)[None, :]
+    cols = g2 * CG + j2
+    col_mask = (g2 < G) & (j2 < CG)
     r = tl.arange(0, BLOCK_R)[:, None, None]
-    g = gs[None, :, None]
-    j = tl.arange(0, BLOCK_CG)[None, None, :]
-    col_mask = (g < G) & (j < CG)
     r0 = p * rows_per_prog
     r1 = tl.minimum(r0 + rows_per_prog, HW)
     x_ptr += n.to(tl.int64) * HW * C
-    tile = r * C + g * CG + j
-    if HAS_SHIFT:
-        sh = tl.load(sh_ptr + n * C + g * CG + j, mask=col_mask, other=0.0).to(tl.float32)
-    n_acc = tl.zeros([BLOCK_G], tl.float32)
-    mean_acc = tl.zeros([BLOCK_G], tl.float32)
-    m2_acc = tl.zeros([BLOCK_G], tl.float32)
+    ref = tl.load(x_ptr + r0.to(tl.int64) * C + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tile = r * C + cols[None, :, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_G, BLOCK_CG], tl.float32)
+    acc_sq = tl.zeros([BLOCK_R, BLOCK_G, BLOCK_CG], tl.float32)
     for i in range(0, r1 - r0, BLOCK_R):
         # i is a Python int under the interpreter: offset from the tensor r0 before widening to int64.
         row = r0 + i
-        mask = (row + r < r1) & col_mask
+        mask = (row + r < r1) & col_mask[None, :, :]
         x = tl.load(x_ptr + row.to(tl.int64) * C + tile, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SHIFT:
-            x = tl.where(mask, x + sh, 0.0)
-        cnt = tl.sum(tl.sum(mask.to(tl.float32), 2), 0)
-        mean_b = tl.sum(tl.sum(x, 2), 0) / tl.maximum(cnt, 1.0)
-        d = tl.where(mask, x - mean_b[None, :, None], 0.0)
-        n_acc, mean_acc, m2_acc = _merge(n_acc, mean_acc, m2_acc, cnt, mean_b, tl.sum(tl.sum(d * d, 2), 0))
-    out = part_ptr + ((n * G + gs) * P + p) * 3
+        d = tl.where(mask, x - ref[None, :, :], 0.0)
+        acc += d
+        acc_sq += d * d
+    if HAS_SHIFT:  # the shift is the same for every pixel of a channel: it moves the reference, not the deviations
+        ref += tl.load(sh_ptr + n * C + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if SHIFT_BIAS:
+            ref += tl.load(sb_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    rows = (r1 - r0).to(tl.float32)
+    per_channel = tl.sum(acc, 0)
     gmask = gs < G
-    tl.store(out, n_acc, mask=gmask)
-    tl.store(out + 1, mean_acc, mask=gmask)
-    tl.store(out + 2, m2_acc, mask=gmask)
+    count = tl.where(gmask, rows * CG, 0.0)
+    mean = tl.sum(per_channel + rows * ref, 1) / tl.maximum(count, 1.0)
+    e = tl.where(col_mask, ref - mean[:, None], 0.0)
+    m2 = tl.sum(tl.sum(acc_sq, 0), 1) + 2.0 * tl.sum(e * per_channel, 1) + rows * tl.sum(e * e, 1)
+    out = part_ptr + ((n * G + gs) * P + p) * 3
+    tl.store(out, count, mask=gmask)
+    tl.store(out + 1, mean, mask=gmask)
+    tl.store(out + 2, tl.maximum(m2, 0.0), mask=gmask)
 
 
 @jit
@@ -174,9 +185,9 @@ def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, HW, G,
 
 
 @jit
-def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog,
+def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog,
                        CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                       SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
+                       SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
     p = tl.program_id(0)
     n = tl.program_id(1)
     gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -191,7 +202,10 @@ def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, mean_ptr, rstd_ptr, H
     if HAS_B:
         shift = shift + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_SHIFT:  # (x + sh) * scale + shift
-        shift = shift + tl.load(sh_ptr + n * C + cols, mask=col_mask, other=0.0).to(tl.float32) * scale
+        sh = tl.load(sh_ptr + n * C + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if SHIFT_BIAS:
+            sh += tl.load(sb_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        shift = shift + sh * scale
     scale = scale[None, :, :]
     shift = shift[None, :, :]
     col_mask = col_mask[None, :, :]
@@ -255,9 +269,10 @@ def _nhwc_blocks(G: int, CG: int, HW: int, tile: int) -> tuple[int, int, int]:
     return block_r, block_g, block_cg
 
 
-def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
+def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor] = None,
+              shift_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
     """Pass 1: (partials of shape (N*G, P, 3) holding count, mean, M2 per chunk, P). shift: (N, C) added to x
-    first (NHWC only)."""
+    first, plus shift_bias (C,) when given (NHWC only)."""
     N, C = x.shape[:2]
     HW = x.numel() // (N * C)
     CG = C // G
@@ -269,9 +284,11 @@ def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor]
         rows = cdiv(cdiv(HW, P), block_r) * block_r
         P = cdiv(HW, rows)
         part = torch.empty((N * G, P, 3), device=x.device, dtype=torch.float32)
-        _stats_nhwc_kernel[(P, N, n_gb)](x, shift if shift is not None else x, part, HW, C, G, rows, P, CG=CG,
-                                         HAS_SHIFT=shift is not None, BLOCK_R=block_r, BLOCK_G=block_g,
-                                         BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg))
+        _stats_nhwc_kernel[(P, N, n_gb)](x, shift if shift is not None else x,
+                                         shift_bias if shift_bias is not None else x, part, HW, C, G, rows, P, CG=CG,
+                                         HAS_SHIFT=shift is not None, SHIFT_BIAS=shift_bias is not None,
+                                         BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_CG=block_cg,
+                                         num_warps=warps(block_r * block_g * block_cg))
         return part, P
     L = CG * HW
     block = min(pow2(L), tile_for(x))
@@ -301,8 +318,10 @@ def _finalize(part: torch.Tensor, P: int, eps: float) -> tuple[torch.Tensor, tor
 
 
 def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-           silu: bool, mean: torch.Tensor, rstd: torch.Tensor, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Pass 2: normalize x (+ shift, NHWC only) with mean and rstd, (N*G,) fp32 each, then weight, bias and SiLU."""
+           silu: bool, mean: torch.Tensor, rstd: torch.Tensor, shift: Optional[torch.Tensor] = None,
+           shift_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pass 2: normalize x (+ shift + shift_bias, NHWC only) with mean and rstd, (N*G,) fp32 each, then weight,
+    bias and SiLU."""
     N, C = x.shape[:2]
     HW = x.numel() // (N * C)
     CG = C // G
@@ -317,8 +336,8 @@ def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], 
         progs = max(1, min(cdiv(target, N * n_gb), cdiv(HW, block_r)))
         rows = cdiv(cdiv(HW, progs), block_r) * block_r
         _apply_nhwc_kernel[(cdiv(HW, rows), N, n_gb)](
-            x, y, w, b, shift if shift is not None else x, mean, rstd, HW, C, G, rows, HAS_SHIFT=shift is not None,
-            BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg),
+            x, y, w, b, shift if shift is not None else x, shift_bias if shift_bias is not None else x, mean, rstd,
+            HW, C, G, rows, HAS_SHIFT=shift is not None, SHIFT_BIAS=shift_bias is not None, BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg),
             **flags)
         return y
     block_hw = min(pow2(HW), tile_for(x))
@@ -334,25 +353,34 @@ def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], 
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5, silu: bool = False,
-               shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+               shift: Optional[torch.Tensor] = None, shift_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.group_norm (then F.silu when `silu`) for (N, C, H, W) in NCHW or channels_last; same layout out.
 
-    shift: (N, C), added to x before it is normalized (a ResNet block's time embedding and the bias of the
-    convolution before it), without a pass of its own on channels_last input."""
+    shift: (N, C), plus shift_bias: (C,) when given, added to x before it is normalized (a ResNet block's time
+    embedding and the bias of the convolution before it), without a pass of its own on channels_last input."""
     _check(x, num_groups, weight, bias)
     if shift is not None and (shift.shape != x.shape[:2] or shift.device != x.device):
         raise BadInput(f"group_norm: shift has shape {tuple(shift.shape)} on {shift.device}, expected "
                        f"{tuple(x.shape[:2])} on {x.device}.", "Pass one value per sample and channel, or None.")
+    if shift_bias is not None and (shift is None or shift_bias.numel() != x.shape[1]
+                                   or shift_bias.device != x.device):
+        raise BadInput(f"group_norm: shift_bias has {shift_bias.numel()} elements on {shift_bias.device}"
+                       f"{' and no shift' if shift is None else ''}; expected {x.shape[1]} on {x.device}, with a "
+                       "shift.", "Pass one value per channel together with shift, or None.")
     if x.numel() == 0:
         return torch.empty_like(x)
     x, nhwc = _layout(x)
     if shift is not None and not nhwc:
+        if shift_bias is not None:
+            shift, shift_bias = shift + shift_bias.reshape(-1), None
         x, shift = x + shift.reshape(shift.shape + (1,) * (x.dim() - 2)).to(x.dtype), None
     if shift is not None:
         shift = shift.contiguous()
+    if shift_bias is not None:
+        shift_bias = shift_bias.contiguous()
     with on_device(x):
-        part, P = _partials(x, num_groups, nhwc, shift)
-        return _apply(x, nhwc, num_groups, weight, bias, silu, *_finalize(part, P, eps), shift)
+        part, P = _partials(x, num_groups, nhwc, shift, shift_bias)
+        return _apply(x, nhwc, num_groups, weight, bias, silu, *_finalize(part, P, eps), shift, shift_bias)
 
 
 def group_norm_stats(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -402,9 +430,11 @@ def group_norm_apply(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, we
 
 def group_norm_ref(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
                    bias: Optional[torch.Tensor] = None, eps: float = 1e-5, silu: bool = False,
-                   shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   shift: Optional[torch.Tensor] = None, shift_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The torch reference (what the unfused path runs)."""
     if shift is not None:
+        if shift_bias is not None:
+            shift = shift + shift_bias.reshape(-1)
         x = x + shift.reshape(shift.shape + (1,) * (x.dim() - 2))
     y = F.group_norm(x, num_groups, weight, bias, eps)
     return F.silu(y) if silu else y

@@ -53,13 +53,14 @@ class Downsample(nn.Module):
 class Upsample(nn.Module):
     def __init__(self, channels: int, out_channels: int | None = None) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(channels, out_channels or channels, 3, padding=1)
+        self.channels, self.out_channels, self.use_conv, self.dims = channels, out_channels or channels, True, 2
+        self.conv = nn.Conv2d(channels, self.out_channels, 3, padding=1)
 
     def forward(self, x, output_shape=None):
         # ComfyUI upsamples to the skip's size, so odd latent sizes line up again.
-        size = tuple(output_shape[2:4]) if output_shape is not None else None
-        x = F.interpolate(x, size=size, scale_factor=None if size else 2.0, mode="nearest")
-        return self.conv(x)
+        shape = [x.shape[2] * 2, x.shape[3] * 2] if output_shape is None else [output_shape[2], output_shape[3]]
+        x = F.interpolate(x, size=shape, mode="nearest")
+        return self.conv(x) if self.use_conv else x
 
 
 class ResBlock(nn.Module):

@@ -80,10 +80,14 @@ def test_resnet_bias_fusion_same_function_and_undo_restores(form):
     x = x.contiguous(memory_format=torch.channels_last)
     unet.unet.to(memory_format=torch.channels_last)
     ref = unet(x, t, ctx, y)
+    t2 = torch.tensor([10.0, 990.0])
+    ref2 = unet(x, t2, ctx, y)
     undo, counts = fusions.apply(unet.unet, ["resnet", "groupnorm"])
     blocks = sum(type(m).__name__ in ("ResnetBlock2D", "ResBlock") for m in unet.unet.modules())
     assert counts["resnet"] == blocks > 0
     assert rel(unet(x, t, ctx, y), ref) <= 1e-5
+    # the time embedding's SiLU, computed once per call, is the new call's: no stale value from the last one
+    assert rel(unet(x, t2, ctx, y), ref2) <= 1e-5 and rel(ref2, ref) > 1e-3
     undo()
     assert not any("forward" in vars(m) for m in unet.unet.modules())
     assert torch.equal(unet(x, t, ctx, y), ref)
@@ -157,3 +161,30 @@ def test_sdpa_processor_drops_only_the_division_by_one_and_undo_restores():
     scaled = Attention(32, heads=2, dim_head=16, rescale_output_factor=2.0)
     _, counts = fusions.apply(nn.Sequential(scaled), ["sdpa_processor"])
     assert counts["sdpa_processor"] == 0 and type(scaled.processor) is AttnProcessor2_0
+
+
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+def test_upsample_fusion_same_function_and_undo_restores(form, monkeypatch):
+    from accel.fusions.base import kernel_module
+
+    _, unet, (x, t, ctx, y) = next(m for m in _models() if m[0] == form)
+    x = x.contiguous(memory_format=torch.channels_last)
+    unet.unet.to(memory_format=torch.channels_last)
+    ref = unet(x, t, ctx, y)
+    upsamplers = [m for m in unet.unet.modules() if type(m).__name__ in ("Upsample2D", "Upsample")]
+    undo, counts = fusions.apply(unet.unet, ["upsample"])
+    assert counts["upsample"] == len(upsamplers) > 0
+    kernel = kernel_module("upsample")
+    runs = kernel.supported(x)  # the tiny models stay on the CPU: on a GPU machine the module's own forward runs
+    calls = []
+    monkeypatch.setattr(kernel, "upsample_nearest2x", lambda h, f=kernel.upsample_nearest2x: calls.append(1) or f(h))
+    assert torch.equal(unet(x, t, ctx, y), ref)  # nearest upsampling is a copy: exact
+    assert len(calls) == (len(upsamplers) if runs else 0)
+    # a host asking for another size than 2x (odd latent sizes) gets the module's own interpolation
+    up = upsamplers[0]
+    h = torch.randn(1, up.channels, 3, 3).contiguous(memory_format=torch.channels_last)
+    odd = up(h, (1, up.channels, 5, 5)) if form == "ldm" else up(h, output_size=(5, 5))
+    assert odd.shape[-2:] == (5, 5) and len(calls) == (len(upsamplers) if runs else 0)
+    undo()
+    assert not any("forward" in vars(m) for m in unet.unet.modules())
+    assert torch.equal(unet(x, t, ctx, y), ref)

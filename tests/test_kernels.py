@@ -22,6 +22,7 @@ from kernels import common  # noqa: E402
 from kernels import geglu as gg  # noqa: E402
 from kernels import groupnorm as gn  # noqa: E402
 from kernels import layernorm as ln  # noqa: E402
+from kernels import upsample as up  # noqa: E402
 
 if not gn.supported(torch.zeros(1, 8, 1, 1, device=DEVICE)):
     pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set, so it cannot run on the CPU in this process; "
@@ -93,12 +94,17 @@ def test_group_norm_with_shift_is_group_norm_of_the_sum(shape, channels_last, dt
         x = x.to(memory_format=torch.channels_last)
     shift = _randn(*shape[:2], dtype=dtype, seed=3, scale=3.0)
     w, b = _randn(shape[1], dtype=dtype, seed=1), _randn(shape[1], dtype=dtype, seed=2)
-    y = gn.group_norm(x, 32, w, b, silu=True, shift=shift)
-    ref = gn.group_norm_ref(x.float(), 32, w.float(), b.float(), silu=True, shift=shift.float())
-    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    _close(y, ref, dtype)
+    conv_bias = _randn(shape[1], dtype=dtype, seed=4)
+    for bias_of_shift in (None, conv_bias):
+        y = gn.group_norm(x, 32, w, b, silu=True, shift=shift, shift_bias=bias_of_shift)
+        ref = gn.group_norm_ref(x.float(), 32, w.float(), b.float(), silu=True, shift=shift.float(),
+                                shift_bias=None if bias_of_shift is None else bias_of_shift.float())
+        assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        _close(y, ref, dtype)
     with pytest.raises(BadInput, match="one value per sample and channel"):
         gn.group_norm(x, 32, w, b, shift=shift[:, :-1])
+    with pytest.raises(BadInput, match="one value per channel together with shift"):
+        gn.group_norm(x, 32, w, b, shift_bias=conv_bias)
 
 
 def test_group_norm_without_affine():
@@ -244,13 +250,32 @@ def test_layer_norm_errors_say_what_to_do():
         ln.layer_norm(_randn(1, ln.MAX_C + 1), None, None)
 
 
+# ---- nearest 2x upsampling ----
+
+@pytest.mark.parametrize("shape,dtype", [((2, 1280, 8, 8), torch.float16), ((3, 5, 7, 3), torch.float32),
+                                         ((1, 1300, 2, 1), torch.bfloat16), ((2, 4, 1, 1), torch.float16)])
+def test_upsample_nearest2x_matches_torch(shape, dtype):
+    x = _randn(*shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    y = up.upsample_nearest2x(x)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y, up.upsample_nearest2x_ref(x))  # a copy: exact
+
+
+def test_upsample_nearest2x_errors_say_what_to_do():
+    x = _randn(2, 8, 4, 4)  # NCHW, not channels_last
+    assert not up.supported(x)
+    with pytest.raises(BadInput, match="channels_last"):
+        up.upsample_nearest2x(x)
+
+
 # ---- bench, and running without Triton ----
 
 def test_bench_smoke():
     from kernels.bench import bench_kernels
 
     rows = bench_kernels(device=DEVICE, tiny=True)
-    assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "skip_layer_norm", "add_bias_residual"}
+    assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "skip_layer_norm", "add_bias_residual",
+                                              "upsample_nearest2x"}
     for r in rows:
         assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["copy_gbps"] > 0
         assert r["max_rel_err"] < 5e-3, r

@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = {
     "channels_last": True,
     "cuda_graphs": True,
     "triton_kernels": True,
-    "fusions": ["layout", "groupnorm", "geglu", "resnet", "skip_layernorm", "sdpa_processor"],
+    "fusions": ["layout", "groupnorm", "geglu", "resnet", "skip_layernorm", "sdpa_processor", "upsample"],
     "compile": False,
     "max_graphs": 4,
     "cudnn_benchmark": True,

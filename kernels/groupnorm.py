@@ -27,8 +27,9 @@ MIN_CHUNK = 4096
 # H100, 264 beat 512 and 1024 at most UNet shapes, in a CUDA graph), many more for the apply pass.
 STATS_PROGRAMS = 264
 APPLY_PROGRAMS = 4096
-# Partials one finalize step loads per group.
-FINALIZE_BLOCK = 512
+# Partials one finalize program holds (all of a group's, for as many groups as fit): more, smaller programs finish
+# sooner than a few looping ones.
+FINALIZE_TILE = 1024
 # Under the CPU interpreter every program costs Python time: few, large programs.
 INTERPRET_PROGRAMS = 1
 
@@ -118,31 +119,22 @@ def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, G, rows_per_prog,
 
 @jit
 def _finalize_kernel(part_ptr, mean_ptr, rstd_ptr, NG, P, eps, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
-    # Merge the P partials of each group. Deviations are taken from the first partial's mean, so the weighted sum
-    # stays small when the mean is large.
+    # Merge the P (<= BLOCK_P) partials of each group from one load of them. Deviations are taken from the first
+    # partial's mean, so the weighted sum stays small when the mean is large.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < NG
-    row_ptr = part_ptr + rows[:, None] * P * 3
     pp = tl.arange(0, BLOCK_P)[None, :]
-    shift = tl.load(part_ptr + rows * P * 3 + 1, mask=rmask, other=0.0)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    dev_sum = tl.zeros([BLOCK_N], tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        m = rmask[:, None] & (p0 + pp < P)
-        cnt = tl.load(row_ptr + (p0 + pp) * 3, mask=m, other=0.0)
-        mu = tl.load(row_ptr + (p0 + pp) * 3 + 1, mask=m, other=0.0)
-        total += tl.sum(cnt, 1)
-        dev_sum += tl.sum(cnt * (mu - shift[:, None]), 1)
-    total = tl.maximum(total, 1.0)
-    mean = shift + dev_sum / total
-    m2 = tl.zeros([BLOCK_N], tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        m = rmask[:, None] & (p0 + pp < P)
-        cnt = tl.load(row_ptr + (p0 + pp) * 3, mask=m, other=0.0)
-        dev = tl.load(row_ptr + (p0 + pp) * 3 + 1, mask=m, other=0.0) - mean[:, None]
-        m2 += tl.sum(tl.load(row_ptr + (p0 + pp) * 3 + 2, mask=m, other=0.0) + cnt * dev * dev, 1)
-    tl.store(mean_ptr + rows, mean, mask=rmask)
-    tl.store(rstd_ptr + rows, tl.rsqrt(m2 / total + eps), mask=rmask)
+    m = (rows < NG)[:, None] & (pp < P)
+    ptr = part_ptr + rows[:, None] * P * 3 + pp * 3
+    cnt = tl.load(ptr, mask=m, other=0.0)
+    mu = tl.load(ptr + 1, mask=m, other=0.0)
+    m2 = tl.load(ptr + 2, mask=m, other=0.0)
+    shift = tl.sum(tl.where(pp == 0, mu, 0.0), 1)
+    total = tl.maximum(tl.sum(cnt, 1), 1.0)
+    mean = shift + tl.sum(cnt * (mu - shift[:, None]), 1) / total
+    dev = tl.where(m, mu - mean[:, None], 0.0)
+    var = tl.sum(m2 + cnt * dev * dev, 1) / total
+    tl.store(mean_ptr + rows, mean, mask=rows < NG)
+    tl.store(rstd_ptr + rows, tl.rsqrt(var + eps), mask=rows < NG)
 
 
 @jit
@@ -304,10 +296,10 @@ def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor]
 
 
 def _finalize(part: torch.Tensor, P: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, rstd), each (N*G,) fp32, from the partials."""
+    """(mean, rstd), each (N*G,) fp32, from the partials (P is at most the stats pass's program target)."""
     NG = part.shape[0]
-    block_p = min(pow2(P), FINALIZE_BLOCK)
-    block_n = min(pow2(NG), max(1, 2048 // block_p))
+    block_p = pow2(P)
+    block_n = min(pow2(NG), max(1, FINALIZE_TILE // block_p))
     mean = torch.empty(NG, device=part.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
     # Not fewer than 4 warps: with one warp, Triton 3.6 on an H100 computed wrong means for some tiles (64 groups x 8

@@ -85,6 +85,6 @@ def pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def warps(elems: int) -> int:
-    """num_warps for a tile of `elems` elements: about 16 per thread, 1 to 16 warps."""
-    return max(1, min(16, elems // 512))
+def warps(elems: int, per_thread: int = 16) -> int:
+    """num_warps for a tile of `elems` elements: about `per_thread` per thread, 1 to 16 warps."""
+    return max(1, min(16, elems // (32 * per_thread)))

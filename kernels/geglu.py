@@ -17,6 +17,9 @@ from accel.errors import BadInput
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
 
 MAX_BLOCK_D = 1024
+# Loaded elements per thread: 32 (half the warps of the other kernels' 16) moved 22-25% more bytes per second on an
+# H100 at SD1.5 and SDXL widths (per call, in a CUDA graph).
+ELEMS_PER_THREAD = 32
 
 
 @jit
@@ -61,7 +64,7 @@ def geglu(h: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     b = bias.contiguous() if bias is not None else h
     with on_device(h):
         _geglu_kernel[(cdiv(M, block_m), cdiv(D, block_d))](h, b, y, M, D, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                                                           BLOCK_D=block_d, num_warps=warps(2 * block_m * block_d))
+                                                           BLOCK_D=block_d, num_warps=warps(2 * block_m * block_d, ELEMS_PER_THREAD))
     return y
 
 

@@ -19,6 +19,9 @@ from accel.errors import BadInput
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
 
 MAX_C = 16384
+# Elements per thread for LayerNorm: 32 beat 16 by 5-22% at SD widths on an H100 (per call, in a CUDA graph); the
+# bias + residual add stays at the default 16, which was faster for it.
+LAYER_NORM_ELEMS_PER_THREAD = 32
 
 
 @jit
@@ -111,7 +114,7 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
             _layer_norm_kernel[(cdiv(M, block_m),)](
                 x, r if r is not None else x, w, b, sb, y, s, M, C, eps, HAS_RES=r is not None,
                 HAS_W=weight is not None, HAS_B=bias is not None, HAS_SB=sum_bias is not None, BLOCK_M=block_m,
-                BLOCK_C=block_c, num_warps=warps(block_m * block_c))
+                BLOCK_C=block_c, num_warps=warps(block_m * block_c, LAYER_NORM_ELEMS_PER_THREAD))
     return (y, s) if r is not None else y
 
 

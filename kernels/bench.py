@@ -3,6 +3,10 @@
 Reports median ms, achieved GB/s over the compulsory traffic (every input read once, every output written once; the
 same byte count for both sides, so the GB/s compare like the ms do), and the device's copy bandwidth (a large
 x.clone(), timed the same way) to show how close each side gets to what the memory can do.
+
+Two timings per side on a GPU: `triton.testing.do_bench` (each call launched from Python: at the UNet's small
+shapes the launches, not the memory, set that time) and per call inside a CUDA graph over enough input sets to
+exceed the L2 cache (how the torch path runs the kernels: its UNet step is one graph replay).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from . import layernorm as ln
 from . import upsample as up
 
 COPY_BYTES = 1 << 30
+# Input sets a graph cycles through: their bytes together exceed this, so that no call finds its inputs in L2
+# (50 MB on an H100).
+GRAPH_BYTES = 256 << 20
+MAX_GRAPH_SETS = 64
 
 
 @dataclass
@@ -29,8 +37,9 @@ class Case:
     kernel: str
     name: str
     shape: tuple[int, ...]
-    triton: Callable[[], object]
-    torch: Callable[[], object]
+    inputs: Callable[[int], tuple]  # seed -> the arguments of one call
+    triton: Callable[..., object]
+    torch: Callable[..., object]
     bytes: int
 
 
@@ -53,6 +62,29 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     return wall
 
 
+def graph_ms(fn: Callable[..., object], sets: list[tuple], reps: int = 20) -> float:
+    """Median ms per call of `fn` captured in one CUDA graph that calls it once on each input set."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        for args in sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in sets:
+            fn(*args)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(sets))
+    return statistics.median(times)
+
+
 def _rand(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(shape, generator=g, device=device).to(dtype)
@@ -60,38 +92,48 @@ def _rand(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, seed
 
 def _group_norm_case(name: str, shape: tuple[int, ...], nhwc: bool, device: torch.device, dtype: torch.dtype,
                      eps: float) -> Case:
-    x = _rand(shape, device, dtype, 0)
-    if nhwc:
-        x = x.to(memory_format=torch.channels_last)
-    w, b = _rand(shape[1:2], device, dtype, 1), _rand(shape[1:2], device, dtype, 2)
-    return Case("group_norm+silu", f"{name} {'NHWC' if nhwc else 'NCHW'}", shape,
-                lambda: gn.group_norm(x, 32, w, b, eps, silu=True),
-                lambda: gn.group_norm_ref(x, 32, w, b, eps, silu=True), 2 * x.numel() * x.element_size())
+    def inputs(seed: int) -> tuple:
+        x = _rand(shape, device, dtype, 3 * seed)
+        if nhwc:
+            x = x.to(memory_format=torch.channels_last)
+        return x, _rand(shape[1:2], device, dtype, 3 * seed + 1), _rand(shape[1:2], device, dtype, 3 * seed + 2)
+
+    numel = torch.Size(shape).numel()
+    return Case("group_norm+silu", f"{name} {'NHWC' if nhwc else 'NCHW'}", shape, inputs,
+                lambda x, w, b: gn.group_norm(x, 32, w, b, eps, silu=True),
+                lambda x, w, b: gn.group_norm_ref(x, 32, w, b, eps, silu=True), 2 * numel * dtype.itemsize)
 
 
 def _geglu_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    h, b = _rand(shape, device, dtype, 0), _rand(shape[-1:], device, dtype, 1)
-    return Case("geglu+bias", name, shape, lambda: gg.geglu(h, b), lambda: gg.geglu_ref(h, b),
-                h.numel() * h.element_size() * 3 // 2)
+    def inputs(seed: int) -> tuple:
+        return _rand(shape, device, dtype, 2 * seed), _rand(shape[-1:], device, dtype, 2 * seed + 1)
+
+    return Case("geglu+bias", name, shape, inputs, gg.geglu, gg.geglu_ref,
+                torch.Size(shape).numel() * dtype.itemsize * 3 // 2)
 
 
 def _layer_norm_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    x, r = _rand(shape, device, dtype, 0), _rand(shape, device, dtype, 1)
-    w, b = _rand(shape[-1:], device, dtype, 2), _rand(shape[-1:], device, dtype, 3)
-    return Case("skip_layer_norm", name, shape, lambda: ln.layer_norm(x, w, b, residual=r),
-                lambda: ln.layer_norm_ref(x, w, b, residual=r), 4 * x.numel() * x.element_size())
+    def inputs(seed: int) -> tuple:
+        return tuple(_rand(s, device, dtype, 4 * seed + i) for i, s in enumerate((shape, shape, shape[-1:], shape[-1:])))
+
+    return Case("skip_layer_norm", name, shape, inputs, lambda x, r, w, b: ln.layer_norm(x, w, b, residual=r),
+                lambda x, r, w, b: ln.layer_norm_ref(x, w, b, residual=r), 4 * torch.Size(shape).numel() * dtype.itemsize)
 
 
 def _bias_residual_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    x, r, b = _rand(shape, device, dtype, 0), _rand(shape, device, dtype, 1), _rand(shape[-1:], device, dtype, 2)
-    return Case("add_bias_residual", name, shape, lambda: ln.add_bias_residual(x, b, r),
-                lambda: ln.add_bias_residual_ref(x, b, r), 3 * x.numel() * x.element_size())
+    def inputs(seed: int) -> tuple:
+        return tuple(_rand(s, device, dtype, 3 * seed + i) for i, s in enumerate((shape, shape[-1:], shape)))
+
+    return Case("add_bias_residual", name, shape, inputs, ln.add_bias_residual, ln.add_bias_residual_ref,
+                3 * torch.Size(shape).numel() * dtype.itemsize)
 
 
 def _upsample_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    x = _rand(shape, device, dtype, 0).to(memory_format=torch.channels_last)
-    return Case("upsample_nearest2x", name, shape, lambda: up.upsample_nearest2x(x), lambda: up.upsample_nearest2x_ref(x),
-                5 * x.numel() * x.element_size())
+    def inputs(seed: int) -> tuple:
+        return (_rand(shape, device, dtype, seed).to(memory_format=torch.channels_last),)
+
+    return Case("upsample_nearest2x", name, shape, inputs, up.upsample_nearest2x, up.upsample_nearest2x_ref,
+                5 * torch.Size(shape).numel() * dtype.itemsize)
 
 
 def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
@@ -147,14 +189,26 @@ def bench_kernels(device: str = "cuda", tiny: bool = False, dtype: torch.dtype =
                                  "bench_kernels('cpu', tiny=True)).")
     timer = _timer(dev)
     copy_gbps = _copy_gbps(dev, timer, (8 << 20) if tiny else COPY_BYTES)
+    graphs = dev.type == "cuda"
     rows = []
     for case in cases(dev, dtype, tiny):
-        err = _max_rel_err(case.triton(), case.torch())
-        t_ms, r_ms = timer(case.triton), timer(case.torch)
+        args = case.inputs(0)
+        err = _max_rel_err(case.triton(*args), case.torch(*args))
+        t_ms, r_ms = timer(lambda: case.triton(*args)), timer(lambda: case.torch(*args))
         t_gbps, r_gbps = case.bytes / t_ms / 1e6, case.bytes / r_ms / 1e6
-        rows.append({"kernel": case.kernel, "case": case.name, "shape": list(case.shape), "dtype": str(dtype),
-                     "triton_ms": round(t_ms, 4), "torch_ms": round(r_ms, 4), "speedup": round(r_ms / t_ms, 2),
-                     "triton_gbps": round(t_gbps, 1), "torch_gbps": round(r_gbps, 1),
-                     "copy_gbps": round(copy_gbps, 1), "triton_of_copy": round(t_gbps / copy_gbps, 3),
-                     "torch_of_copy": round(r_gbps / copy_gbps, 3), "max_rel_err": float(f"{err:.3g}")})
+        row = {"kernel": case.kernel, "case": case.name, "shape": list(case.shape), "dtype": str(dtype),
+               "triton_ms": round(t_ms, 4), "torch_ms": round(r_ms, 4), "speedup": round(r_ms / t_ms, 2),
+               "triton_gbps": round(t_gbps, 1), "torch_gbps": round(r_gbps, 1),
+               "copy_gbps": round(copy_gbps, 1), "triton_of_copy": round(t_gbps / copy_gbps, 3),
+               "torch_of_copy": round(r_gbps / copy_gbps, 3), "max_rel_err": float(f"{err:.3g}")}
+        if graphs:
+            sets = [case.inputs(i) for i in range(min(MAX_GRAPH_SETS, max(2, -(-GRAPH_BYTES // case.bytes))))]
+            tg, rg = graph_ms(case.triton, sets), graph_ms(case.torch, sets)
+            del sets
+            # against the same copy bandwidth as above: a clone captured in a graph measured lower (2430 against
+            # 3000 GB/s on an H100), which would flatter the kernels
+            row.update({"triton_graph_ms": round(tg, 4), "torch_graph_ms": round(rg, 4),
+                        "triton_graph_of_copy": round(case.bytes / tg / 1e6 / copy_gbps, 3),
+                        "torch_graph_of_copy": round(case.bytes / rg / 1e6 / copy_gbps, 3)})
+        rows.append(row)
     return rows

@@ -12,6 +12,7 @@ tile, adds the results, turns them into mean and rstd with `mean_rstd`, and call
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -30,6 +31,10 @@ APPLY_PROGRAMS = 4096
 # Partials one finalize program holds (all of a group's, for as many groups as fit): more, smaller programs finish
 # sooner than a few looping ones.
 FINALIZE_TILE = 1024
+# channels_last: channels per tile row (whole 128-byte lines of fp16), and at most this many per-channel partials
+# per group (chunks x channels of a group), which the finalize kernel loads as one tile.
+MAX_BLOCK_C = 64
+MAX_GROUP_ENTRIES = 512
 # Under the CPU interpreter every program costs Python time: few, large programs.
 INTERPRET_PROGRAMS = 1
 
@@ -70,65 +75,61 @@ def _stats_nchw_kernel(x_ptr, part_ptr, NG, group_len, span, P, BLOCK_GRP: tl.co
 
 
 @jit
-def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, G, rows_per_prog, P, CG: tl.constexpr,
-                       HAS_SHIFT: tl.constexpr, SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                       BLOCK_CG: tl.constexpr):
-    # NHWC: a row of C channels per pixel; the tile is [pixels, groups, channels of a group]. The loop only adds
-    # up deviations from the chunk's first pixel (per channel) and their squares, element by element; the
-    # reduction to one (count, mean, M2) per group happens once, after it. Deviations from a value of the same
-    # channel stay of the order of the spread, so the squares do not cancel when |mean| >> std.
+def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P, HAS_SHIFT: tl.constexpr,
+                       SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # NHWC: rows of C channels, read as [rows, BLOCK_C] tiles of whole cache lines. A program reduces its rows of
+    # one sample to a (count, mean, M2) per channel (the finalize kernel merges a group's channels and chunks).
+    # The loop only adds up deviations from the chunk's first row and their squares, element by element, and
+    # reduces once after it; deviations from a value of the same channel stay of the order of the spread, so
+    # the squares do not cancel when |mean| >> std.
     p = tl.program_id(0)
     n = tl.program_id(1)
-    gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
-    g2 = gs[:, None]
-    j2 = tl.arange(0, BLOCK_CG)[None, :]
-    cols = g2 * CG + j2
-    col_mask = (g2 < G) & (j2 < CG)
-    r = tl.arange(0, BLOCK_R)[:, None, None]
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    r = tl.arange(0, BLOCK_R)[:, None]
     r0 = p * rows_per_prog
     r1 = tl.minimum(r0 + rows_per_prog, HW)
     x_ptr += n.to(tl.int64) * HW * C
-    ref = tl.load(x_ptr + r0.to(tl.int64) * C + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tile = r * C + cols[None, :, :]
-    acc = tl.zeros([BLOCK_R, BLOCK_G, BLOCK_CG], tl.float32)
-    acc_sq = tl.zeros([BLOCK_R, BLOCK_G, BLOCK_CG], tl.float32)
+    ref = tl.load(x_ptr + r0.to(tl.int64) * C + cols, mask=cmask, other=0.0).to(tl.float32)
+    tile = r * C + cols[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    acc_sq = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     for i in range(0, r1 - r0, BLOCK_R):
         # i is a Python int under the interpreter: offset from the tensor r0 before widening to int64.
         row = r0 + i
-        mask = (row + r < r1) & col_mask[None, :, :]
+        mask = (row + r < r1) & cmask[None, :]
         x = tl.load(x_ptr + row.to(tl.int64) * C + tile, mask=mask, other=0.0).to(tl.float32)
-        d = tl.where(mask, x - ref[None, :, :], 0.0)
+        d = tl.where(mask, x - ref[None, :], 0.0)
         acc += d
         acc_sq += d * d
-    if HAS_SHIFT:  # the shift is the same for every pixel of a channel: it moves the reference, not the deviations
-        ref += tl.load(sh_ptr + n * C + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if SHIFT_BIAS:
-            ref += tl.load(sb_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     rows = (r1 - r0).to(tl.float32)
-    per_channel = tl.sum(acc, 0)
-    gmask = gs < G
-    count = tl.where(gmask, rows * CG, 0.0)
-    mean = tl.sum(per_channel + rows * ref, 1) / tl.maximum(count, 1.0)
-    e = tl.where(col_mask, ref - mean[:, None], 0.0)
-    m2 = tl.sum(tl.sum(acc_sq, 0), 1) + 2.0 * tl.sum(e * per_channel, 1) + rows * tl.sum(e * e, 1)
-    out = part_ptr + ((n * G + gs) * P + p) * 3
-    tl.store(out, count, mask=gmask)
-    tl.store(out + 1, mean, mask=gmask)
-    tl.store(out + 2, tl.maximum(m2, 0.0), mask=gmask)
+    total = tl.sum(acc, 0)
+    mean = ref + total / rows
+    if HAS_SHIFT:  # the same for every pixel of a channel: it moves the mean, not the deviations
+        mean += tl.load(sh_ptr + n * C + cols, mask=cmask, other=0.0).to(tl.float32)
+        if SHIFT_BIAS:
+            mean += tl.load(sb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    out = part_ptr + ((n * P + p) * C + cols) * 3
+    tl.store(out, tl.zeros_like(mean) + rows, mask=cmask)
+    tl.store(out + 1, mean, mask=cmask)
+    tl.store(out + 2, tl.maximum(tl.sum(acc_sq, 0) - total * total / rows, 0.0), mask=cmask)
 
 
 @jit
-def _finalize_kernel(part_ptr, mean_ptr, rstd_ptr, NG, P, eps, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
-    # Merge the P (<= BLOCK_P) partials of each group from one load of them. Deviations are taken from the first
-    # partial's mean, so the weighted sum stays small when the mean is large.
+def _finalize_kernel(part_ptr, mean_ptr, rstd_ptr, NG, G, E, stride_n, stride_g, stride_p, eps, PER_CHUNK: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Merge the E (<= BLOCK_E) partials of each group (sample n, group g) from one load of them: entry e is
+    # chunk e // PER_CHUNK, channel e % PER_CHUNK of the group (NHWC partials are per channel, NCHW per group).
+    # Deviations are taken from the first partial's mean, so the weighted sum stays small when the mean is large.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pp = tl.arange(0, BLOCK_P)[None, :]
-    m = (rows < NG)[:, None] & (pp < P)
-    ptr = part_ptr + rows[:, None] * P * 3 + pp * 3
+    e = tl.arange(0, BLOCK_E)[None, :]
+    m = (rows < NG)[:, None] & (e < E)
+    base = (rows // G).to(tl.int64) * stride_n + (rows % G) * stride_g
+    ptr = part_ptr + base[:, None] + (e // PER_CHUNK) * stride_p + (e % PER_CHUNK) * 3
     cnt = tl.load(ptr, mask=m, other=0.0)
     mu = tl.load(ptr + 1, mask=m, other=0.0)
     m2 = tl.load(ptr + 2, mask=m, other=0.0)
-    shift = tl.sum(tl.where(pp == 0, mu, 0.0), 1)
+    shift = tl.sum(tl.where(e == 0, mu, 0.0), 1)
     total = tl.maximum(tl.sum(cnt, 1), 1.0)
     mean = shift + tl.sum(cnt * (mu - shift[:, None]), 1) / total
     dev = tl.where(m, mu - mean[:, None], 0.0)
@@ -179,36 +180,34 @@ def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, HW, G,
 @jit
 def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog,
                        CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                       SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr):
+                       SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # y = x * scale + shift per channel, both made once per program from its channels' group statistics.
     p = tl.program_id(0)
     n = tl.program_id(1)
-    gs = tl.program_id(2) * BLOCK_G + tl.arange(0, BLOCK_G)
-    gmask = gs < G
-    j = tl.arange(0, BLOCK_CG)[None, :]
-    cols = gs[:, None] * CG + j
-    col_mask = gmask[:, None] & (j < CG)
-    scale = tl.load(rstd_ptr + n * G + gs, mask=gmask, other=0.0)[:, None] + tl.zeros([BLOCK_G, BLOCK_CG], tl.float32)
+    cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    grp = n * G + cols // CG
+    scale = tl.load(rstd_ptr + grp, mask=cmask, other=0.0)
     if HAS_W:
-        scale = scale * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    shift = -tl.load(mean_ptr + n * G + gs, mask=gmask, other=0.0)[:, None] * scale
+        scale = scale * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    shift = -tl.load(mean_ptr + grp, mask=cmask, other=0.0) * scale
     if HAS_B:
-        shift = shift + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        shift = shift + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     if HAS_SHIFT:  # (x + sh) * scale + shift
-        sh = tl.load(sh_ptr + n * C + cols, mask=col_mask, other=0.0).to(tl.float32)
+        sh = tl.load(sh_ptr + n * C + cols, mask=cmask, other=0.0).to(tl.float32)
         if SHIFT_BIAS:
-            sh += tl.load(sb_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            sh += tl.load(sb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         shift = shift + sh * scale
-    scale = scale[None, :, :]
-    shift = shift[None, :, :]
-    col_mask = col_mask[None, :, :]
-    r = tl.arange(0, BLOCK_R)[:, None, None]
-    tile = r * C + cols[None, :, :]
+    scale = scale[None, :]
+    shift = shift[None, :]
+    r = tl.arange(0, BLOCK_R)[:, None]
+    tile = r * C + cols[None, :]
     r0 = p * rows_per_prog
     r1 = tl.minimum(r0 + rows_per_prog, HW)
     x_ptr += n.to(tl.int64) * HW * C
     y_ptr += n.to(tl.int64) * HW * C
     for i in range(0, r1 - r0, BLOCK_R):
-        mask = (r0 + i + r < r1) & col_mask
+        mask = (r0 + i + r < r1) & cmask[None, :]
         row = (r0 + i).to(tl.int64) * C
         y = tl.load(x_ptr + row + tile, mask=mask, other=0.0).to(tl.float32) * scale + shift
         if SILU:
@@ -253,35 +252,54 @@ def _programs(x: torch.Tensor, normal: int) -> int:
     return INTERPRET_PROGRAMS if x.device.type == "cpu" else normal
 
 
-def _nhwc_blocks(G: int, CG: int, HW: int, tile: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_G, BLOCK_CG) for the channels_last tiles: whole groups, rows of up to 1024 lanes."""
-    block_cg = pow2(CG)
-    block_g = min(pow2(G), max(1, 1024 // block_cg))
-    block_r = min(pow2(HW), max(1, tile // (block_g * block_cg)))
-    return block_r, block_g, block_cg
+def _nhwc_tile(C: int, HW: int, tile: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) for the channels_last tiles: the widest power of two up to MAX_BLOCK_C channels that
+    divides C (SD's channel counts are multiples of 64), so that no lane is masked off."""
+    block_c = min(MAX_BLOCK_C, C & -C)
+    return min(pow2(HW), max(1, tile // block_c)), block_c
+
+
+@dataclass
+class _Partials:
+    """(count, mean, M2) triples, fp32: per group and chunk (NCHW), or per channel and chunk (NHWC), with the
+    strides (in floats) that the finalize kernel walks a group's entries by."""
+    data: torch.Tensor
+    N: int
+    G: int
+    entries: int  # per group: chunks x channels of the group
+    per_chunk: int  # channels of a group that each chunk has a triple for (1 for NCHW)
+    stride_n: int
+    stride_g: int
+    stride_p: int
+
+    def per_group(self) -> torch.Tensor:
+        """The triples as (N*G, entries, 3)."""
+        if self.per_chunk == 1:
+            return self.data.view(self.N * self.G, self.entries, 3)
+        P = self.entries // self.per_chunk
+        return (self.data.view(self.N, P, self.G, self.per_chunk, 3).permute(0, 2, 1, 3, 4)
+                .reshape(self.N * self.G, self.entries, 3))
 
 
 def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor] = None,
-              shift_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
-    """Pass 1: (partials of shape (N*G, P, 3) holding count, mean, M2 per chunk, P). shift: (N, C) added to x
-    first, plus shift_bias (C,) when given (NHWC only)."""
+              shift_bias: Optional[torch.Tensor] = None) -> _Partials:
+    """Pass 1: the partial statistics of x (+ shift (N, C) + shift_bias (C,), NHWC only)."""
     N, C = x.shape[:2]
     HW = x.numel() // (N * C)
     CG = C // G
     target = _programs(x, STATS_PROGRAMS)
     if nhwc:
-        block_r, block_g, block_cg = _nhwc_blocks(G, CG, HW, tile_for(x))
-        n_gb = cdiv(G, block_g)
-        P = max(1, min(cdiv(target, N * n_gb), cdiv(HW * block_g * CG, MIN_CHUNK)))
+        block_r, block_c = _nhwc_tile(C, HW, tile_for(x))
+        n_cb = cdiv(C, block_c)
+        P = max(1, min(cdiv(target, N * n_cb), cdiv(HW, block_r), MAX_GROUP_ENTRIES // CG))
         rows = cdiv(cdiv(HW, P), block_r) * block_r
         P = cdiv(HW, rows)
-        part = torch.empty((N * G, P, 3), device=x.device, dtype=torch.float32)
-        _stats_nhwc_kernel[(P, N, n_gb)](x, shift if shift is not None else x,
-                                         shift_bias if shift_bias is not None else x, part, HW, C, G, rows, P, CG=CG,
+        part = torch.empty((N, P, C, 3), device=x.device, dtype=torch.float32)
+        _stats_nhwc_kernel[(P, N, n_cb)](x, shift if shift is not None else x,
+                                         shift_bias if shift_bias is not None else x, part, HW, C, rows, P,
                                          HAS_SHIFT=shift is not None, SHIFT_BIAS=shift_bias is not None,
-                                         BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_CG=block_cg,
-                                         num_warps=warps(block_r * block_g * block_cg))
-        return part, P
+                                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps(block_r * block_c))
+        return _Partials(part, N, G, P * CG, CG, P * C * 3, CG * 3, C * 3)
     L = CG * HW
     block = min(pow2(L), tile_for(x))
     block_grp = min(pow2(N * G), max(1, tile_for(x) // block))
@@ -292,20 +310,21 @@ def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor]
     part = torch.empty((N * G, P, 3), device=x.device, dtype=torch.float32)
     _stats_nchw_kernel[(n_rb, P)](x, part, N * G, L, span, P, BLOCK_GRP=block_grp, BLOCK=block,
                                   num_warps=warps(block_grp * block))
-    return part, P
+    return _Partials(part, N, G, P, 1, G * P * 3, P * 3, 3)
 
 
-def _finalize(part: torch.Tensor, P: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, rstd), each (N*G,) fp32, from the partials (P is at most the stats pass's program target)."""
-    NG = part.shape[0]
-    block_p = pow2(P)
-    block_n = min(pow2(NG), max(1, FINALIZE_TILE // block_p))
-    mean = torch.empty(NG, device=part.device, dtype=torch.float32)
+def _finalize(part: _Partials, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, rstd), each (N*G,) fp32, from the partials."""
+    NG = part.N * part.G
+    block_e = pow2(part.entries)
+    block_n = min(pow2(NG), max(1, FINALIZE_TILE // block_e))
+    mean = torch.empty(NG, device=part.data.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
     # Not fewer than 4 warps: with one warp, Triton 3.6 on an H100 computed wrong means for some tiles (64 groups x 8
     # partials of unequal counts: mean off by up to 0.2, while 2 and 4 warps were exact).
-    _finalize_kernel[(cdiv(NG, block_n),)](part, mean, rstd, NG, P, eps, BLOCK_N=block_n, BLOCK_P=block_p,
-                                           num_warps=max(4, warps(block_n * block_p)))
+    _finalize_kernel[(cdiv(NG, block_n),)](part.data, mean, rstd, NG, part.G, part.entries, part.stride_n,
+                                           part.stride_g, part.stride_p, eps, PER_CHUNK=part.per_chunk,
+                                           BLOCK_N=block_n, BLOCK_E=block_e, num_warps=max(4, warps(block_n * block_e)))
     return mean, rstd
 
 
@@ -323,14 +342,14 @@ def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], 
     flags = dict(CG=CG, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu)
     target = _programs(x, APPLY_PROGRAMS)
     if nhwc:
-        block_r, block_g, block_cg = _nhwc_blocks(G, CG, HW, tile_for(x))
-        n_gb = cdiv(G, block_g)
-        progs = max(1, min(cdiv(target, N * n_gb), cdiv(HW, block_r)))
+        block_r, block_c = _nhwc_tile(C, HW, tile_for(x))
+        n_cb = cdiv(C, block_c)
+        progs = max(1, min(cdiv(target, N * n_cb), cdiv(HW, block_r)))
         rows = cdiv(cdiv(HW, progs), block_r) * block_r
-        _apply_nhwc_kernel[(cdiv(HW, rows), N, n_gb)](
+        _apply_nhwc_kernel[(cdiv(HW, rows), N, n_cb)](
             x, y, w, b, shift if shift is not None else x, shift_bias if shift_bias is not None else x, mean, rstd,
-            HW, C, G, rows, HAS_SHIFT=shift is not None, SHIFT_BIAS=shift_bias is not None, BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_CG=block_cg, num_warps=warps(block_r * block_g * block_cg),
-            **flags)
+            HW, C, G, rows, HAS_SHIFT=shift is not None, SHIFT_BIAS=shift_bias is not None, BLOCK_R=block_r,
+            BLOCK_C=block_c, num_warps=warps(block_r * block_c), **flags)
         return y
     block_hw = min(pow2(HW), tile_for(x))
     block_ch = min(pow2(C), max(1, tile_for(x) // block_hw))
@@ -371,8 +390,8 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     if shift_bias is not None:
         shift_bias = shift_bias.contiguous()
     with on_device(x):
-        part, P = _partials(x, num_groups, nhwc, shift, shift_bias)
-        return _apply(x, nhwc, num_groups, weight, bias, silu, *_finalize(part, P, eps), shift, shift_bias)
+        part = _partials(x, num_groups, nhwc, shift, shift_bias)
+        return _apply(x, nhwc, num_groups, weight, bias, silu, *_finalize(part, eps), shift, shift_bias)
 
 
 def group_norm_stats(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -387,7 +406,7 @@ def group_norm_stats(x: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, to
         return zeros, zeros.clone(), zeros.clone()
     x, nhwc = _layout(x)
     with on_device(x):
-        part, _ = _partials(x, num_groups, nhwc)
+        part = _partials(x, num_groups, nhwc).per_group()
     cnt, mu, m2 = part.unbind(-1)
     total = cnt.sum(1)
     mean = mu[:, 0] + (cnt * (mu - mu[:, :1])).sum(1) / total

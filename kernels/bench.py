@@ -114,10 +114,12 @@ def _geglu_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: 
 
 def _layer_norm_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
     def inputs(seed: int) -> tuple:
-        return tuple(_rand(s, device, dtype, 4 * seed + i) for i, s in enumerate((shape, shape, shape[-1:], shape[-1:])))
+        shapes = (shape, shape, shape[-1:], shape[-1:])
+        return tuple(_rand(s, device, dtype, 4 * seed + i) for i, s in enumerate(shapes))
 
     return Case("skip_layer_norm", name, shape, inputs, lambda x, r, w, b: ln.layer_norm(x, w, b, residual=r),
-                lambda x, r, w, b: ln.layer_norm_ref(x, w, b, residual=r), 4 * torch.Size(shape).numel() * dtype.itemsize)
+                lambda x, r, w, b: ln.layer_norm_ref(x, w, b, residual=r),
+                4 * torch.Size(shape).numel() * dtype.itemsize)
 
 
 def _bias_residual_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:

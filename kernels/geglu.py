@@ -63,8 +63,9 @@ def geglu(h: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     block_m = min(pow2(M), max(1, tile_for(h) // 2 // block_d))
     b = bias.contiguous() if bias is not None else h
     with on_device(h):
-        _geglu_kernel[(cdiv(M, block_m), cdiv(D, block_d))](h, b, y, M, D, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                                                           BLOCK_D=block_d, num_warps=warps(2 * block_m * block_d, ELEMS_PER_THREAD))
+        _geglu_kernel[(cdiv(M, block_m), cdiv(D, block_d))](
+            h, b, y, M, D, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_D=block_d,
+            num_warps=warps(2 * block_m * block_d, ELEMS_PER_THREAD))
     return y
 
 

@@ -1,10 +1,11 @@
 """GroupNorm with optional fused SiLU, for NCHW and channels_last (NHWC) tensors, in two passes over memory.
 
-Pass 1 (`_stats_*`) cuts every (sample, group) into chunks and reduces each chunk, in parallel, to a partial
-(count, mean, M2); `_finalize_kernel` merges a group's partials (Chan et al.) into mean and rstd; pass 2 (`_apply_*`)
-normalizes. x is read twice and the output written once, whatever the group size: a VAE decoder at 4096 px has 64M
-elements in a group, far more than one program could hold. Means and M2 are merged, never raw sums of squares, so a
-large offset (x = 1000 + noise) does not cancel away the variance in fp32.
+Pass 1 (`_stats_*`) cuts x into chunks and reduces each chunk, in parallel, to partials (count, mean, M2): one per
+group for NCHW, where a group is one contiguous run, and one per channel for channels_last, whose tiles are rows of
+whole cache lines across 64 channels; `_finalize_kernel` merges a group's partials (Chan et al.) into mean and
+rstd; pass 2 (`_apply_*`) normalizes. x is read twice and the output written once, whatever the group size: a VAE
+decoder at 4096 px has 64M elements in a group, far more than one program could hold. Means and M2 are merged,
+never raw sums of squares, so a large offset (x = 1000 + noise) does not cancel away the variance in fp32.
 
 The tiled VAE needs statistics over the whole image but normalizes tile by tile: it calls `group_norm_stats` on each
 tile, adds the results, turns them into mean and rstd with `mean_rstd`, and calls `group_norm_apply` per tile.

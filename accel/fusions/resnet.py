@@ -3,9 +3,10 @@
 PyTorch adds a convolution's bias in a pass of its own after cuDNN's kernel, and a UNet ResNet block then adds
 the time embedding and, after the second convolution, the residual: four full passes over the activations
 (five with a 1x1 shortcut convolution) that do no more than add. Here the convolutions run without bias; the
-GroupNorm kernel adds the time embedding (N, C) and conv1's bias (C,) while it reads (stats and normalize), and conv2's bias (plus the shortcut's) is added with the residual in one pass (ONNX Runtime's
-SkipGroupNorm and BiasAdd). The SiLU of the time embedding, the same tensor in every block, runs once per call.
-SD1.5 has 22 such blocks, SDXL 35.
+GroupNorm kernel adds the time embedding (N, C) and conv1's bias (C,) while it reads (stats and normalize), and
+conv2's bias (plus the shortcut's) is added with the residual in one pass (ONNX Runtime's SkipGroupNorm and
+BiasAdd). The SiLU of the time embedding, the same tensor in every block, runs once per call. SD1.5 has 22 such
+blocks, SDXL 35.
 
 Covered: diffusers ResnetBlock2D and ldm/ComfyUI ResBlock in their plain form (no up/down sampling inside the
 block, the time embedding added, not scale-shift, output scale 1) on channels_last input where the Triton

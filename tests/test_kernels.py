@@ -53,6 +53,7 @@ GN_CASES = [
     ((1, 96, 3, 5), 8, False, True, torch.float32),
     ((3, 40, 3, 5), 8, True, False, torch.float32),
     ((3, 40, 3, 5), 8, False, True, torch.float16),
+    ((2, 9, 5, 3), 3, True, True, torch.float32),  # odd channel count: channels_last tiles one channel wide
 ]
 
 

@@ -90,52 +90,46 @@ def _rand(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, seed
     return torch.randn(shape, generator=g, device=device).to(dtype)
 
 
+def _inputs(shapes: list[tuple[int, ...]], device: torch.device, dtype: torch.dtype,
+            channels_last: bool = False) -> Callable[[int], tuple]:
+    """seed -> one seeded random tensor per shape (the first in channels_last when asked): a call's arguments."""
+    def make(seed: int) -> tuple:
+        ts = [_rand(s, device, dtype, len(shapes) * seed + i) for i, s in enumerate(shapes)]
+        if channels_last:
+            ts[0] = ts[0].to(memory_format=torch.channels_last)
+        return tuple(ts)
+    return make
+
+
 def _group_norm_case(name: str, shape: tuple[int, ...], nhwc: bool, device: torch.device, dtype: torch.dtype,
                      eps: float) -> Case:
-    def inputs(seed: int) -> tuple:
-        x = _rand(shape, device, dtype, 3 * seed)
-        if nhwc:
-            x = x.to(memory_format=torch.channels_last)
-        return x, _rand(shape[1:2], device, dtype, 3 * seed + 1), _rand(shape[1:2], device, dtype, 3 * seed + 2)
-
-    numel = torch.Size(shape).numel()
-    return Case("group_norm+silu", f"{name} {'NHWC' if nhwc else 'NCHW'}", shape, inputs,
+    return Case("group_norm+silu", f"{name} {'NHWC' if nhwc else 'NCHW'}", shape,
+                _inputs([shape, shape[1:2], shape[1:2]], device, dtype, channels_last=nhwc),
                 lambda x, w, b: gn.group_norm(x, 32, w, b, eps, silu=True),
-                lambda x, w, b: gn.group_norm_ref(x, 32, w, b, eps, silu=True), 2 * numel * dtype.itemsize)
+                lambda x, w, b: gn.group_norm_ref(x, 32, w, b, eps, silu=True),
+                2 * torch.Size(shape).numel() * dtype.itemsize)
 
 
 def _geglu_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    def inputs(seed: int) -> tuple:
-        return _rand(shape, device, dtype, 2 * seed), _rand(shape[-1:], device, dtype, 2 * seed + 1)
-
-    return Case("geglu+bias", name, shape, inputs, gg.geglu, gg.geglu_ref,
+    return Case("geglu+bias", name, shape, _inputs([shape, shape[-1:]], device, dtype), gg.geglu, gg.geglu_ref,
                 torch.Size(shape).numel() * dtype.itemsize * 3 // 2)
 
 
 def _layer_norm_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    def inputs(seed: int) -> tuple:
-        shapes = (shape, shape, shape[-1:], shape[-1:])
-        return tuple(_rand(s, device, dtype, 4 * seed + i) for i, s in enumerate(shapes))
-
-    return Case("skip_layer_norm", name, shape, inputs, lambda x, r, w, b: ln.layer_norm(x, w, b, residual=r),
+    return Case("skip_layer_norm", name, shape, _inputs([shape, shape, shape[-1:], shape[-1:]], device, dtype),
+                lambda x, r, w, b: ln.layer_norm(x, w, b, residual=r),
                 lambda x, r, w, b: ln.layer_norm_ref(x, w, b, residual=r),
                 4 * torch.Size(shape).numel() * dtype.itemsize)
 
 
 def _bias_residual_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    def inputs(seed: int) -> tuple:
-        return tuple(_rand(s, device, dtype, 3 * seed + i) for i, s in enumerate((shape, shape[-1:], shape)))
-
-    return Case("add_bias_residual", name, shape, inputs, ln.add_bias_residual, ln.add_bias_residual_ref,
-                3 * torch.Size(shape).numel() * dtype.itemsize)
+    return Case("add_bias_residual", name, shape, _inputs([shape, shape[-1:], shape], device, dtype),
+                ln.add_bias_residual, ln.add_bias_residual_ref, 3 * torch.Size(shape).numel() * dtype.itemsize)
 
 
 def _upsample_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    def inputs(seed: int) -> tuple:
-        return (_rand(shape, device, dtype, seed).to(memory_format=torch.channels_last),)
-
-    return Case("upsample_nearest2x", name, shape, inputs, up.upsample_nearest2x, up.upsample_nearest2x_ref,
-                5 * torch.Size(shape).numel() * dtype.itemsize)
+    return Case("upsample_nearest2x", name, shape, _inputs([shape], device, dtype, channels_last=True),
+                up.upsample_nearest2x, up.upsample_nearest2x_ref, 5 * torch.Size(shape).numel() * dtype.itemsize)
 
 
 def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:

@@ -3,8 +3,8 @@ bias + residual add (BiasAdd).
 
 In a transformer block the residual sum feeds both the next LayerNorm and the next residual: `layer_norm(x,
 residual=r)` returns both from one read of x and r; `sum_bias` adds the bias of the layer whose output will be
-added to that sum (the feed-forward's output projection, which then adds it in its GEMM). A row (C <= 16384 channels, SD uses up to 2560) is held in
-registers, so statistics are exact two-pass ones at one read.
+added to that sum (the feed-forward's output projection, which then adds it in its GEMM). A row (C <= 16384
+channels, SD uses up to 2560) is held in registers, so statistics are exact two-pass ones at one read.
 """
 
 from __future__ import annotations

@@ -74,10 +74,21 @@ def plain_weights(m: nn.Module) -> bool:
             and not getattr(m, "bias_function", None))
 
 
+def forward_takes(m: nn.Module, *params: str) -> bool:
+    """Whether the forward of m's class takes exactly these parameters (after self): the form a fusion restates."""
+    return list(inspect.signature(type(m).forward).parameters) == ["self", *params]
+
+
 def comfy_forward(m: nn.Module) -> bool:
     """A ComfyUI transformer module whose forward is (x, context, transformer_options), the form the fusions
     restate."""
-    return list(inspect.signature(type(m).forward).parameters) == ["self", "x", "context", "transformer_options"]
+    return forward_takes(m, "x", "context", "transformer_options")
+
+
+def plain_linear(m: nn.Module) -> bool:
+    """nn.Linear, or ComfyUI's Linear without cast or weight functions: a forward that is F.linear of its own
+    weight and bias. Any other subclass (a LoRA layer adds its own terms) is left to its forward."""
+    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and hasattr(m, "comfy_cast_weights") and plain_weights(m))
 
 
 def plain_conv(conv: nn.Module) -> bool:

@@ -36,7 +36,7 @@ def _block(x: torch.Tensor, norm1: nn.GroupNorm, conv1: nn.Conv2d, t: torch.Tens
     groupnorm = kernel_module("groupnorm")
     h = groupnorm.group_norm(x, norm1.num_groups, norm1.weight, norm1.bias, norm1.eps, silu=True)
     h = conv_without_bias(conv1, h)
-    shift = conv1.bias.to(h.dtype).expand(h.shape[0], -1) if t is None else t.to(h.dtype)
+    shift = conv1.bias.to(h.dtype).expand(h.shape[0], -1) if t is None else t  # the kernel reads any float dtype
     h = groupnorm.group_norm(h, norm2.num_groups, norm2.weight, norm2.bias, norm2.eps, silu=True, shift=shift,
                              shift_bias=None if t is None else conv1.bias)
     h = conv_without_bias(conv2, h)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, comfy_forward, kernel_module, patch_forward, plain_weights
+from .base import Undo, comfy_forward, kernel_module, patch_forward, plain_linear, plain_weights
 
 
 def _plain_norms(*norms: nn.Module) -> bool:
@@ -86,14 +86,12 @@ def _feed_forward(self, attn, h):
 
 def _plain_output_linear(ff: nn.Module, dtype: torch.dtype) -> nn.Linear | None:
     """The output Linear of a diffusers or ComfyUI FeedForward (act, dropout, Linear) that computes x @ W.T + b and
-    nothing else, with the dtype of the block, else None. nn.Linear itself or ComfyUI's Linear without cast or
-    weight functions; any other subclass (a LoRA layer adds its own terms) is left to its forward."""
+    nothing else (`plain_linear`), with a bias and the dtype of the block, else None."""
     net = getattr(ff, "net", None)
     if net is None or len(net) != 3 or not isinstance(net[1], nn.Dropout) or (ff.training and net[1].p):
         return None
     out = net[2]
-    ours = type(out) is nn.Linear or (isinstance(out, nn.Linear) and hasattr(out, "comfy_cast_weights") and plain_weights(out))
-    return out if ours and out.bias is not None and out.weight.dtype == dtype else None
+    return out if plain_linear(out) and out.bias is not None and out.weight.dtype == dtype else None
 
 
 def _is_comfy_block(m: nn.Module) -> bool:

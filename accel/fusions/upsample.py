@@ -9,12 +9,10 @@ convolution, channels_last input where the kernel runs. The convolution is the m
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward
+from .base import Undo, forward_takes, kernel_module, patch_forward
 
 
 def _twice(x: torch.Tensor, size) -> bool:
@@ -48,7 +46,7 @@ def _ldm_forward(self, x, output_shape=None):
 def _is_ldm(m: nn.Module) -> bool:
     """ldm/ComfyUI's Upsample(channels, use_conv, dims, ...) with forward(x, output_shape)."""
     return (all(hasattr(m, a) for a in ("channels", "use_conv", "dims"))
-            and list(inspect.signature(type(m).forward).parameters) == ["self", "x", "output_shape"])
+            and forward_takes(m, "x", "output_shape"))
 
 
 def apply(model: nn.Module, undo: Undo) -> int:

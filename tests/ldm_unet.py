@@ -85,22 +85,42 @@ class ResBlock(nn.Module):
         return self.skip_connection(x) + h
 
 
+def optimized_attention(q, k, v, heads, attn_precision=None, transformer_options=None):
+    """ComfyUI's attention function in its PyTorch form: (B, tokens, heads * dim) in and out."""
+    b = q.shape[0]
+    q, k, v = (t.view(b, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, q.shape[-1] * heads)
+
+
+def optimized_attention_masked(q, k, v, heads, mask, attn_precision=None, transformer_options=None):
+    b = q.shape[0]
+    q, k, v = (t.view(b, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).reshape(b, -1, q.shape[-1] * heads)
+
+
 class CrossAttention(nn.Module):
     def __init__(self, query_dim: int, context_dim: int | None, heads: int, dim_head: int, dropout: float = 0.0) -> None:
         super().__init__()
         inner = heads * dim_head
         self.heads = heads
+        self.attn_precision = None
         self.to_q = nn.Linear(query_dim, inner, bias=False)
         self.to_k = nn.Linear(context_dim or query_dim, inner, bias=False)
         self.to_v = nn.Linear(context_dim or query_dim, inner, bias=False)
         self.to_out = nn.Sequential(nn.Linear(inner, query_dim), nn.Dropout(dropout))
 
     def forward(self, x, context=None, value=None, mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
+        q = self.to_q(x)
         context = x if context is None else context
-        q, k, v = self.to_q(x), self.to_k(context), self.to_v(context if value is None else value)
-        b, h = x.shape[0], self.heads
-        q, k, v = (t.view(b, -1, h, t.shape[-1] // h).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, q.shape[-1] * h)
+        k = self.to_k(context)
+        v = self.to_v(context if value is None else value)
+        if mask is None:
+            out = optimized_attention(q, k, v, self.heads, attn_precision=self.attn_precision,
+                                      transformer_options=transformer_options)
+        else:
+            out = optimized_attention_masked(q, k, v, self.heads, mask, attn_precision=self.attn_precision,
+                                             transformer_options=transformer_options)
         return self.to_out(out)
 
 

@@ -120,9 +120,11 @@ def test_gpu_next_run_replays_the_kept_graph_and_a_lora_in_between_is_honoured(p
 
 
 @pytest.mark.parametrize("fusion,block", [("layout", "SpatialTransformer"),
-                                          ("skip_layernorm", "BasicTransformerBlock")])
+                                          ("skip_layernorm", "BasicTransformerBlock"),
+                                          ("qkv", "CrossAttention")])
 def test_fusions_that_restate_a_comfyui_forward_cover_its_class(tiny, fusion, block):
     from accel import fusions
+    from accel.fusions import qkv
 
     unet = tiny.model.diffusion_model
     device = next(unet.parameters()).device
@@ -134,12 +136,14 @@ def test_fusions_that_restate_a_comfyui_forward_cover_its_class(tiny, fusion, bl
         ref = unet(x, t, ctx)
         undo, counts = fusions.apply(unet, [fusion, "geglu"])
         try:
+            patched = sum("forward" in vars(m) for m in unet.modules() if type(m).__name__ == block)
             out = unet(x, t, ctx)
         finally:
             undo()
+            qkv.unpack(unet)
     # ComfyUI's forward restated (layout: without its NCHW copy, so on the CPU channels_last all the way out; a
     # GPU's fp32 convolutions with NCHW weights may hand back NCHW): the same function
-    assert counts[fusion] == n > 0
+    assert counts[fusion] == n == patched > 0
     assert fusion != "layout" or device.type == "cuda" or out.is_contiguous(memory_format=torch.channels_last)
     if fusion == "skip_layernorm":  # ComfyUI's own Linear class still takes the residual add into its GEMM
         from accel.fusions.skip_layernorm import _plain_output_linear

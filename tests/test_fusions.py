@@ -188,3 +188,95 @@ def test_upsample_fusion_same_function_and_undo_restores(form, monkeypatch):
     undo()
     assert not any("forward" in vars(m) for m in unet.unet.modules())
     assert torch.equal(unet(x, t, ctx, y), ref)
+
+
+def _qkv_models():
+    diff = CanonicalUNet(build_unet("tiny-sd15", seed=31))
+    x, t, ctx, _ = example_inputs(diff.unet, latent=16, seed=32)
+    yield "diffusers", diff, (x, t, ctx, None), ["sdpa_processor", "qkv"]
+    ldm = CanonicalUNet(tiny_ldm_unet(seed=33))
+    yield "ldm", ldm, (x, t, torch.randn(2, 77, ldm.spec.context_dim), None), ["qkv"]
+
+
+def _attention_modules(unet: nn.Module) -> list[nn.Module]:
+    return [m for m in unet.modules() if type(m).__name__ in ("Attention", "CrossAttention")]
+
+
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+def test_packed_qkv_same_function_follows_the_hosts_weight_updates_and_unpacks(form):
+    from accel.fusions import qkv
+
+    _, unet, (x, t, ctx, y), names = next(m for m in _qkv_models() if m[0] == form)
+    module = unet.unet
+    values = {k: v.clone() for k, v in module.state_dict().items()}
+    ref = unet(x, t, ctx, y)
+    attentions = _attention_modules(module)
+    undo, counts = fusions.apply(module, names)
+    assert counts["qkv"] == len(attentions) > 0
+    state = module.state_dict()
+    assert list(state) == list(values) and all(torch.equal(state[k], v) for k, v in values.items())
+    self_attn, cross_attn = attentions[0], attentions[1]  # a block's attn1 and attn2
+    storage = self_attn.to_q.weight.untyped_storage().data_ptr()
+    assert self_attn.to_v.weight.untyped_storage().data_ptr() == storage  # q, k and v: rows of one buffer
+    # a cross-attention whose context is wider or narrower than its queries: k and v only
+    for m in (m for m in attentions if m.to_k.in_features != m.to_q.in_features):
+        assert m.to_k.weight.untyped_storage().data_ptr() == m.to_v.weight.untyped_storage().data_ptr()
+        assert m.to_q.weight.untyped_storage().data_ptr() != m.to_k.weight.untyped_storage().data_ptr()
+
+    calls = []
+    hooks = [m.to_k.register_forward_hook(lambda *a: calls.append(1)) for m in attentions]
+    assert rel(unet(x, t, ctx, y), ref) <= 1e-5 and not calls  # every K came out of a packed GEMM
+
+    with torch.no_grad():  # the host updates a weight in place (ComfyUI's weight_inplace_update): packed GEMMs read it
+        self_attn.to_k.weight.mul_(1.5)
+        cross_attn.to_v.weight.mul_(0.5)
+    inplace = unet(x, t, ctx, y)
+    assert rel(inplace, ref) > 1e-3 and not calls
+    # the host replaces a Parameter (ComfyUI's LoRA patching): that module computes with it through its Linears
+    replaced = self_attn.to_k.weight
+    self_attn.to_k.weight = nn.Parameter(replaced.detach() * 2, requires_grad=False)
+    doubled = unet(x, t, ctx, y)
+    assert len(calls) == 1 and rel(doubled, inplace) > 1e-3
+    assert qkv.pack(module) == len(attentions)  # packed again, with the new weight
+    assert rel(unet(x, t, ctx, y), doubled) <= 1e-5 and len(calls) == 1
+    for h in hooks:
+        h.remove()
+
+    undo()
+    qkv.unpack(module)
+    storages = [p.untyped_storage().data_ptr() for p in module.parameters()]
+    assert len(set(storages)) == len(storages)
+    assert rel(unet(x, t, ctx, y), doubled) <= 1e-5
+    assert not any("forward" in vars(m) or "_sd_accel_packed" in vars(m) for m in module.modules())
+
+
+def test_packed_weights_save_and_load_as_separate_tensors(tmp_path):
+    """A checkpoint saved while the torch path holds the weights packed (ComfyUI's Save Checkpoint) is unaffected."""
+    from safetensors.torch import load_file, save_file
+
+    from accel.fusions import qkv
+
+    module = tiny_ldm_unet(seed=34)
+    values = {k: v.clone() for k, v in module.state_dict().items()}
+    assert qkv.pack(module) > 0
+    save_file(module.state_dict(), tmp_path / "unet.safetensors")
+    loaded = load_file(tmp_path / "unet.safetensors")
+    assert sorted(loaded) == sorted(values) and all(torch.equal(loaded[k], v) for k, v in values.items())
+
+
+def test_comfyui_attention_with_a_value_or_mask_keeps_its_function():
+    from accel.fusions.qkv import packed
+
+    module = tiny_ldm_unet(seed=35)
+    attn = _attention_modules(module)[1]
+    g = torch.Generator().manual_seed(36)
+    x, ctx = torch.randn(2, 16, attn.to_q.in_features, generator=g), torch.randn(2, 7, attn.to_k.in_features, generator=g)
+    value, mask = torch.randn(2, 7, attn.to_v.in_features, generator=g), torch.zeros(2, 1, 16, 7)
+    mask[..., 4:] = float("-inf")
+    with torch.no_grad():
+        refs = [attn(x, ctx), attn(x, ctx, value=value), attn(x, ctx, mask=mask)]
+        undo, _ = fusions.apply(module, ["qkv"])
+        assert packed(attn) is not None and "forward" in vars(attn)
+        outs = [attn(x, ctx), attn(x, ctx, value=value), attn(x, ctx, mask=mask)]
+    undo()
+    assert all(rel(o, r) <= 1e-5 for o, r in zip(outs, refs))

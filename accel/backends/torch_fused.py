@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = {
     "channels_last": True,
     "cuda_graphs": True,
     "triton_kernels": True,
-    "fusions": ["layout", "groupnorm", "geglu", "resnet", "skip_layernorm", "sdpa_processor", "upsample"],
+    "fusions": ["layout", "groupnorm", "geglu", "resnet", "skip_layernorm", "sdpa_processor", "upsample", "qkv"],
     "compile": False,
     "max_graphs": 4,
     "cudnn_benchmark": True,
@@ -231,6 +231,10 @@ class TorchEngine:
         if self.graphs is not None:
             self.graphs.clear()
         self._undo_changes()
+        # The packed projection weights outlive suspend() (the graphs read them where they are); not release().
+        from ..fusions import qkv
+
+        qkv.unpack(self.unet.unet)
         self.suspended = False
         if self.on_gpu:
             # The graphs' warm-up stream got cuBLAS workspaces of its own; they would outlive the engine.

@@ -4,6 +4,7 @@ AttnProcessor2_0 ends with `hidden_states / attn.rescale_output_factor`, which P
 the attention output even when the factor is 1, as it is in every SD1.x, SD2.x and SDXL UNet: 32 extra kernels
 per SD1.5 step, 140 per SDXL step. This processor makes the same calls in the same order and leaves that pass
 out; calls it does not cover (an attention mask, 4-D input, extra arguments) go to the module's own processor.
+Where the qkv fusion packed the module's projections, they run as its packed GEMMs.
 
 Covered: diffusers Attention modules whose processor is AttnProcessor2_0, with output scale 1 and no residual
 connection, group norm, spatial norm, query/key norm or cross-attention norm.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from . import qkv
 from .base import Undo
 
 
@@ -26,7 +28,7 @@ class PlainSDPAProcessor:
         if attention_mask is not None or hidden_states.dim() != 3 or args or kwargs:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
-        q, k, v = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+        q, k, v = qkv.project(attn, hidden_states, context)
         batch, heads = hidden_states.shape[0], attn.heads
         q, k, v = (t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)

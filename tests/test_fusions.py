@@ -203,7 +203,7 @@ def _attention_modules(unet: nn.Module) -> list[nn.Module]:
 
 
 @pytest.mark.parametrize("form", ["diffusers", "ldm"])
-def test_packed_qkv_same_function_follows_the_hosts_weight_updates_and_unpacks(form):
+def test_packed_qkv_same_function_follows_the_hosts_weight_updates_and_unpacks(form, monkeypatch):
     from accel.fusions import qkv
 
     _, unet, (x, t, ctx, y), names = next(m for m in _qkv_models() if m[0] == form)
@@ -218,20 +218,35 @@ def test_packed_qkv_same_function_follows_the_hosts_weight_updates_and_unpacks(f
     self_attn, cross_attn = attentions[0], attentions[1]  # a block's attn1 and attn2
     storage = self_attn.to_q.weight.untyped_storage().data_ptr()
     assert self_attn.to_v.weight.untyped_storage().data_ptr() == storage  # q, k and v: rows of one buffer
-    # a cross-attention whose context is wider or narrower than its queries: k and v only
-    for m in (m for m in attentions if m.to_k.in_features != m.to_q.in_features):
-        assert m.to_k.weight.untyped_storage().data_ptr() == m.to_v.weight.untyped_storage().data_ptr()
-        assert m.to_q.weight.untyped_storage().data_ptr() != m.to_k.weight.untyped_storage().data_ptr()
+    # cross-attentions whose context is wider or narrower than their queries: the k and v of all of them in one
+    # buffer, projected by one GEMM per UNet call
+    cross = [m for m in attentions if m.to_k.in_features != m.to_q.in_features]
+    assert cross
+    kv_storage = cross[0].to_k.weight.untyped_storage().data_ptr()
+    for m in cross:
+        assert m.to_k.weight.untyped_storage().data_ptr() == m.to_v.weight.untyped_storage().data_ptr() == kv_storage
+        assert m.to_q.weight.untyped_storage().data_ptr() != kv_storage
+    projections = []
+    monkeypatch.setattr(qkv._Buffer, "project", lambda b, c, f=qkv._Buffer.project: projections.append(1) or f(b, c))
 
     calls = []
     hooks = [m.to_k.register_forward_hook(lambda *a: calls.append(1)) for m in attentions]
     assert rel(unet(x, t, ctx, y), ref) <= 1e-5 and not calls  # every K came out of a packed GEMM
+    assert len(projections) == 1
+    with torch.inference_mode():  # how the torch path calls it
+        assert rel(unet(x, t, ctx, y), ref) <= 1e-5 and len(projections) == 2
 
     with torch.no_grad():  # the host updates a weight in place (ComfyUI's weight_inplace_update): packed GEMMs read it
         self_attn.to_k.weight.mul_(1.5)
         cross_attn.to_v.weight.mul_(0.5)
+        cross[-1].to_k.weight.mul_(0.5)
     inplace = unet(x, t, ctx, y)
-    assert rel(inplace, ref) > 1e-3 and not calls
+    assert rel(inplace, ref) > 1e-3 and not calls and len(projections) == 3
+    undo()
+    qkv.unpack(module)
+    assert rel(unet(x, t, ctx, y), inplace) <= 1e-5  # the same weights, each in its own storage: the same function
+    undo, _ = fusions.apply(module, names)
+    calls.clear()
     # the host replaces a Parameter (ComfyUI's LoRA patching): that module computes with it through its Linears
     replaced = self_attn.to_k.weight
     self_attn.to_k.weight = nn.Parameter(replaced.detach() * 2, requires_grad=False)
@@ -268,7 +283,7 @@ def test_comfyui_attention_with_a_value_or_mask_keeps_its_function():
     from accel.fusions.qkv import packed
 
     module = tiny_ldm_unet(seed=35)
-    attn = _attention_modules(module)[1]
+    attn = next(m for m in _attention_modules(module) if m.to_k.in_features != m.to_q.in_features)
     g = torch.Generator().manual_seed(36)
     x, ctx = torch.randn(2, 16, attn.to_q.in_features, generator=g), torch.randn(2, 7, attn.to_k.in_features, generator=g)
     value, mask = torch.randn(2, 7, attn.to_v.in_features, generator=g), torch.zeros(2, 1, 16, 7)

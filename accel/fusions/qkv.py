@@ -19,6 +19,7 @@ tensor, or a module whose weights are not plain (lowvram casts, LoRA layers), ru
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,34 @@ from torch import nn
 
 from .base import Undo, forward_takes, patch_forward, plain_linear
 
-_PACKED = "_sd_accel_packed"  # on the attention module: the buffer and whether to_q's rows lead it
+_PACKED = "_sd_accel_packed"  # on the attention module: its _Entry
+
+
+@dataclass(eq=False)
+class _Buffer:
+    """Projection weights, rows after rows: one module's q, k and v, or the k and v of every cross-attention
+    of the model that reads the same context width. A shared buffer also holds the projection of the context
+    of the current UNet call (all of its cross-attentions' K and V from one GEMM), dropped when the call ends."""
+    weight: torch.Tensor
+    shared: bool
+    context: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+    def project(self, context: torch.Tensor) -> torch.Tensor:
+        # Within one UNet call the context is not written to (inference tensors keep no version to check).
+        if self.context is not context:
+            self.out, self.context = F.linear(context, self.weight), context
+        return self.out
+
+    def forget(self) -> None:
+        self.context = self.out = None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    buffer: _Buffer
+    start: int  # the module's first row in the buffer
+    with_q: bool  # whether to_q's rows lead the module's rows
 
 
 def _projections(m: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module] | None:
@@ -44,45 +72,57 @@ def _packable(layers: tuple[nn.Module, ...]) -> bool:
                and l.in_features == layers[0].in_features for l in layers)
 
 
-def packed(m: nn.Module) -> tuple[torch.Tensor, bool] | None:
-    """(buffer, whether to_q is in it) when every packed projection still reads its rows of the buffer, else None."""
+def packed(m: nn.Module) -> _Entry | None:
+    """The module's packing when every packed projection still reads its rows of the buffer, else None."""
     entry = m.__dict__.get(_PACKED)
     if entry is None:
         return None
-    buffer, with_q = entry
-    address, row = buffer.data_ptr(), buffer.stride(0) * buffer.element_size()
-    for layer in _parts(m, with_q):
+    weight = entry.buffer.weight
+    row = weight.stride(0) * weight.element_size()
+    address = weight.data_ptr() + entry.start * row
+    for layer in _parts(m, entry.with_q):
         w = layer.weight
-        if (not plain_linear(layer) or w.data_ptr() != address or w.device != buffer.device
-                or w.dtype != buffer.dtype or w.stride() != buffer.stride()):
+        if (not plain_linear(layer) or w.data_ptr() != address or w.device != weight.device
+                or w.dtype != weight.dtype or w.stride() != weight.stride()):
             return None
         address += w.shape[0] * row
     return entry
 
 
-def _pack_one(m: nn.Module) -> bool:
-    layers = _projections(m)
-    if layers is None:
-        return False
-    with_q = _packable(layers)
-    if not with_q and not _packable(layers[1:]):
-        return False
-    parts = layers if with_q else layers[1:]
+def _pack(modules: list[nn.Module], with_q: bool) -> None:
+    layers = [layer for m in modules for layer in _parts(m, with_q)]
     with torch.no_grad():
-        buffer = torch.cat([l.weight.detach() for l in parts])
+        buffer = _Buffer(torch.cat([layer.weight.detach() for layer in layers]), shared=not with_q)
         start = 0
-        for layer in parts:
-            rows = layer.out_features
-            layer.weight.data = buffer[start:start + rows]
-            start += rows
-    m.__dict__[_PACKED] = (buffer, with_q)
-    return True
+        for m in modules:
+            m.__dict__[_PACKED] = _Entry(buffer, start, with_q)
+            for layer in _parts(m, with_q):
+                layer.weight.data = buffer.weight[start:start + layer.out_features]
+                start += layer.out_features
 
 
 def pack(model: nn.Module) -> int:
     """Pack the projections of every attention module whose weights are not packed (or no longer are); returns
-    how many modules read packed weights now."""
-    return sum(1 for m in model.modules() if packed(m) is not None or _pack_one(m))
+    how many modules read packed weights now. A self-attention (to_q, to_k and to_v read the same width) gets a
+    buffer of its own; the cross-attentions share one per context width, which is packed again as a whole
+    when any of its modules is not packed."""
+    own, shared = [], {}
+    for m in model.modules():
+        layers = _projections(m)
+        if layers is None:
+            continue
+        if _packable(layers):
+            own.append(m)
+        elif _packable(layers[1:]):
+            w = m.to_k.weight
+            shared.setdefault((m.to_k.in_features, w.dtype, w.device), []).append(m)
+    for m in own:
+        if packed(m) is None:
+            _pack([m], with_q=True)
+    for modules in shared.values():
+        if any(packed(m) is None for m in modules):
+            _pack(modules, with_q=False)
+    return len(own) + sum(map(len, shared.values()))
 
 
 def unpack(model: nn.Module) -> None:
@@ -91,24 +131,64 @@ def unpack(model: nn.Module) -> None:
         entry = m.__dict__.pop(_PACKED, None)
         if entry is None:
             continue
-        storage = entry[0].untyped_storage().data_ptr()
-        for layer in _parts(m, entry[1]):
+        storage = entry.buffer.weight.untyped_storage().data_ptr()
+        for layer in _parts(m, entry.with_q):
             if layer.weight.untyped_storage().data_ptr() == storage:
                 layer.weight.data = layer.weight.data.clone()
 
 
 def project(m: nn.Module, x: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """m.to_q(x), m.to_k(context), m.to_v(context): with packed weights in one GEMM for self-attention (context is
-    x) and one for K and V."""
+    x), and K and V from one GEMM per module, or from the projection of the context that all of the model's
+    cross-attentions share (one GEMM per UNet call)."""
     entry = packed(m)
     if entry is None:
         return m.to_q(x), m.to_k(context), m.to_v(context)
-    buffer, with_q = entry
     sizes = [m.to_q.out_features, m.to_k.out_features, m.to_v.out_features]
-    if with_q and context is x:
-        return F.linear(x, buffer).split(sizes, dim=-1)
-    k, v = F.linear(context, buffer[buffer.shape[0] - sizes[1] - sizes[2]:]).split(sizes[1:], dim=-1)
+    weight = entry.buffer.weight
+    if entry.with_q and context is x:
+        return F.linear(x, weight[:sum(sizes)]).split(sizes, dim=-1)
+    kv = entry.start + (sizes[0] if entry.with_q else 0)
+    if entry.buffer.shared and _calls.get(id(entry.buffer)) is entry.buffer:
+        out = entry.buffer.project(context)
+        return m.to_q(x), out[..., kv:kv + sizes[1]], out[..., kv + sizes[1]:kv + sizes[1] + sizes[2]]
+    k, v = F.linear(context, weight[kv:kv + sizes[1] + sizes[2]]).split(sizes[1:], dim=-1)
     return m.to_q(x), k, v
+
+
+# Shared buffers whose context projection may be reused: those of a model inside its forward call (the hooks
+# below add and remove them), so that weights updated between calls are always projected anew.
+_calls: dict[int, _Buffer] = {}
+
+
+def _shared_buffers(model: nn.Module) -> list[_Buffer]:
+    entries = (m.__dict__.get(_PACKED) for m in model.modules())
+    return list({id(e.buffer): e.buffer for e in entries if e is not None and e.buffer.shared}.values())
+
+
+def _track_calls(model: nn.Module, undo: Undo) -> None:
+    buffers = _shared_buffers(model)
+    if not buffers:
+        return
+
+    def enter(*_args) -> None:
+        for b in buffers:
+            b.forget()
+            _calls[id(b)] = b
+
+    def leave(*_args) -> None:
+        for b in buffers:
+            b.forget()
+            _calls.pop(id(b), None)
+
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+        leave()
+
+    undo.add(remove)
 
 
 def _comfy_forward(self, x, context=None, value=None, mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
@@ -138,4 +218,6 @@ def apply(model: nn.Module, undo: Undo) -> int:
     for m in model.modules():
         if _comfy_attention(m):
             patch_forward(m, _comfy_forward, undo)
-    return pack(model)
+    n = pack(model)
+    _track_calls(model, undo)
+    return n

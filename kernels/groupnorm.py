@@ -76,7 +76,7 @@ def _stats_nchw_kernel(x_ptr, part_ptr, NG, group_len, span, P, BLOCK_GRP: tl.co
 
 
 @jit
-def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P, HAS_SHIFT: tl.constexpr,
+def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P, sh_stride, HAS_SHIFT: tl.constexpr,
                        SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # NHWC: rows of C channels, read as [rows, BLOCK_C] tiles of whole cache lines. A program reduces its rows of
     # one sample to a (count, mean, M2) per channel (the finalize kernel merges a group's channels and chunks).
@@ -107,7 +107,7 @@ def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P,
     total = tl.sum(acc, 0)
     mean = ref + total / rows
     if HAS_SHIFT:  # the same for every pixel of a channel: it moves the mean, not the deviations
-        mean += tl.load(sh_ptr + n * C + cols, mask=cmask, other=0.0).to(tl.float32)
+        mean += tl.load(sh_ptr + n * sh_stride + cols, mask=cmask, other=0.0).to(tl.float32)
         if SHIFT_BIAS:
             mean += tl.load(sb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     out = part_ptr + ((n * P + p) * C + cols) * 3
@@ -179,7 +179,7 @@ def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, HW, G,
 
 
 @jit
-def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog,
+def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog, sh_stride,
                        CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
                        SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # y = x * scale + shift per channel, both made once per program from its channels' group statistics.
@@ -195,7 +195,7 @@ def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rst
     if HAS_B:
         shift = shift + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     if HAS_SHIFT:  # (x + sh) * scale + shift
-        sh = tl.load(sh_ptr + n * C + cols, mask=cmask, other=0.0).to(tl.float32)
+        sh = tl.load(sh_ptr + n * sh_stride + cols, mask=cmask, other=0.0).to(tl.float32)
         if SHIFT_BIAS:
             sh += tl.load(sb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         shift = shift + sh * scale
@@ -298,6 +298,7 @@ def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor]
         part = torch.empty((N, P, C, 3), device=x.device, dtype=torch.float32)
         _stats_nhwc_kernel[(P, N, n_cb)](x, shift if shift is not None else x,
                                          shift_bias if shift_bias is not None else x, part, HW, C, rows, P,
+                                         shift.stride(0) if shift is not None else 0,
                                          HAS_SHIFT=shift is not None, SHIFT_BIAS=shift_bias is not None,
                                          BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps(block_r * block_c))
         return _Partials(part, N, G, P * CG, CG, P * C * 3, CG * 3, C * 3)
@@ -349,8 +350,9 @@ def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], 
         rows = cdiv(cdiv(HW, progs), block_r) * block_r
         _apply_nhwc_kernel[(cdiv(HW, rows), N, n_cb)](
             x, y, w, b, shift if shift is not None else x, shift_bias if shift_bias is not None else x, mean, rstd,
-            HW, C, G, rows, HAS_SHIFT=shift is not None, SHIFT_BIAS=shift_bias is not None, BLOCK_R=block_r,
-            BLOCK_C=block_c, num_warps=warps(block_r * block_c), **flags)
+            HW, C, G, rows, shift.stride(0) if shift is not None else 0, HAS_SHIFT=shift is not None,
+            SHIFT_BIAS=shift_bias is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps(block_r * block_c),
+            **flags)
         return y
     block_hw = min(pow2(HW), tile_for(x))
     block_ch = min(pow2(C), max(1, tile_for(x) // block_hw))
@@ -369,7 +371,8 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     """F.group_norm (then F.silu when `silu`) for (N, C, H, W) in NCHW or channels_last; same layout out.
 
     shift: (N, C), plus shift_bias: (C,) when given, added to x before it is normalized (a ResNet block's time
-    embedding and the bias of the convolution before it), without a pass of its own on channels_last input."""
+    embedding and the bias of the convolution before it), without a pass of its own on channels_last input.
+    shift's rows need not be contiguous with one another."""
     _check(x, num_groups, weight, bias)
     if shift is not None and (shift.shape != x.shape[:2] or shift.device != x.device):
         raise BadInput(f"group_norm: shift has shape {tuple(shift.shape)} on {shift.device}, expected "
@@ -386,7 +389,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
         if shift_bias is not None:
             shift, shift_bias = shift + shift_bias.reshape(-1), None
         x, shift = x + shift.reshape(shift.shape + (1,) * (x.dim() - 2)).to(x.dtype), None
-    if shift is not None:
+    if shift is not None and shift.stride(1) != 1:  # rows may be apart (slices of one projection of all blocks)
         shift = shift.contiguous()
     if shift_bias is not None:
         shift_bias = shift_bias.contiguous()

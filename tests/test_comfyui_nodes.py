@@ -124,7 +124,7 @@ def test_gpu_next_run_replays_the_kept_graph_and_a_lora_in_between_is_honoured(p
                                           ("qkv", "CrossAttention")])
 def test_fusions_that_restate_a_comfyui_forward_cover_its_class(tiny, fusion, block):
     from accel import fusions
-    from accel.fusions import qkv
+    from accel.fusions import packing
 
     unet = tiny.model.diffusion_model
     device = next(unet.parameters()).device
@@ -140,7 +140,7 @@ def test_fusions_that_restate_a_comfyui_forward_cover_its_class(tiny, fusion, bl
             out = unet(x, t, ctx)
         finally:
             undo()
-            qkv.unpack(unet)
+            packing.unpack(unet)
     # ComfyUI's forward restated (layout: without its NCHW copy, so on the CPU channels_last all the way out; a
     # GPU's fp32 convolutions with NCHW weights may hand back NCHW): the same function
     assert counts[fusion] == n == patched > 0

@@ -94,9 +94,11 @@ def test_group_norm_with_shift_is_group_norm_of_the_sum(shape, channels_last, dt
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     shift = _randn(*shape[:2], dtype=dtype, seed=3, scale=3.0)
+    # the time projections of all blocks come from one GEMM: a block's shift is a column slice of its output
+    sliced = _randn(shape[0], shape[1] + 40, dtype=dtype, seed=5, scale=3.0)[:, 24:24 + shape[1]]
     w, b = _randn(shape[1], dtype=dtype, seed=1), _randn(shape[1], dtype=dtype, seed=2)
     conv_bias = _randn(shape[1], dtype=dtype, seed=4)
-    for bias_of_shift in (None, conv_bias):
+    for shift, bias_of_shift in ((shift, None), (shift, conv_bias), (sliced, conv_bias)):
         y = gn.group_norm(x, 32, w, b, silu=True, shift=shift, shift_bias=bias_of_shift)
         ref = gn.group_norm_ref(x.float(), 32, w.float(), b.float(), silu=True, shift=shift.float(),
                                 shift_bias=None if bias_of_shift is None else bias_of_shift.float())

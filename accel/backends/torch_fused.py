@@ -231,10 +231,10 @@ class TorchEngine:
         if self.graphs is not None:
             self.graphs.clear()
         self._undo_changes()
-        # The packed projection weights outlive suspend() (the graphs read them where they are); not release().
-        from ..fusions import qkv
+        # Packed projection weights outlive suspend() (the graphs read them where they are); not release().
+        from ..fusions import packing
 
-        qkv.unpack(self.unet.unet)
+        packing.unpack(self.unet.unet)
         self.suspended = False
         if self.on_gpu:
             # The graphs' warm-up stream got cuBLAS workspaces of its own; they would outlive the engine.

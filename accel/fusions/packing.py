@@ -1,0 +1,148 @@
+"""Linears packed into one weight buffer, so that their products with one input are one GEMM.
+
+Packing moves the weights, not their values: each layer's weight (and bias) is copied once into a buffer, rows
+after rows, and becomes a view of its rows (`weight.data = buffer[rows]`). Parameters, their names and values
+stay, so the host's weight patching keeps working: an in-place update (ComfyUI's weight_inplace_update) writes into
+the buffer, where the packed GEMM reads it; a Parameter replaced by another (ComfyUI's default LoRA patching) is no
+view any more, `Pack.intact` says so, and the caller computes that layer on its own until the layers are packed
+again, which the fusions do at the start of every run.
+
+Packs outlive the fusions' patched forwards: a host's next run replays CUDA graphs captured on the buffers'
+addresses. `unpack` gives every weight its own storage back; the torch path calls it when it is released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Undo, plain_linear
+
+_PACKS = "_sd_accel_packs"  # on the model: the packs made for it
+
+
+def _reads(t: torch.Tensor | None, buffer: torch.Tensor, row: int) -> bool:
+    """Whether t is the view of buffer's rows from `row` that packing made it."""
+    if t is None or t.device != buffer.device or t.dtype != buffer.dtype or t.stride() != buffer.stride():
+        return False
+    return t.data_ptr() == buffer.data_ptr() + row * buffer.stride(0) * buffer.element_size()
+
+
+@dataclass(eq=False)
+class Pack:
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    layers: tuple[nn.Module, ...]
+    starts: tuple[int, ...]  # each layer's first row; the buffer's row count last
+
+    def rows(self, i: int, count: int = 1) -> slice:
+        return slice(self.starts[i], self.starts[i + count])
+
+    def intact(self, i: int = 0, count: int | None = None) -> bool:
+        """Whether layers i.. (count of them, all by default) still compute x @ W.T + b from their rows."""
+        for j in range(i, len(self.layers) if count is None else i + count):
+            layer = self.layers[j]
+            if not plain_linear(layer) or not _reads(layer.weight, self.weight, self.starts[j]) or (
+                    self.bias is not None and not _reads(layer.bias, self.bias, self.starts[j])):
+                return False
+        return True
+
+    def linear(self, x: torch.Tensor, i: int, count: int = 1) -> torch.Tensor:
+        """Layers i..i+count applied to x as one GEMM: their outputs side by side."""
+        rows = self.rows(i, count)
+        return F.linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])
+
+
+def packable(layers: list[nn.Module]) -> bool:
+    """Plain Linears of one input width, dtype and device, all with a bias or none."""
+    if not layers or not all(plain_linear(layer) for layer in layers):
+        return False
+    w = layers[0].weight
+    has_bias = layers[0].bias is not None
+    return all(l.in_features == layers[0].in_features and l.weight.dtype == w.dtype and l.weight.device == w.device
+               and (l.bias is not None) == has_bias and (not has_bias or l.bias.dtype == w.dtype) for l in layers)
+
+
+def pack(model: nn.Module, layers: list[nn.Module]) -> Pack:
+    """The layers' pack: the one made before when all of them still read it, else a new one (packable layers)."""
+    packs = model.__dict__.setdefault(_PACKS, [])
+    for p in packs:
+        if list(p.layers) == layers and p.intact():
+            return p
+    starts = [0]
+    for layer in layers:
+        starts.append(starts[-1] + layer.out_features)
+    with torch.no_grad():
+        weight = torch.cat([layer.weight.detach() for layer in layers])
+        bias = torch.cat([layer.bias.detach() for layer in layers]) if layers[0].bias is not None else None
+        for layer, a, b in zip(layers, starts, starts[1:]):
+            layer.weight.data = weight[a:b]
+            if bias is not None:
+                layer.bias.data = bias[a:b]
+    new = Pack(weight, bias, tuple(layers), tuple(starts))
+    ids = {id(layer) for layer in layers}
+    packs[:] = [p for p in packs if not ids & {id(layer) for layer in p.layers}] + [new]
+    return new
+
+
+def unpack(model: nn.Module) -> None:
+    """Every packed weight and bias back in a storage of its own (same values, same Parameters)."""
+    for p in model.__dict__.pop(_PACKS, []):
+        storages = {t.untyped_storage().data_ptr() for t in (p.weight, p.bias) if t is not None}
+        for layer in p.layers:
+            for t in (layer.weight, layer.bias):
+                if t is not None and t.untyped_storage().data_ptr() in storages:
+                    t.data = t.data.clone()
+
+
+@dataclass(eq=False)
+class SharedInput:
+    """A pack whose layers all read the same tensor within one UNet call (every cross-attention's K and V read the
+    text context, every ResNet block's time projection the time embedding): their outputs come from one GEMM,
+    made at the first layer's call and sliced for the others while the call lasts."""
+    pack: Pack
+    active: bool = False
+    x: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+    def output(self, x: torch.Tensor, i: int, count: int = 1) -> torch.Tensor | None:
+        """Layers i..i+count of x, side by side, from the call's GEMM; None outside a call or when a layer no longer
+        reads the pack (the caller computes it on its own)."""
+        if not self.active or not self.pack.intact(i, count):
+            return None
+        # Within one call the input is not written to (inference tensors keep no version counter to check).
+        if self.x is not x:
+            self.out, self.x = F.linear(x, self.pack.weight, self.pack.bias), x
+        return self.out[..., self.pack.rows(i, count)]
+
+    def forget(self) -> None:
+        self.x = self.out = None
+
+
+def track_calls(model: nn.Module, shared: list[SharedInput], undo: Undo) -> None:
+    """Let the shared projections serve only inside a call of the model (forward hooks open and close it), so that
+    weights changed between calls are always projected anew."""
+    if not shared:
+        return
+
+    def enter(*_args) -> None:
+        for s in shared:
+            s.forget()
+            s.active = True
+
+    def leave(*_args) -> None:
+        for s in shared:
+            s.forget()
+            s.active = False
+
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+        leave()
+
+    undo.add(remove)

@@ -57,8 +57,17 @@ GN_CASES = [
 ]
 
 
+@pytest.fixture(params=["whole groups", "split groups"])
+def gn_path(request, monkeypatch):
+    """GroupNorm both ways: small groups whole in one program each (one launch), and groups split into chunks
+    (statistics, finalize and normalization launches), which larger groups take."""
+    if request.param == "split groups":
+        monkeypatch.setattr(gn, "WHOLE_GROUP_ELEMENTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("shape,groups,channels_last,silu,dtype", GN_CASES)
-def test_group_norm_matches_torch(shape, groups, channels_last, silu, dtype):
+def test_group_norm_matches_torch(shape, groups, channels_last, silu, dtype, gn_path):
     x = _randn(*shape, dtype=dtype, scale=2.0, offset=0.5)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
@@ -88,7 +97,7 @@ def test_group_norm_at_unet_shapes_of_several_resolutions(shape, channels_last):
 @pytest.mark.parametrize("shape,channels_last,dtype", [((2, 320, 8, 8), True, torch.float16),
                                                          ((3, 96, 5, 7), True, torch.float32),
                                                          ((1, 64, 4, 4), False, torch.float32)])
-def test_group_norm_with_shift_is_group_norm_of_the_sum(shape, channels_last, dtype):
+def test_group_norm_with_shift_is_group_norm_of_the_sum(shape, channels_last, dtype, gn_path):
     # A ResNet block's norm2 input: conv1's output + (time embedding + conv1's bias) per sample and channel.
     x = _randn(*shape, dtype=dtype, scale=2.0, offset=0.5)
     if channels_last:
@@ -110,13 +119,23 @@ def test_group_norm_with_shift_is_group_norm_of_the_sum(shape, channels_last, dt
         gn.group_norm(x, 32, w, b, shift_bias=conv_bias)
 
 
-def test_group_norm_without_affine():
+def test_small_groups_take_one_launch_and_large_ones_are_split(monkeypatch):
+    split = []
+    partials = gn._partials
+    monkeypatch.setattr(gn, "_partials", lambda *a, **k: split.append(a[0].shape) or partials(*a, **k))
+    for shape in [(2, 1280, 8, 8), (2, 2560, 16, 16), (2, 640, 32, 32), (2, 960, 32, 32)]:  # SD1.5's levels 4 to 2
+        x = _randn(*shape, dtype=torch.float16).to(memory_format=torch.channels_last)
+        _close(gn.group_norm(x, 32, silu=True), gn.group_norm_ref(x.float(), 32, silu=True), torch.float16)
+    assert split == [(2, 960, 32, 32)]  # 1024 pixels x 30 channels: more than one program serves well
+
+
+def test_group_norm_without_affine(gn_path):
     x = _randn(2, 64, 4, 4).to(memory_format=torch.channels_last)
     _close(gn.group_norm(x, 32, None, None), F.group_norm(x, 32), torch.float32)
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
-def test_group_norm_split_reduction_is_stable(monkeypatch, channels_last):
+def test_group_norm_split_reduction_is_stable(monkeypatch, channels_last, gn_path):
     # Small tiles and chunks force many partials per group and many steps per program: the path a 4096 px VAE
     # decode takes. With a mean of 1000 and unit spread, fp32 sums of squares would lose the variance entirely.
     monkeypatch.setattr(common, "TILE", 256)

@@ -1,4 +1,5 @@
 """Micro-benchmark: each Triton kernel against the torch ops it replaces, on Stable Diffusion shapes.
+(geglu_linear, a GEMM, against cuBLAS's GEMM and the GEGLU kernel, also in TFLOP/s.)
 
 Reports median ms, achieved GB/s over the compulsory traffic (every input read once, every output written once; the
 same byte count for both sides, so the GB/s compare like the ms do), and the device's copy bandwidth (a large
@@ -41,6 +42,7 @@ class Case:
     triton: Callable[..., object]
     torch: Callable[..., object]
     bytes: int
+    flops: int = 0  # for the GEMM cases: reported as TFLOP/s too
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -115,6 +117,14 @@ def _geglu_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: 
                 torch.Size(shape).numel() * dtype.itemsize * 3 // 2)
 
 
+def _geglu_linear_case(name: str, tokens: int, k: int, d: int, device: torch.device, dtype: torch.dtype) -> Case:
+    # Against what runs without it: cuBLAS's GEMM, then the GEGLU kernel (with the bias).
+    return Case("geglu_linear", name, (tokens, k, 2 * d),
+                _inputs([(tokens, k), (2 * d, k), (2 * d,)], device, dtype), gg.geglu_linear,
+                lambda x, w, b: gg.geglu(torch.nn.functional.linear(x, w), b),
+                (tokens * k + 2 * d * k + tokens * d) * dtype.itemsize, flops=2 * tokens * k * 2 * d)
+
+
 def _layer_norm_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
     return Case("skip_layer_norm", name, shape, _inputs([shape, shape, shape[-1:], shape[-1:]], device, dtype),
                 lambda x, r, w, b: ln.layer_norm(x, w, b, residual=r),
@@ -138,6 +148,7 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
         return [_group_norm_case("tiny", (1, 64, 8, 8), True, device, dtype, 1e-5),
                 _group_norm_case("tiny", (1, 64, 8, 8), False, device, dtype, 1e-5),
                 _geglu_case("tiny", (1, 16, 128), device, dtype),
+                _geglu_linear_case("tiny", 16, 32, 32, device, dtype),
                 _layer_norm_case("tiny", (1, 16, 64), device, dtype),
                 _bias_residual_case("tiny", (1, 16, 64), device, dtype),
                 _upsample_case("tiny", (1, 16, 4, 4), device, dtype)]
@@ -153,6 +164,9 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
     for name, shape in [("sd15 64x64 C=320", (2, 4096, 2560)), ("sdxl 64x64 C=640", (2, 4096, 5120)),
                         ("sdxl 32x32 C=1280", (2, 1024, 10240))]:
         out.append(_geglu_case(name, shape, device, dtype))
+    for name, tokens, k, d in [("sd15 64x64 C=320", 8192, 320, 1280), ("sd15 32x32 C=640", 2048, 640, 2560),
+                               ("sdxl 64x64 C=640", 8192, 640, 2560), ("sdxl 32x32 C=1280", 2048, 1280, 5120)]:
+        out.append(_geglu_linear_case(name, tokens, k, d, device, dtype))
     for name, shape in [("sd15 64x64", (2, 4096, 320)), ("sdxl 64x64", (2, 4096, 640)),
                         ("sdxl 32x32", (2, 1024, 1280))]:
         out.append(_layer_norm_case(name, shape, device, dtype))
@@ -197,12 +211,18 @@ def bench_kernels(device: str = "cuda", tiny: bool = False, dtype: torch.dtype =
                "triton_gbps": round(t_gbps, 1), "torch_gbps": round(r_gbps, 1),
                "copy_gbps": round(copy_gbps, 1), "triton_of_copy": round(t_gbps / copy_gbps, 3),
                "torch_of_copy": round(r_gbps / copy_gbps, 3), "max_rel_err": float(f"{err:.3g}")}
+        if case.flops:
+            row.update({"triton_tflops": round(case.flops / t_ms / 1e9, 1),
+                        "torch_tflops": round(case.flops / r_ms / 1e9, 1)})
         if graphs:
             sets = [case.inputs(i) for i in range(min(MAX_GRAPH_SETS, max(2, -(-GRAPH_BYTES // case.bytes))))]
             tg, rg = graph_ms(case.triton, sets), graph_ms(case.torch, sets)
             del sets
             # against the same copy bandwidth as above: a clone captured in a graph measured lower (2430 against
             # 3000 GB/s on an H100), which would flatter the kernels
+            if case.flops:
+                row.update({"triton_graph_tflops": round(case.flops / tg / 1e9, 1),
+                            "torch_graph_tflops": round(case.flops / rg / 1e9, 1)})
             row.update({"triton_graph_ms": round(tg, 4), "torch_graph_ms": round(rg, 4),
                         "triton_graph_of_copy": round(case.bytes / tg / 1e6 / copy_gbps, 3),
                         "torch_graph_of_copy": round(case.bytes / rg / 1e6 / copy_gbps, 3)})

@@ -321,3 +321,28 @@ def test_comfyui_attention_with_a_value_or_mask_keeps_its_function():
         outs = [attn(x, ctx), attn(x, ctx, value=value), attn(x, ctx, mask=mask)]
     undo()
     assert all(rel(o, r) <= 1e-5 for o, r in zip(outs, refs))
+
+
+def test_geglu_fusion_takes_the_projection_into_the_kernel_where_it_covers_it(monkeypatch):
+    from diffusers.models.activations import GEGLU
+
+    from accel.fusions.base import kernel_module
+
+    geglu = kernel_module("geglu")
+    calls = []
+    monkeypatch.setattr(geglu, "geglu_linear", lambda *a, f=geglu.geglu_linear: calls.append(1) or f(*a))
+    torch.manual_seed(0)
+    short, wide = GEGLU(64, 48).half(), GEGLU(geglu.LINEAR_MAX_K + 64, 48).half()
+    xs = [torch.randn(2, 9, m.proj.in_features).half() for m in (short, wide)]
+    with torch.no_grad():
+        refs = [m.float()(x.float()) for m, x in zip((short, wide), xs)]
+        short.half(), wide.half()
+        undo, counts = fusions.apply(nn.Sequential(short, wide), ["geglu"])
+        outs = [m(x) for m, x in zip((short, wide), xs)]
+        assert counts["geglu"] == 2 and len(calls) == 1  # the short projection only
+        # ComfyUI's Linear casting its weights on the fly (lowvram): the module's own forward
+        short.proj.__class__ = type("Linear", (nn.Linear,), {})
+        short.proj.comfy_cast_weights = True
+        assert rel(short(xs[0]).float(), refs[0]) <= 1e-2 and len(calls) == 1
+    undo()
+    assert all(rel(o.float(), r) <= 1e-2 for o, r in zip(outs, refs))

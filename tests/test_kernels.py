@@ -217,6 +217,29 @@ def test_geglu_is_diffusers_geglu():
         _close(gg.geglu(h, mod.proj.bias), mod(x), torch.float32)
 
 
+@pytest.mark.parametrize("tokens,k,d,bias", [
+    (300, 320, 96, True),   # SD1.5's first level: K = 320 (D cut down from 1280), rows not a multiple of the tile
+    (7, 40, 24, False),     # odd: K and D below one tile, a few rows
+    (130, 72, 70, True),    # K not a multiple of the K tile, D not of the N tile
+])
+def test_geglu_linear_is_projection_then_geglu(tokens, k, d, bias):
+    x = _randn(2, tokens, k, dtype=torch.float16)
+    w = _randn(2 * d, k, dtype=torch.float16, seed=1, scale=k ** -0.5)
+    b = _randn(2 * d, dtype=torch.float16, seed=2) if bias else None
+    y = gg.geglu_linear(x, w, b)
+    assert y.shape == (2, tokens, d) and y.dtype == torch.float16
+    _close(y, gg.geglu_linear_ref(x.float(), w.float(), b.float() if bias else None), torch.float16)
+
+
+def test_geglu_linear_covers_only_short_fp16_projections():
+    w = _randn(2 * 64, 320, dtype=torch.float16)
+    assert gg.linear_covers(_randn(2, 8, 320, dtype=torch.float16), w)
+    assert not gg.linear_covers(_randn(2, 8, 320, dtype=torch.float32), w.float())
+    assert not gg.linear_covers(_randn(2, 8, 640, dtype=torch.float16), _randn(2 * 64, 640, dtype=torch.float16))
+    with pytest.raises(BadInput, match="does not project"):
+        gg.geglu_linear(_randn(2, 8, 32, dtype=torch.float16), w)
+
+
 def test_geglu_rejects_odd_last_dim():
     with pytest.raises(BadInput, match="must be even"):
         gg.geglu(_randn(2, 7))
@@ -295,8 +318,8 @@ def test_bench_smoke():
     from kernels.bench import bench_kernels
 
     rows = bench_kernels(device=DEVICE, tiny=True)
-    assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "skip_layer_norm", "add_bias_residual",
-                                              "upsample_nearest2x"}
+    assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "geglu_linear", "skip_layer_norm",
+                                              "add_bias_residual", "upsample_nearest2x"}
     for r in rows:
         assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["copy_gbps"] > 0
         assert r["max_rel_err"] < 5e-3, r

@@ -1,8 +1,12 @@
 """GEGLU (ONNX Runtime's BiasSplitGelu): the feed-forward projection's bias, split, exact GELU and product in
 one pass after a bias-free GEMM, instead of a GEMM with bias, a GELU kernel and a multiply kernel.
 
+Where the projection is short (kernels/geglu.linear_covers: SD1.5's first level), the GEMM goes into the same
+kernel and the (tokens, 2 x inner) projection is never written.
+
 Covers diffusers' and ldm/ComfyUI's GEGLU modules (both hold `proj` and compute
-`hidden, gate = proj(x).chunk(2, -1); hidden * gelu(gate)`).
+`hidden, gate = proj(x).chunk(2, -1); hidden * gelu(gate)`) whose projection is a plain Linear; others run their own
+forward.
 """
 
 from __future__ import annotations
@@ -10,12 +14,15 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward
+from .base import Undo, kernel_module, patch_forward, plain_linear
 
 
 def _forward(self: nn.Module, x, *args, **kwargs):
     geglu = kernel_module("geglu")
-
+    if not plain_linear(self.proj):  # ComfyUI's cast-on-the-fly weights (lowvram), a LoRA layer
+        return type(self).forward(self, x, *args, **kwargs)
+    if geglu.linear_covers(x, self.proj.weight):
+        return geglu.geglu_linear(x, self.proj.weight, self.proj.bias)
     h = F.linear(x, self.proj.weight)
     if geglu.supported(h):
         return geglu.geglu(h, self.proj.bias)

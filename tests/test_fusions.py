@@ -346,3 +346,24 @@ def test_geglu_fusion_takes_the_projection_into_the_kernel_where_it_covers_it(mo
         assert rel(short(xs[0]).float(), refs[0]) <= 1e-2 and len(calls) == 1
     undo()
     assert all(rel(o.float(), r) <= 1e-2 for o, r in zip(outs, refs))
+
+
+@pytest.mark.parametrize("way", ["in place", "through host memory"])
+def test_unpack_gives_each_weight_its_own_storage_back(monkeypatch, way):
+    from accel.fusions import packing
+
+    if way == "through host memory":
+        monkeypatch.setattr(packing, "UNPACK_IN_PLACE_BYTES", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(8, 6), nn.Linear(8, 2))
+    params = list(model.parameters())
+    values = [p.detach().clone() for p in params]
+    pack = packing.pack(model, list(model))
+    assert pack.intact() and len({p.untyped_storage().data_ptr() for p in params}) == 2  # weights, biases
+    x = torch.randn(3, 8)
+    assert torch.allclose(pack.linear(x, 0, 3), torch.cat([m(x) for m in model], -1))
+    del pack
+    packing.unpack(model)
+    assert list(model.parameters()) == params and "_sd_accel_packs" not in vars(model)
+    assert len({p.untyped_storage().data_ptr() for p in params}) == len(params)
+    assert all(torch.equal(p, v) and p.is_contiguous() for p, v in zip(params, values))

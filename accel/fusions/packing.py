@@ -88,16 +88,31 @@ def pack(model: nn.Module, layers: list[nn.Module]) -> Pack:
     return new
 
 
+# Packs up to this size are unpacked in place (a layer at a time, the buffer freed after the last); larger ones
+# (SDXL's shared cross-attention K/V pack: ~660 MB) through host memory, so that giving the weights back never
+# needs more GPU memory than they take: release() runs when the host is short of memory and unloads the model.
+UNPACK_IN_PLACE_BYTES = 64 << 20
+
+
 def unpack(model: nn.Module) -> None:
     """Every packed weight and bias back in a storage of its own (same values, same Parameters)."""
-    for p in model.__dict__.pop(_PACKS, []):
+    packs = model.__dict__.pop(_PACKS, [])
+    while packs:
+        p = packs.pop()
         storages = {t.untyped_storage().data_ptr() for t in (p.weight, p.bias) if t is not None}
-        for layer in p.layers:
-            for t in (layer.weight, layer.bias):
-                if t is not None and t.untyped_storage().data_ptr() in storages:
-                    t.data = t.data.clone()
-
-
+        views = [t for layer in p.layers for t in (layer.weight, layer.bias)
+                 if t is not None and t.untyped_storage().data_ptr() in storages]
+        in_place = p.weight.nbytes <= UNPACK_IN_PLACE_BYTES
+        del p
+        if in_place:
+            for t in views:
+                t.data = t.data.clone()
+            continue
+        device = views[0].device
+        for t in views:
+            t.data = t.data.to("cpu", copy=True)
+        for t in views:  # the buffer is gone now: each weight gets GPU memory of its own
+            t.data = t.data.to(device)
 @dataclass(eq=False)
 class SharedInput:
     """A pack whose layers all read the same tensor within one UNet call (every cross-attention's K and V read the

@@ -61,7 +61,12 @@ def _pack(model: nn.Module, undo: Undo) -> int:
             m.__dict__[_QKV] = _Entry(shared[-1], 2 * i)
     packing.track_calls(model, shared, undo)
     entries = own + [m for modules in cross.values() for m in modules]
-    undo.add(lambda: [m.__dict__.pop(_QKV, None) for m in entries])
+
+    def forget() -> None:
+        for m in entries:
+            m.__dict__.pop(_QKV, None)
+
+    undo.add(forget)
     return len(entries)
 
 

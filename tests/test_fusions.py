@@ -331,9 +331,10 @@ def test_geglu_fusion_takes_the_projection_into_the_kernel_where_it_covers_it(mo
     geglu = kernel_module("geglu")
     calls = []
     monkeypatch.setattr(geglu, "geglu_linear", lambda *a, f=geglu.geglu_linear: calls.append(1) or f(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the kernels run (the CPU under the interpreter)
     torch.manual_seed(0)
-    short, wide = GEGLU(64, 48).half(), GEGLU(geglu.LINEAR_MAX_K + 64, 48).half()
-    xs = [torch.randn(2, 9, m.proj.in_features).half() for m in (short, wide)]
+    short, wide = GEGLU(64, 48).to(device).half(), GEGLU(geglu.LINEAR_MAX_K + 64, 48).to(device).half()
+    xs = [torch.randn(2, 9, m.proj.in_features, device=device).half() for m in (short, wide)]
     with torch.no_grad():
         refs = [m.float()(x.float()) for m, x in zip((short, wide), xs)]
         short.half(), wide.half()

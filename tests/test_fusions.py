@@ -368,30 +368,3 @@ def test_unpack_gives_each_weight_its_own_storage_back(monkeypatch, way):
     assert list(model.parameters()) == params and "_sd_accel_packs" not in vars(model)
     assert len({p.untyped_storage().data_ptr() for p in params}) == len(params)
     assert all(torch.equal(p, v) and p.is_contiguous() for p, v in zip(params, values))
-
-
-@pytest.mark.parametrize("form", ["diffusers", "ldm"])
-def test_linear_proj_out_takes_its_bias_into_the_residual_pass(form, monkeypatch):
-    """SDXL's transformers end in a Linear proj_out: its bias and the residual go into one kernel pass."""
-    from accel.fusions.base import kernel_module
-
-    if form == "diffusers":
-        unet = CanonicalUNet(build_unet("tiny-sdxl", seed=41))
-        x, t, ctx, y = example_inputs(unet.unet, latent=16, seed=42)
-    else:
-        unet = CanonicalUNet(tiny_ldm_unet(sdxl=True, seed=43))
-        g = torch.Generator().manual_seed(44)
-        x, t = torch.randn(2, 4, 16, 16, generator=g), torch.tensor([10.0, 500.0])
-        ctx, y = torch.randn(2, 7, 48, generator=g), torch.randn(2, 80, generator=g)
-    x = x.contiguous(memory_format=torch.channels_last)
-    unet.unet.to(memory_format=torch.channels_last)
-    ref = unet(x, t, ctx, y)
-    layernorm = kernel_module("layernorm")
-    calls = []
-    monkeypatch.setattr(layernorm, "add_bias_residual", lambda *a, f=layernorm.add_bias_residual: calls.append(1) or f(*a))
-    transformers = [m for m in unet.unet.modules() if type(m).__name__ in ("Transformer2DModel", "SpatialTransformer")]
-    assert transformers and all(isinstance(m.proj_out, nn.Linear) for m in transformers)
-    undo, _ = fusions.apply(unet.unet, ["layout"])
-    out = unet(x, t, ctx, y)
-    undo()
-    assert rel(out, ref) <= 1e-5 and len(calls) == (len(transformers) if layernorm.supported(x) else 0)

@@ -109,25 +109,10 @@ def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.
     return layernorm.add_bias_residual(h.permute(nhwc), bias, residual.permute(nhwc)).permute(0, 3, 1, 2)
 
 
-def _bias_residual_runs(residual: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> bool:
-    return (residual.dim() == 4 and residual.is_contiguous(memory_format=torch.channels_last)
-            and not residual.is_contiguous() and weight.dtype == x.dtype
-            and kernel_module("layernorm").supported(residual))
-
-
 def conv_add(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """conv(x) + residual, with the conv's bias added in the residual's pass where the kernel runs on them."""
-    if plain_conv(conv) and _bias_residual_runs(residual, conv.weight, x):
+    if (plain_conv(conv) and residual.dim() == 4 and residual.is_contiguous(memory_format=torch.channels_last)
+            and not residual.is_contiguous() and conv.weight.dtype == x.dtype
+            and kernel_module("layernorm").supported(residual)):
         return add_bias_residual_nchw(conv_without_bias(conv, x), conv.bias, residual)
     return conv(x) + residual
-
-
-def linear_add(linear: nn.Module, tokens: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """linear(tokens) + residual, tokens (B, H*W, C) and residual (B, C', H, W), returned as (B, C', H, W) (a
-    transformer's linear proj_out and its residual): the bias added in the residual's pass where the kernel runs
-    on them, instead of a GEMM epilogue and torch's add over two permuted views."""
-    b, _, h, w = residual.shape
-    if plain_linear(linear) and linear.bias is not None and _bias_residual_runs(residual, linear.weight, tokens):
-        out = F.linear(tokens, linear.weight).reshape(b, h, w, -1).permute(0, 3, 1, 2)
-        return add_bias_residual_nchw(out, linear.bias, residual)
-    return linear(tokens).reshape(b, h, w, -1).permute(0, 3, 1, 2) + residual

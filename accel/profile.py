@@ -11,7 +11,8 @@ import torch
 # Kernel names differ by library version; the first class whose pattern matches wins.
 _CLASSES = [
     ("attention", re.compile(r"fmha|flash|attention|sdpa|softmax", re.I)),
-    ("norm", re.compile(r"norm|welford|moments|ComputeFusedParams|_stats_nhwc|_stats_nchw|_apply_nhwc|_apply_nchw|_finalize_kernel", re.I)),
+    ("norm", re.compile(r"norm|welford|moments|ComputeFusedParams|_stats_nhwc|_stats_nchw|_apply_nhwc|_apply_nchw"
+                        r"|_finalize_kernel", re.I)),
     ("conv", re.compile(r"conv|fprop|dgrad|implicit_gemm|winograd", re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|cublas|matmul|sm90_xmma|Kernel2|s16816|h16816|wgmma", re.I)),
 ]

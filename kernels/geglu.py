@@ -137,7 +137,8 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     two_d, K = weight.shape
     if bias is not None and (bias.numel() != two_d or bias.device != x.device):
         raise BadInput(f"geglu_linear: bias has {bias.numel()} elements on {bias.device}, expected {two_d} on "
-                       f"{x.device}.", "Pass the projection's bias (2 * inner_dim elements) on the same device, or None.")
+                       f"{x.device}.",
+                       "Pass the projection's bias (2 * inner_dim elements) on the same device, or None.")
     D = two_d // 2
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]

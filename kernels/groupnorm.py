@@ -84,8 +84,8 @@ def _stats_nchw_kernel(x_ptr, part_ptr, NG, group_len, span, P, BLOCK_GRP: tl.co
 
 
 @jit
-def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P, sh_stride, HAS_SHIFT: tl.constexpr,
-                       SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P, sh_stride,
+                       HAS_SHIFT: tl.constexpr, SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # NHWC: rows of C channels, read as [rows, BLOCK_C] tiles of whole cache lines. A program reduces its rows of
     # one sample to a (count, mean, M2) per channel (the finalize kernel merges a group's channels and chunks).
     # The loop only adds up deviations from the chunk's first row and their squares, element by element, and
@@ -187,8 +187,8 @@ def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, HW, G,
 
 
 @jit
-def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog, sh_stride,
-                       CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
+def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog,
+                       sh_stride, CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
                        SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # y = x * scale + shift per channel, both made once per program from its channels' group statistics.
     p = tl.program_id(0)
@@ -226,8 +226,9 @@ def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rst
 
 @jit
 def _group_norm_whole_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, HW, C, stride_r, stride_c, sh_stride, eps,
-                        CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                        SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                             CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                             SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_G: tl.constexpr):
     # One program per (group, sample) holding the whole group, [pixels, channels of the group], in registers:
     # statistics (two passes over registers, exact) and normalization in one launch, for the small groups of a
     # UNet's lower levels, where three launches cost more than the data they move.

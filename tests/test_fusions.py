@@ -311,7 +311,8 @@ def test_comfyui_attention_with_a_value_or_mask_keeps_its_function():
     module = tiny_ldm_unet(seed=35)
     attn = next(m for m in _attention_modules(module) if m.to_k.in_features != m.to_q.in_features)
     g = torch.Generator().manual_seed(36)
-    x, ctx = torch.randn(2, 16, attn.to_q.in_features, generator=g), torch.randn(2, 7, attn.to_k.in_features, generator=g)
+    x = torch.randn(2, 16, attn.to_q.in_features, generator=g)
+    ctx = torch.randn(2, 7, attn.to_k.in_features, generator=g)
     value, mask = torch.randn(2, 7, attn.to_v.in_features, generator=g), torch.zeros(2, 1, 16, 7)
     mask[..., 4:] = float("-inf")
     with torch.no_grad():

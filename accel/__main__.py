@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
-    b.add_argument("--kernels", action="store_true", help="micro-benchmark the Triton kernels (GB/s)")
+    b.add_argument("--kernels", action="store_true",
+                   help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM one)")
     b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
     b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
     b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",

@@ -181,8 +181,14 @@ def test_suspended_engine_leaves_the_module_plain_and_resumes_on_its_graphs():
     conv.weight = torch.nn.Parameter(conv.weight.detach() / 3, requires_grad=False)
     assert rel(engine(x, t, ctx, y), plain) <= 1e-2
     assert engine.graphs.captures == 2
+    # the attention projections were packed (views of shared buffers); release gives each its own storage back
+    projections = [p for n, p in unet.unet.named_parameters() if ".to_k." in n or ".to_v." in n]
+    assert len({p.untyped_storage().data_ptr() for p in projections}) < len(projections)
     engine.release()
     assert not _changed_modules(unet.unet)
+    assert len({p.untyped_storage().data_ptr() for p in projections}) == len(projections)
+    with torch.inference_mode():
+        assert rel(unet(x, t, ctx, y), plain) <= 1e-2
 
 
 @gpu

@@ -282,6 +282,10 @@ def test_layer_norm_large_offset():
 def test_add_bias_residual(shape, dtype):
     x, r, b = _randn(*shape, dtype=dtype), _randn(*shape, dtype=dtype, seed=1), _randn(shape[-1], dtype=dtype, seed=2)
     _close(ln.add_bias_residual(x, b, r), x.float() + b.float() + r.float(), dtype)
+    b2 = _randn(shape[-1], dtype=dtype, seed=3)  # a shortcut convolution's bias too
+    _close(ln.add_bias_residual(x, b, r, b2), x.float() + b.float() + r.float() + b2.float(), dtype)
+    with pytest.raises(BadInput, match="bias2 has"):
+        ln.add_bias_residual(x, b, r, b2[:-1])
 
 
 def test_layer_norm_errors_say_what_to_do():

@@ -101,12 +101,14 @@ def conv_without_bias(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 
-def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """h + bias (per channel) + residual for channels_last (N, C, H, W) tensors, in one pass of the Triton kernel."""
+def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                           bias2: torch.Tensor | None = None) -> torch.Tensor:
+    """h + bias (+ bias2, per channel) + residual for channels_last (N, C, H, W) tensors, in one pass of the Triton
+    kernel."""
     # channels_last (N, C, H, W) is (N, H, W, C) in memory: the bias runs along the last dimension of that view.
     nhwc = (0, 2, 3, 1)
     layernorm = kernel_module("layernorm")
-    return layernorm.add_bias_residual(h.permute(nhwc), bias, residual.permute(nhwc)).permute(0, 3, 1, 2)
+    return layernorm.add_bias_residual(h.permute(nhwc), bias, residual.permute(nhwc), bias2).permute(0, 3, 1, 2)
 
 
 def conv_add(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -42,10 +42,9 @@ def _block(x: torch.Tensor, norm1: nn.GroupNorm, conv1: nn.Conv2d, t: torch.Tens
     h = groupnorm.group_norm(h, norm2.num_groups, norm2.weight, norm2.bias, norm2.eps, silu=True, shift=shift,
                              shift_bias=None if t is None else conv1.bias)
     h = conv_without_bias(conv2, h)
-    bias = conv2.bias
-    if shortcut is not None:
-        x, bias = conv_without_bias(shortcut, x), bias + shortcut.bias
-    return add_bias_residual_nchw(h, bias, x)
+    if shortcut is None:
+        return add_bias_residual_nchw(h, conv2.bias, x)
+    return add_bias_residual_nchw(h, conv2.bias, conv_without_bias(shortcut, x), shortcut.bias)
 
 
 def _is_silu(m: nn.Module) -> bool:

@@ -213,14 +213,6 @@ def test_upsample_fusion_same_function_and_undo_restores(form, monkeypatch):
     assert torch.equal(unet(x, t, ctx, y), ref)
 
 
-def _qkv_models():
-    diff = CanonicalUNet(build_unet("tiny-sd15", seed=31))
-    x, t, ctx, _ = example_inputs(diff.unet, latent=16, seed=32)
-    yield "diffusers", diff, (x, t, ctx, None), ["sdpa_processor", "qkv"]
-    ldm = CanonicalUNet(tiny_ldm_unet(seed=33))
-    yield "ldm", ldm, (x, t, torch.randn(2, 77, ldm.spec.context_dim), None), ["qkv"]
-
-
 def _attention_modules(unet: nn.Module) -> list[nn.Module]:
     return [m for m in unet.modules() if type(m).__name__ in ("Attention", "CrossAttention")]
 
@@ -231,7 +223,8 @@ def test_packed_qkv_same_function_follows_the_hosts_weight_updates_and_unpacks(f
 
     from accel.fusions import packing
 
-    _, unet, (x, t, ctx, y), names = next(m for m in _qkv_models() if m[0] == form)
+    _, unet, (x, t, ctx, y) = next(m for m in _models() if m[0] == form)
+    names = ["sdpa_processor", "qkv"] if form == "diffusers" else ["qkv"]  # diffusers' projections: in its processor
     module = unet.unet
     values = {k: v.clone() for k, v in module.state_dict().items()}
     ref = unet(x, t, ctx, y)

@@ -271,6 +271,15 @@ def test_packed_qkv_same_function_follows_the_hosts_weight_updates_and_unpacks(f
     cross[0].to_v.weight = nn.Parameter(cross[0].to_v.weight.detach() * 2, requires_grad=False)
     doubled = unet(x, t, ctx, y)
     assert len(calls) == 2 and rel(doubled, inplace) > 1e-3
+    # a bias given to a layer packed without one (A1111 assigns one for a LoRA with a bias diff): counted too
+    packed = next(m for m in attentions if m not in (self_attn, cross[0]) and m.to_v.bias is None)
+    packed.to_v.bias = nn.Parameter(torch.full((packed.to_v.out_features,), 0.5, dtype=packed.to_v.weight.dtype))
+    assert rel(unet(x, t, ctx, y), doubled) > 1e-3
+    packed.to_v.bias = None
+    assert rel(unet(x, t, ctx, y), doubled) <= 1e-5
+    calls.clear()
+    doubled = unet(x, t, ctx, y)
+    assert len(calls) == 2
     undo()
     undo, counts = fusions.apply(module, names)  # the next run packs them again, with the new weights
     assert counts["qkv"] == len(attentions)

@@ -45,8 +45,10 @@ class Pack:
         """Whether layers i.. (count of them, all by default) still compute x @ W.T + b from their rows."""
         for j in range(i, len(self.layers) if count is None else i + count):
             layer = self.layers[j]
-            if not plain_linear(layer) or not _reads(layer.weight, self.weight, self.starts[j]) or (
-                    self.bias is not None and not _reads(layer.bias, self.bias, self.starts[j])):
+            # A bias the host gave a layer packed without one (A1111 assigns one for a LoRA with a bias diff)
+            # counts as a change too.
+            bias_kept = (layer.bias is None if self.bias is None else _reads(layer.bias, self.bias, self.starts[j]))
+            if not plain_linear(layer) or not _reads(layer.weight, self.weight, self.starts[j]) or not bias_kept:
                 return False
         return True
 

@@ -14,6 +14,7 @@ from modules import devices, script_callbacks, sd_unet, shared
 
 from accel.accelerate import accelerate
 from accel.errors import AccelError
+from accel.host_a1111 import LoraSync, refit_engine
 from accel.progress import CallbackProgress
 
 log = logging.getLogger("sd-accel")
@@ -24,6 +25,10 @@ class AccelUnet(sd_unet.SdUnet):
     def __init__(self) -> None:
         super().__init__()
         self.acc = None
+        self.lora = LoraSync()
+        self._told_functional = False
+        self._engine_networks = None  # the networks a weight-baking engine was last brought to
+        self._engine_current = True  # whether that engine serves the weights as they are now
 
     def activate(self) -> None:
         diffusion_model = shared.sd_model.model.diffusion_model
@@ -41,11 +46,33 @@ class AccelUnet(sd_unet.SdUnet):
             self.acc = None
 
     def forward(self, x, timesteps, context, *args, **kwargs):
+        diffusion_model = shared.sd_model.model.diffusion_model
         if self.acc is None:
-            return shared.sd_model.model.diffusion_model(x, timesteps, context, *args, **kwargs)
+            return diffusion_model(x, timesteps, context, *args, **kwargs)
+        if not self.lora.sync(diffusion_model, getattr(shared.opts, "lora_functional", False)):
+            if not self._told_functional:
+                self._told_functional = True
+                print("sd-accel: the Lora setting 'use old method that takes longer when you have multiple Loras "
+                      "active' (Settings > Compatibility) is on: it adds each LoRA inside every layer's own forward, "
+                      "which no accelerated path runs, so the built-in UNet runs while a LoRA is in use. Turn that "
+                      "setting off to get acceleration with LoRAs (they are then merged into the weights).")
+            # The layers' own (patched) forwards must run: the torch path's fused forwards would bypass them.
+            self.acc.suspend()
+            return diffusion_model(x, timesteps, context, *args, **kwargs)
+        runner = self.acc
+        if self.acc.backend != "torch":
+            if self.lora.applied != self._engine_networks:
+                self._engine_networks = self.lora.applied
+                self._engine_current = refit_engine(self.acc)
+                if not self._engine_current:
+                    print(f"sd-accel: the {self.acc.backend} engine could not take the new LoRA weights; the torch "
+                          "path serves these calls. Choose the torch backend in the sd-accel settings to keep "
+                          "using LoRAs without this.")
+            if not self._engine_current:
+                runner = self.acc.fallback or self.acc.unet
         y = kwargs.pop("y", None)
         control = kwargs.pop("control", None)
-        return self.acc(x, timesteps, context, y, control, **kwargs)
+        return runner(x, timesteps, context, y, control, **kwargs)
 
     def deactivate(self) -> None:
         if self.acc is not None:

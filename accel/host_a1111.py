@@ -85,19 +85,3 @@ class LoraSync:
             self.applied = wanted
         return True
 
-
-def refit_engine(acc) -> bool:
-    """After the wanted networks changed the weights: bring an engine that bakes weights in (ONNX Runtime) to them.
-    False when it cannot (no refit for its backend, or the refit failed): its calls then go to the torch path, which
-    reads the weights where they are, rather than to an engine serving the old ones."""
-    from . import backends
-    from .errors import AccelError
-
-    update = getattr(backends.load(acc.backend), "update_weights", None)
-    if update is None:
-        return False
-    try:
-        update(acc.engine, acc.unet)
-    except AccelError:
-        return False
-    return True

@@ -100,6 +100,21 @@ class _Collect(logging.Handler):
         self.sink(msg[len("sd-accel: "):] if msg.startswith("sd-accel: ") else msg)
 
 
+def refit(acc) -> str | None:
+    """Bring an AcceleratedUNet's engine that bakes weights in (ONNX Runtime) to its module's current weights (a
+    LoRA merged or removed). None when it did; else why not: its backend has no refit, or the refit failed."""
+    from . import backends
+
+    update = getattr(backends.load(acc.backend), "update_weights", None)
+    if update is None:
+        return f"the {acc.backend} path cannot refit its engine"
+    try:
+        update(acc.engine, acc.unet)
+    except AccelError as e:
+        return f"refitting the {acc.backend} engine failed ({e})"
+    return None
+
+
 class EngineSlot:
     """One host model's engine: built on the first call it may serve, with that call's real shapes; rebuilt
     (or refitted) when the host's weights key changes on a path that bakes weights in; and never the reason a
@@ -246,19 +261,12 @@ class EngineSlot:
     def _refresh_weights(self, weights_key: Any) -> None:
         """The host's weights changed (a LoRA applied or removed) on a path that bakes weights into its engine:
         refit when the backend can, else build again (the engine cache keys on the weights)."""
-        from . import backends
-
-        update = getattr(backends.load(self.acc.backend), "update_weights", None)
-        if update is not None:
-            try:
-                update(self.acc.engine, self.acc.unet)
-                self._weights_key = weights_key
-                self._note(f"the {self.acc.backend} engine was refitted to the new weights (LoRA).")
-                return
-            except AccelError as e:
-                self._note(f"refitting the {self.acc.backend} engine failed ({e}); building it again.")
-        else:
-            self._note(f"the weights changed (LoRA); the {self.acc.backend} engine is built again for them.")
+        why = refit(self.acc)
+        if why is None:
+            self._weights_key = weights_key
+            self._note(f"the {self.acc.backend} engine was refitted to the new weights (LoRA).")
+            return
+        self._note(f"the weights changed (LoRA) and {why}; the {self.acc.backend} engine is built again for them.")
         self.acc.release()
         self.acc = None
 

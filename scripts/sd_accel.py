@@ -14,7 +14,8 @@ from modules import devices, script_callbacks, sd_unet, shared
 
 from accel.accelerate import accelerate
 from accel.errors import AccelError
-from accel.host_a1111 import LoraSync, refit_engine
+from accel.host_a1111 import LoraSync
+from accel.host_support import refit
 from accel.progress import CallbackProgress
 
 log = logging.getLogger("sd-accel")
@@ -63,11 +64,12 @@ class AccelUnet(sd_unet.SdUnet):
         if self.acc.backend != "torch":
             if self.lora.applied != self._engine_networks:
                 self._engine_networks = self.lora.applied
-                self._engine_current = refit_engine(self.acc)
-                if not self._engine_current:
-                    print(f"sd-accel: the {self.acc.backend} engine could not take the new LoRA weights; the torch "
-                          "path serves these calls. Choose the torch backend in the sd-accel settings to keep "
-                          "using LoRAs without this.")
+                why = refit(self.acc)
+                self._engine_current = why is None
+                if why is not None:
+                    print(f"sd-accel: the {self.acc.backend} engine could not take the new LoRA weights ({why}); "
+                          "the torch path serves these calls. Choose the torch backend in the sd-accel settings to "
+                          "keep using LoRAs without this.")
             if not self._engine_current:
                 runner = self.acc.fallback or self.acc.unet
         y = kwargs.pop("y", None)

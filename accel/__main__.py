@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--kernels", action="store_true",
-                   help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM one)")
+                   help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM and attention ones)")
     b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
     b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
     b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",

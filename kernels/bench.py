@@ -1,5 +1,5 @@
 """Micro-benchmark: each Triton kernel against the torch ops it replaces, on Stable Diffusion shapes.
-(geglu_linear, a GEMM, against cuBLAS's GEMM and the GEGLU kernel, also in TFLOP/s.)
+(geglu_linear, a GEMM, against cuBLAS's GEMM and the GEGLU kernel, and attention against cuDNN's, also in TFLOP/s.)
 
 Reports median ms, achieved GB/s over the compulsory traffic (every input read once, every output written once; the
 same byte count for both sides, so the GB/s compare like the ms do), and the device's copy bandwidth (a large
@@ -21,6 +21,7 @@ import torch
 
 from accel.errors import BackendUnavailable
 
+from . import attention as at
 from . import geglu as gg
 from . import groupnorm as gn
 from . import layernorm as ln
@@ -42,7 +43,7 @@ class Case:
     triton: Callable[..., object]
     torch: Callable[..., object]
     bytes: int
-    flops: int = 0  # for the GEMM cases: reported as TFLOP/s too
+    flops: int = 0  # for the GEMM and attention cases: reported as TFLOP/s too
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
@@ -142,6 +143,26 @@ def _upsample_case(name: str, shape: tuple[int, ...], device: torch.device, dtyp
                 up.upsample_nearest2x, up.upsample_nearest2x_ref, 5 * torch.Size(shape).numel() * dtype.itemsize)
 
 
+def _attention_case(name: str, batch: int, queries: int, keys: int, heads: int, d: int, device: torch.device,
+                    dtype: torch.dtype) -> Case:
+    """Cross-attention as the UNet runs it: q a (batch, queries, heads * d) projection, k and v per-head views of the
+    shared K/V projection of the text context; against SDPA with cuDNN first, the torch path's choice."""
+    from accel.attention import sdpa_kernels
+
+    def inputs(seed: int) -> tuple:
+        q, kv = _inputs([(batch, queries, heads * d), (batch, keys, 2 * heads * d)], device, dtype)(seed)
+        return (q.view(batch, queries, heads, d), kv[..., :heads * d].view(batch, keys, heads, d),
+                kv[..., heads * d:].view(batch, keys, heads, d))
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernels("cudnn"):
+            return at.attention_ref(q, k, v)
+
+    return Case("attention", name, (batch, queries, keys, heads, d), inputs, at.attention, sdpa,
+                (2 * queries + 2 * keys) * batch * heads * d * dtype.itemsize,
+                flops=4 * batch * heads * queries * keys * d)
+
+
 def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
     """The shapes: SD1.5 / SDXL UNet at batch 2 (classifier-free guidance) and the SD VAE decoder at batch 1."""
     if tiny:
@@ -151,7 +172,8 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
                 _geglu_linear_case("tiny", 16, 32, 32, device, dtype),
                 _layer_norm_case("tiny", (1, 16, 64), device, dtype),
                 _bias_residual_case("tiny", (1, 16, 64), device, dtype),
-                _upsample_case("tiny", (1, 16, 4, 4), device, dtype)]
+                _upsample_case("tiny", (1, 16, 4, 4), device, dtype),
+                _attention_case("tiny", 1, 16, 77, 2, 64, device, dtype)]
     out = []
     for name, shape, eps in [("sd15 unet 64x64", (2, 320, 64, 64), 1e-5), ("sd15 unet 32x32", (2, 640, 32, 32), 1e-5),
                              ("sd15 unet 8x8", (2, 1280, 8, 8), 1e-5), ("sdxl unet 128x128", (2, 320, 128, 128), 1e-5),
@@ -174,6 +196,8 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
     for name, shape in [("sd15 up 16x16", (2, 1280, 16, 16)), ("sd15 up 32x32", (2, 640, 32, 32)),
                         ("sdxl up 32x32", (2, 1280, 32, 32)), ("sdxl up 64x64", (2, 640, 64, 64))]:
         out.append(_upsample_case(name, shape, device, dtype))
+    for name, queries, heads in [("sdxl cross 64x64", 4096, 10), ("sdxl cross 32x32", 1024, 20)]:
+        out.append(_attention_case(name, 2, queries, 77, heads, 64, device, dtype))
     return out
 
 

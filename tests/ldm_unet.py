@@ -92,6 +92,10 @@ def optimized_attention(q, k, v, heads, attn_precision=None, transformer_options
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, q.shape[-1] * heads)
 
 
+# ComfyUI's default on NVIDIA and AMD GPUs: optimized_attention is its PyTorch attention function.
+attention_pytorch = optimized_attention
+
+
 def optimized_attention_masked(q, k, v, heads, mask, attn_precision=None, transformer_options=None):
     b = q.shape[0]
     q, k, v = (t.view(b, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))

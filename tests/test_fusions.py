@@ -371,3 +371,73 @@ def test_unpack_gives_each_weight_its_own_storage_back(monkeypatch, way):
     assert list(model.parameters()) == params and "_sd_accel_packs" not in vars(model)
     assert len({p.untyped_storage().data_ptr() for p in params}) == len(params)
     assert all(torch.equal(p, v) and p.is_contiguous() for p, v in zip(params, values))
+
+
+def _cross_attention_module(form: str, device: str) -> nn.Module:
+    """A cross-attention with 64-wide heads (SDXL's), as diffusers and ComfyUI build it, in fp16."""
+    torch.manual_seed(40)
+    if form == "diffusers":
+        from diffusers.models.attention_processor import Attention
+
+        attn = Attention(96, cross_attention_dim=80, heads=2, dim_head=64)
+    else:
+        from ldm_unet import CrossAttention
+
+        attn = CrossAttention(96, 80, heads=2, dim_head=64)
+    return attn.to(device).half()
+
+
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+def test_cross_attention_fusion_runs_short_key_sets_through_the_kernel(form, monkeypatch):
+    from accel.fusions.base import kernel_module
+
+    attention = kernel_module("attention")
+    calls = []
+    monkeypatch.setattr(attention, "attention", lambda *a, f=attention.attention: calls.append(a[1].shape) or f(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the kernels run (the CPU under the interpreter)
+    attn = _cross_attention_module(form, device)
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(2, 24, 96, generator=g).to(device).half()
+    text, long_text = (torch.randn(2, n, 80, generator=g).to(device).half() for n in (77, attention.SHORT_KEYS + 8))
+    with torch.no_grad():
+        refs = [attn.float()(x.float(), text.float()), attn(x.float(), long_text.float())]
+        attn.half()
+        undo, counts = fusions.apply(nn.Sequential(attn), ["sdpa_processor", "qkv", "cross_attention"])
+        assert counts["cross_attention"] == 1
+        outs = [attn(x, text), attn(x, long_text)]
+        assert [s[1] for s in calls] == [77]  # the long key set went to SDPA
+        undo()
+        assert "_sd_accel_short_keys" not in vars(attn)
+        assert rel(attn(x, text).float(), refs[0]) <= 1e-2 and len(calls) == 1
+    assert all(rel(o.float(), r) <= 1e-2 for o, r in zip(outs, refs))
+
+
+def test_cross_attention_fusion_leaves_comfyuis_other_attention_functions_alone(monkeypatch):
+    import ldm_unet
+    from accel.fusions.base import kernel_module
+
+    attention = kernel_module("attention")
+    calls = []
+    monkeypatch.setattr(attention, "attention", lambda *a, f=attention.attention: calls.append(1) or f(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    attn = _cross_attention_module("ldm", device)
+    x = torch.randn(2, 24, 96).to(device).half()
+    text = torch.randn(2, 77, 80).to(device).half()
+    chosen = []
+
+    def other(q, k, v, heads, **kwargs):  # another attention function (sage, xformers, ...) chosen by the user
+        chosen.append("other")
+        return ldm_unet.attention_pytorch(q, k, v, heads, **kwargs)
+
+    with torch.no_grad():
+        undo, _ = fusions.apply(nn.Sequential(attn), ["qkv", "cross_attention"])
+        monkeypatch.setattr(ldm_unet, "optimized_attention", other)
+        attn(x, text, transformer_options={})
+        assert calls == [] and chosen == ["other"]
+        monkeypatch.setattr(ldm_unet, "optimized_attention", ldm_unet.attention_pytorch)
+        # a model patch's attention override, which ComfyUI's attention functions hand the call to
+        attn(x, text, transformer_options={"optimized_attention_override": other})
+        assert calls == []
+        attn(x, text, transformer_options={})
+        assert calls == [1]
+        undo()

@@ -18,6 +18,7 @@ if DEVICE == "cpu" and "triton" not in sys.modules:
 pytest.importorskip("triton")
 
 from accel.errors import BadInput  # noqa: E402
+from kernels import attention as at  # noqa: E402
 from kernels import common  # noqa: E402
 from kernels import geglu as gg  # noqa: E402
 from kernels import groupnorm as gn  # noqa: E402
@@ -316,6 +317,68 @@ def test_upsample_nearest2x_errors_say_what_to_do():
         up.upsample_nearest2x(x)
 
 
+# ---- attention ----
+
+def _qkv_views(B, Lq, Lk, H, D, dtype, seed=0):
+    """q, k and v as the packed projections hold them: per-head views of (B, tokens, n * H * D) outputs."""
+    q = _randn(B, Lq, 3 * H * D, dtype=dtype, seed=seed)[..., H * D:2 * H * D].view(B, Lq, H, D)
+    kv = _randn(B, Lk, 2 * H * D, dtype=dtype, seed=seed + 1)
+    return q, kv[..., :H * D].view(B, Lk, H, D), kv[..., H * D:].view(B, Lk, H, D)
+
+
+@pytest.mark.parametrize("B,Lq,Lk,H,D,dtype", [
+    (2, 64, 77, 2, 64, torch.float16),  # SDXL's cross-attention, fewer queries and heads
+    (2, 64, 77, 2, 64, torch.float32),
+    (1, 37, 77, 3, 40, torch.float16),  # SD1.5's head size, an odd query count
+    (3, 16, 5, 1, 80, torch.float32),
+    (2, 130, 200, 2, 64, torch.float16),  # several key blocks, the last one partial
+    (1, 1, 1, 1, 8, torch.float32),
+])
+def test_attention_matches_torch(B, Lq, Lk, H, D, dtype):
+    q, k, v = _qkv_views(B, Lq, Lk, H, D, dtype)
+    out = at.attention(q, k, v)
+    ref = at.attention_ref(q.double(), k.double(), v.double())
+    assert out.shape == (B, Lq, H, D) and out.dtype == dtype and out.is_contiguous()
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= (2e-3 if dtype == torch.float16 else 1e-5)
+    scaled = at.attention(q, k, v, scale=0.3)  # a scale of the caller's
+    ref = at.attention_ref(q.double(), k.double(), v.double(), scale=0.3)
+    assert ((scaled.double() - ref).norm() / ref.norm()).item() <= (2e-3 if dtype == torch.float16 else 1e-5)
+
+
+def test_attention_large_scores_stay_finite():
+    """Scores far beyond fp16's range (no max subtracted, exp would overflow) still give a softmax."""
+    q, k, v = _qkv_views(2, 16, 77, 2, 64, torch.float16)
+    q = q * 40
+    out = at.attention(q, k, v)
+    ref = at.attention_ref(q.double(), k.double(), v.double())
+    assert torch.isfinite(out).all() and ((out.double() - ref).norm() / ref.norm()).item() <= 5e-3
+
+
+def test_attention_covers_short_key_sets_of_64_wide_heads():
+    q, k, _ = _qkv_views(2, 16, 77, 2, 64, torch.float16)
+    assert at.covers(q, k)
+    assert not at.covers(q, _qkv_views(2, 16, at.SHORT_KEYS + 1, 2, 64, torch.float16)[1])  # self-attention
+    assert not at.covers(*_qkv_views(2, 16, 77, 2, 40, torch.float16)[:2])  # SD1.5's heads: cuDNN is faster
+    assert not at.covers(*_qkv_views(2, 16, 77, 2, 64, torch.float32)[:2])
+
+
+def test_attention_errors_say_what_to_do():
+    q, k, v = _qkv_views(2, 16, 7, 2, 64, torch.float32)
+    with pytest.raises(BadInput, match="do not match q"):
+        at.attention(q, k[:, :, :1], v[:, :, :1])
+    with pytest.raises(BadInput, match="no keys"):
+        at.attention(q, k[:, :0], v[:, :0])
+    strided = _randn(2, 7, 2, 128)[..., ::2]  # every other element of the head dimension
+    with pytest.raises(BadInput, match="must be contiguous"):
+        at.attention(q, strided, strided)
+    with pytest.raises(BadInput, match="over the kernel's"):
+        big = _randn(1, 4, 1, at.MAX_HEAD_DIM * 2)
+        at.attention(big, big, big)
+    with pytest.raises(BadInput, match="batch, tokens, heads, head_dim"):
+        at.attention(q.flatten(2), k.flatten(2), v.flatten(2))
+
+
 # ---- bench, and running without Triton ----
 
 def test_bench_smoke():
@@ -323,7 +386,7 @@ def test_bench_smoke():
 
     rows = bench_kernels(device=DEVICE, tiny=True)
     assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "geglu_linear", "skip_layer_norm",
-                                              "add_bias_residual", "upsample_nearest2x"}
+                                              "add_bias_residual", "upsample_nearest2x", "attention"}
     for r in rows:
         assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["copy_gbps"] > 0
         assert r["max_rel_err"] < 5e-3, r

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import packing
+from . import cross_attention, packing
 from .base import Undo, forward_takes, patch_forward
 
 _QKV = "_sd_accel_qkv"  # on the attention module: its _Entry
@@ -101,10 +101,13 @@ def _comfy_forward(self, x, context=None, value=None, mask=None, transformer_opt
     q, k, v = project(self, x, x if context is None else context)
     # ComfyUI's attention functions, looked up at call time in the module's namespace as its own forward does.
     attention = sys.modules[type(self).__module__]
-    if mask is None:
+    out = None
+    if mask is None and cross_attention.comfy_pytorch_attention(self, transformer_options):
+        out = cross_attention.attend(self, q, k, v, self.heads)
+    if out is None and mask is None:
         out = attention.optimized_attention(q, k, v, self.heads, attn_precision=self.attn_precision,
                                             transformer_options=transformer_options)
-    else:
+    elif out is None:
         out = attention.optimized_attention_masked(q, k, v, self.heads, mask, attn_precision=self.attn_precision,
                                                    transformer_options=transformer_options)
     return self.to_out(out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from . import qkv
+from . import cross_attention, qkv
 from .base import Undo
 
 
@@ -30,9 +30,11 @@ class PlainSDPAProcessor:
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         q, k, v = qkv.project(attn, hidden_states, context)
         batch, heads = hidden_states.shape[0], attn.heads
-        q, k, v = (t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1]).to(q.dtype)
+        out = cross_attention.attend(attn, q, k, v, heads)
+        if out is None:
+            q, k, v = (t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+            out = out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1]).to(q.dtype)
         return attn.to_out[1](attn.to_out[0](out))
 
 

@@ -30,7 +30,7 @@ SHORT_KEYS = 128
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, Lq, Lk, H,
                       sq_b, sq_l, sq_h, sk_b, sk_l, sk_h, sv_b, sv_l, sv_h, so_b, so_l, so_h,
                       HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+                      EVEN_N: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -54,21 +54,14 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, Lq, Lk, H,
         else:
             kt = tl.load(k_rows + cols[None, :] * sk_l, mask=dmask[:, None] & (cols < Lk)[None, :], other=0.0)
             v = tl.load(v_rows + cols[:, None] * sv_l, mask=(cols < Lk)[:, None] & dmask[None, :], other=0.0)
-        # fp32 inputs get fp32 products (tl.dot's default for them is TF32 on NVIDIA GPUs, ~1e-3 off)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, kt) * qk_scale
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         if not EVEN_N:
             s = tl.where((cols < Lk)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + b.to(tl.int64) * so_b + h * so_h + rm[:, None] * so_l + rd[None, :],
@@ -145,7 +138,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
                                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                 v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
                                 HEAD_D=D, BLOCK_D=max(16, pow2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
-                                EVEN_N=Lk % block_n == 0, IEEE=q.dtype == torch.float32, **t)
+                                EVEN_N=Lk % block_n == 0,
+                                # fp32 inputs get fp32 products (tl.dot's default for them is TF32, ~1e-3 off);
+                                # None leaves each backend its default for fp16/bf16
+                                PRECISION="ieee" if q.dtype == torch.float32 else None, **t)
     return out
 
 

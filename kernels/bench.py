@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from accel.attention import sdpa_kernels
 from accel.errors import BackendUnavailable
 
 from . import attention as at
@@ -147,8 +148,6 @@ def _attention_case(name: str, batch: int, queries: int, keys: int, heads: int, 
                     dtype: torch.dtype) -> Case:
     """Cross-attention as the UNet runs it: q a (batch, queries, heads * d) projection, k and v per-head views of the
     shared K/V projection of the text context; against SDPA with cuDNN first, the torch path's choice."""
-    from accel.attention import sdpa_kernels
-
     def inputs(seed: int) -> tuple:
         q, kv = _inputs([(batch, queries, heads * d), (batch, keys, 2 * heads * d)], device, dtype)(seed)
         return (q.view(batch, queries, heads, d), kv[..., :heads * d].view(batch, keys, heads, d),

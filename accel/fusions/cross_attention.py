@@ -15,6 +15,7 @@ import sys
 import torch
 from torch import nn
 
+from . import qkv
 from .base import Undo, kernel_module
 
 _MARK = "_sd_accel_short_keys"
@@ -49,7 +50,7 @@ def comfy_pytorch_attention(m: nn.Module, transformer_options: dict) -> bool:
 def _covered(m: nn.Module) -> bool:
     name = type(m).__name__
     return (name == "Attention" and type(getattr(m, "processor", None)).__name__ == "PlainSDPAProcessor") or \
-        (name == "CrossAttention" and "forward" in m.__dict__ and "_sd_accel_qkv" in m.__dict__)
+        (name == "CrossAttention" and "forward" in m.__dict__ and qkv._QKV in m.__dict__)
 
 
 def apply(model: nn.Module, undo: Undo) -> int:

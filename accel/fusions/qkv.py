@@ -101,15 +101,15 @@ def _comfy_forward(self, x, context=None, value=None, mask=None, transformer_opt
     q, k, v = project(self, x, x if context is None else context)
     # ComfyUI's attention functions, looked up at call time in the module's namespace as its own forward does.
     attention = sys.modules[type(self).__module__]
-    out = None
-    if mask is None and cross_attention.comfy_pytorch_attention(self, transformer_options):
-        out = cross_attention.attend(self, q, k, v, self.heads)
-    if out is None and mask is None:
-        out = attention.optimized_attention(q, k, v, self.heads, attn_precision=self.attn_precision,
-                                            transformer_options=transformer_options)
-    elif out is None:
+    if mask is not None:
         out = attention.optimized_attention_masked(q, k, v, self.heads, mask, attn_precision=self.attn_precision,
                                                    transformer_options=transformer_options)
+    else:
+        out = cross_attention.attend(self, q, k, v, self.heads) \
+            if cross_attention.comfy_pytorch_attention(self, transformer_options) else None
+        if out is None:
+            out = attention.optimized_attention(q, k, v, self.heads, attn_precision=self.attn_precision,
+                                                transformer_options=transformer_options)
     return self.to_out(out)
 
 

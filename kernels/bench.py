@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from accel.attention import sdpa_kernels
 from accel.errors import BackendUnavailable
@@ -123,7 +124,7 @@ def _geglu_linear_case(name: str, tokens: int, k: int, d: int, device: torch.dev
     # Against what runs without it: cuBLAS's GEMM, then the GEGLU kernel (with the bias).
     return Case("geglu_linear", name, (tokens, k, 2 * d),
                 _inputs([(tokens, k), (2 * d, k), (2 * d,)], device, dtype), gg.geglu_linear,
-                lambda x, w, b: gg.geglu(torch.nn.functional.linear(x, w), b),
+                lambda x, w, b: gg.geglu(F.linear(x, w), b),
                 (tokens * k + 2 * d * k + tokens * d) * dtype.itemsize, flops=2 * tokens * k * 2 * d)
 
 
@@ -142,6 +143,20 @@ def _bias_residual_case(name: str, shape: tuple[int, ...], device: torch.device,
 def _upsample_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
     return Case("upsample_nearest2x", name, shape, _inputs([shape], device, dtype, channels_last=True),
                 up.upsample_nearest2x, up.upsample_nearest2x_ref, 5 * torch.Size(shape).numel() * dtype.itemsize)
+
+
+def _upsample_conv_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
+    # Against what runs without it: the nearest-2x kernel, then cuDNN's 3x3 convolution of the upsampled image.
+    n, c, h, w = shape
+    make = _inputs([shape, (c, c, 3, 3), (c,)], device, dtype, channels_last=True)
+
+    def inputs(seed: int) -> tuple:
+        x, weight, bias = make(seed)
+        return x, (weight / (9 * c) ** 0.5).contiguous(memory_format=torch.channels_last), bias
+
+    return Case("upsample_conv3x3", name, shape, inputs, up.upsample_conv3x3,
+                lambda x, weight, bias: F.conv2d(up.upsample_nearest2x(x), weight, bias, padding=1),
+                (5 * n * c * h * w + 9 * c * c) * dtype.itemsize, flops=2 * n * 4 * h * w * c * c * 9)
 
 
 def _attention_case(name: str, batch: int, queries: int, keys: int, heads: int, d: int, device: torch.device,
@@ -172,6 +187,7 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
                 _layer_norm_case("tiny", (1, 16, 64), device, dtype),
                 _bias_residual_case("tiny", (1, 16, 64), device, dtype),
                 _upsample_case("tiny", (1, 16, 4, 4), device, dtype),
+                _upsample_conv_case("tiny", (1, 16, 4, 4), device, dtype),
                 _attention_case("tiny", 1, 16, 77, 2, 64, device, dtype)]
     out = []
     for name, shape, eps in [("sd15 unet 64x64", (2, 320, 64, 64), 1e-5), ("sd15 unet 32x32", (2, 640, 32, 32), 1e-5),
@@ -195,6 +211,7 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
     for name, shape in [("sd15 up 16x16", (2, 1280, 16, 16)), ("sd15 up 32x32", (2, 640, 32, 32)),
                         ("sdxl up 32x32", (2, 1280, 32, 32)), ("sdxl up 64x64", (2, 640, 64, 64))]:
         out.append(_upsample_case(name, shape, device, dtype))
+        out.append(_upsample_conv_case(name, shape, device, dtype))
     for name, queries, heads in [("sdxl cross 64x64", 4096, 10), ("sdxl cross 32x32", 1024, 20)]:
         out.append(_attention_case(name, 2, queries, 77, heads, 64, device, dtype))
     return out
@@ -223,31 +240,35 @@ def bench_kernels(device: str = "cuda", tiny: bool = False, dtype: torch.dtype =
     timer = _timer(dev)
     copy_gbps = _copy_gbps(dev, timer, (8 << 20) if tiny else COPY_BYTES)
     graphs = dev.type == "cuda"
-    rows = []
-    for case in cases(dev, dtype, tiny):
-        args = case.inputs(0)
-        err = _max_rel_err(case.triton(*args), case.torch(*args))
-        t_ms, r_ms = timer(lambda: case.triton(*args)), timer(lambda: case.torch(*args))
-        t_gbps, r_gbps = case.bytes / t_ms / 1e6, case.bytes / r_ms / 1e6
-        row = {"kernel": case.kernel, "case": case.name, "shape": list(case.shape), "dtype": str(dtype),
-               "triton_ms": round(t_ms, 4), "torch_ms": round(r_ms, 4), "speedup": round(r_ms / t_ms, 2),
-               "triton_gbps": round(t_gbps, 1), "torch_gbps": round(r_gbps, 1),
-               "copy_gbps": round(copy_gbps, 1), "triton_of_copy": round(t_gbps / copy_gbps, 3),
-               "torch_of_copy": round(r_gbps / copy_gbps, 3), "max_rel_err": float(f"{err:.3g}")}
+    # cuDNN chooses its convolution algorithms as the torch path has it do (backends/torch_fused.py)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=True, benchmark_limit=0):
+        return [_bench_case(case, dtype, timer, copy_gbps, graphs) for case in cases(dev, dtype, tiny)]
+
+
+def _bench_case(case: Case, dtype: torch.dtype, timer: Callable[[Callable[[], object]], float], copy_gbps: float,
+                graphs: bool) -> dict:
+    args = case.inputs(0)
+    err = _max_rel_err(case.triton(*args), case.torch(*args))
+    t_ms, r_ms = timer(lambda: case.triton(*args)), timer(lambda: case.torch(*args))
+    t_gbps, r_gbps = case.bytes / t_ms / 1e6, case.bytes / r_ms / 1e6
+    row = {"kernel": case.kernel, "case": case.name, "shape": list(case.shape), "dtype": str(dtype),
+           "triton_ms": round(t_ms, 4), "torch_ms": round(r_ms, 4), "speedup": round(r_ms / t_ms, 2),
+           "triton_gbps": round(t_gbps, 1), "torch_gbps": round(r_gbps, 1),
+           "copy_gbps": round(copy_gbps, 1), "triton_of_copy": round(t_gbps / copy_gbps, 3),
+           "torch_of_copy": round(r_gbps / copy_gbps, 3), "max_rel_err": float(f"{err:.3g}")}
+    if case.flops:
+        row.update({"triton_tflops": round(case.flops / t_ms / 1e9, 1),
+                    "torch_tflops": round(case.flops / r_ms / 1e9, 1)})
+    if graphs:
+        sets = [case.inputs(i) for i in range(min(MAX_GRAPH_SETS, max(2, -(-GRAPH_BYTES // case.bytes))))]
+        tg, rg = graph_ms(case.triton, sets), graph_ms(case.torch, sets)
+        del sets
+        # against the same copy bandwidth as above: a clone captured in a graph measured lower (2430 against
+        # 3000 GB/s on an H100), which would flatter the kernels
         if case.flops:
-            row.update({"triton_tflops": round(case.flops / t_ms / 1e9, 1),
-                        "torch_tflops": round(case.flops / r_ms / 1e9, 1)})
-        if graphs:
-            sets = [case.inputs(i) for i in range(min(MAX_GRAPH_SETS, max(2, -(-GRAPH_BYTES // case.bytes))))]
-            tg, rg = graph_ms(case.triton, sets), graph_ms(case.torch, sets)
-            del sets
-            # against the same copy bandwidth as above: a clone captured in a graph measured lower (2430 against
-            # 3000 GB/s on an H100), which would flatter the kernels
-            if case.flops:
-                row.update({"triton_graph_tflops": round(case.flops / tg / 1e9, 1),
-                            "torch_graph_tflops": round(case.flops / rg / 1e9, 1)})
-            row.update({"triton_graph_ms": round(tg, 4), "torch_graph_ms": round(rg, 4),
-                        "triton_graph_of_copy": round(case.bytes / tg / 1e6 / copy_gbps, 3),
-                        "torch_graph_of_copy": round(case.bytes / rg / 1e6 / copy_gbps, 3)})
-        rows.append(row)
-    return rows
+            row.update({"triton_graph_tflops": round(case.flops / tg / 1e9, 1),
+                        "torch_graph_tflops": round(case.flops / rg / 1e9, 1)})
+        row.update({"triton_graph_ms": round(tg, 4), "torch_graph_ms": round(rg, 4),
+                    "triton_graph_of_copy": round(case.bytes / tg / 1e6 / copy_gbps, 3),
+                    "torch_graph_of_copy": round(case.bytes / rg / 1e6 / copy_gbps, 3)})
+    return row

@@ -54,8 +54,8 @@ def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, sb_ptr, y_ptr, s_ptr, M, C, e
 
 
 @jit
-def _bias_residual_kernel(x_ptr, b_ptr, b2_ptr, r_ptr, y_ptr, M, C, HAS_B2: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
+def _bias_residual_kernel(x_ptr, b_ptr, b2_ptr, r_ptr, y_ptr, M, C, HAS_B2: tl.constexpr, HAS_RES: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (rows < M) & (cols < C)
@@ -64,7 +64,8 @@ def _bias_residual_kernel(x_ptr, b_ptr, b2_ptr, r_ptr, y_ptr, M, C, HAS_B2: tl.c
     y += tl.load(b_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
     if HAS_B2:
         y += tl.load(b2_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
-    y += tl.load(r_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(r_ptr + off, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -121,16 +122,17 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
     return (y, s) if r is not None else y
 
 
-def add_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+def add_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor] = None,
                       bias2: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x + bias (+ bias2) + residual in one pass (biases over the last dim), rounded once to x's dtype. bias2: a
-    second layer's bias (a ResNet block's shortcut convolution), added without a kernel of its own."""
+    """x + bias (+ bias2) (+ residual) in one pass (biases over the last dim), rounded once to x's dtype. bias2: a
+    second layer's bias (a ResNet block's shortcut convolution), added without a kernel of its own. Without a
+    residual it is the bias add that PyTorch runs after a cuDNN convolution, as one vectorized pass."""
     require(x, _bias_residual_kernel, "add_bias_residual")
     if x.dim() == 0:
         raise BadInput("add_bias_residual: x is a scalar.", "Pass a tensor whose last dimension matches the bias.")
     b = _vector(bias, "bias", x, "add_bias_residual")
     b2 = _vector(bias2, "bias2", x, "add_bias_residual")
-    r = _same(residual, x, "add_bias_residual")
+    r = _same(residual, x, "add_bias_residual") if residual is not None else None
     x = x.contiguous()
     C = x.shape[-1]
     M = x.numel() // C if C else 0
@@ -140,7 +142,8 @@ def add_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
         with on_device(x):
             _bias_residual_kernel[(cdiv(M, block_m), cdiv(C, block_c))](
-                x, b, b2, r, y, M, C, HAS_B2=bias2 is not None, BLOCK_M=block_m, BLOCK_C=block_c,
+                x, b, b2, x if r is None else r, y, M, C, HAS_B2=bias2 is not None, HAS_RES=r is not None,
+                BLOCK_M=block_m, BLOCK_C=block_c,
                 num_warps=warps(block_m * block_c))
     return y
 
@@ -156,10 +159,10 @@ def layer_norm_ref(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Option
     return (y, s if sum_bias is None else s + sum_bias)
 
 
-def add_bias_residual_ref(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+def add_bias_residual_ref(x: torch.Tensor, bias: torch.Tensor, residual: Optional[torch.Tensor] = None,
                           bias2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The torch reference of `add_bias_residual`."""
-    return x + bias + residual + (bias2 if bias2 is not None else 0)
+    return x + bias + (residual if residual is not None else 0) + (bias2 if bias2 is not None else 0)
 
 
 __all__ = ["layer_norm", "add_bias_residual", "layer_norm_ref", "add_bias_residual_ref", "supported"]

@@ -75,14 +75,17 @@ def test_kernels_load_when_another_package_owns_the_name(monkeypatch):
     assert hasattr(gn, "group_norm") and gn.__name__ != "kernels.groupnorm"
 
 
-@pytest.mark.parametrize("form", ["diffusers", "ldm"])
-def test_resnet_bias_fusion_same_function_and_undo_restores(form):
-    from accel.fusions.base import kernel_module
-
+def _channels_last_model(form: str):
+    """A tiny UNet and its input in channels_last, as the torch path runs them, with its output before fusing."""
     _, unet, (x, t, ctx, y) = next(m for m in _models() if m[0] == form)
     x = x.contiguous(memory_format=torch.channels_last)
     unet.unet.to(memory_format=torch.channels_last)
-    ref = unet(x, t, ctx, y)
+    return unet, (x, t, ctx, y), unet(x, t, ctx, y)
+
+
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+def test_resnet_bias_fusion_same_function_and_undo_restores(form):
+    unet, (x, t, ctx, y), ref = _channels_last_model(form)
     t2 = torch.tensor([10.0, 990.0])
     ref2 = unet(x, t2, ctx, y)
     undo, counts = fusions.apply(unet.unet, ["resnet", "groupnorm"])
@@ -93,7 +96,7 @@ def test_resnet_bias_fusion_same_function_and_undo_restores(form):
                    if type(m).__name__ in ("ResnetBlock2D", "ResBlock")]
     assert len({p.weight.untyped_storage().data_ptr() for p in projections}) == 1
     # (the tiny models stay on the CPU: on a GPU machine without the interpreter the blocks' own forwards run)
-    fused = kernel_module("groupnorm").supported(x)
+    fused = fusions.base.kernel_module("groupnorm").supported(x)
     calls = []
     hooks = [p.register_forward_hook(lambda *a: calls.append(1)) for p in projections]
     assert rel(unet(x, t, ctx, y), ref) <= 1e-5 and len(calls) == (0 if fused else len(projections))
@@ -188,16 +191,11 @@ def test_sdpa_processor_drops_only_the_division_by_one_and_undo_restores():
 
 @pytest.mark.parametrize("form", ["diffusers", "ldm"])
 def test_upsample_fusion_same_function_and_undo_restores(form, monkeypatch):
-    from accel.fusions.base import kernel_module
-
-    _, unet, (x, t, ctx, y) = next(m for m in _models() if m[0] == form)
-    x = x.contiguous(memory_format=torch.channels_last)
-    unet.unet.to(memory_format=torch.channels_last)
-    ref = unet(x, t, ctx, y)
+    unet, (x, t, ctx, y), ref = _channels_last_model(form)
     upsamplers = [m for m in unet.unet.modules() if type(m).__name__ in ("Upsample2D", "Upsample")]
     undo, counts = fusions.apply(unet.unet, ["upsample"])
     assert counts["upsample"] == len(upsamplers) > 0
-    kernel = kernel_module("upsample")
+    kernel = fusions.base.kernel_module("upsample")
     runs = kernel.supported(x)  # the tiny models stay on the CPU: on a GPU machine the module's own forward runs
     calls = []
     monkeypatch.setattr(kernel, "upsample_nearest2x", lambda h, f=kernel.upsample_nearest2x: calls.append(1) or f(h))
@@ -208,6 +206,49 @@ def test_upsample_fusion_same_function_and_undo_restores(form, monkeypatch):
     h = torch.randn(1, up.channels, 3, 3).contiguous(memory_format=torch.channels_last)
     odd = up(h, (1, up.channels, 5, 5)) if form == "ldm" else up(h, output_size=(5, 5))
     assert odd.shape[-2:] == (5, 5) and len(calls) == (len(upsamplers) if runs else 0)
+    # large enough inputs take the upsampling and the 3x3 convolution together (sub-pixel form)
+    monkeypatch.setattr(kernel, "SUBPIXEL_MIN_PIXELS", 0)
+    pairs = []
+    monkeypatch.setattr(kernel, "upsample_conv3x3", lambda *a, f=kernel.upsample_conv3x3: pairs.append(1) or f(*a))
+    assert rel(unet(x, t, ctx, y), ref) <= 1e-5
+    assert len(pairs) == (len(upsamplers) if runs else 0) and len(calls) == (len(upsamplers) if runs else 0)
+    undo()
+    assert not any("forward" in vars(m) for m in unet.unet.modules())
+    assert torch.equal(unet(x, t, ctx, y), ref)
+
+
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+def test_conv_bias_fusion_same_function_and_undo_restores(form, monkeypatch):
+    unet, (x, t, ctx, y), ref = _channels_last_model(form)
+    convs = [m for m in unet.unet.modules() if isinstance(m, nn.Conv2d) and m.bias is not None]
+    ran = []
+    def channels_last_input(m, args):  # unconverted inputs (a transformer's NCHW output here) keep the conv's forward
+        if not args[0].is_contiguous() and args[0].is_contiguous(memory_format=torch.channels_last):
+            ran.append(1)
+
+    hooks = [c.register_forward_pre_hook(channels_last_input) for c in convs]
+    unet(x, t, ctx, y)
+    undo, counts = fusions.apply(unet.unet, ["conv_bias"])
+    assert counts["conv_bias"] == len(convs) > 0
+    kernel = fusions.base.kernel_module("layernorm")
+    runs = kernel.supported(x)  # the tiny models stay on the CPU: on a GPU machine the convolutions' own forward runs
+    calls = []
+    monkeypatch.setattr(kernel, "add_bias_residual", lambda *a, f=kernel.add_bias_residual: calls.append(1) or f(*a))
+    n_ran = len(ran)
+    out = unet(x, t, ctx, y)
+    assert rel(out, ref) <= 1e-5 and len(calls) == (len(ran) - n_ran if runs else 0) > (0 if runs else -1)
+    # NCHW input (a host that did not convert the model) and a LoRA-style weight function keep the conv's forward
+    conv = convs[0]
+    h = torch.randn(1, conv.in_channels, 8, 8)
+    before = len(calls)
+    assert torch.equal(conv(h), F.conv2d(h, conv.weight, conv.bias, conv.stride, conv.padding)) and len(calls) == before
+    conv.weight_function = [lambda w: w * 2]  # ComfyUI's attribute: the fused path must not skip it
+    h = h.contiguous(memory_format=torch.channels_last)
+    conv(h)
+    assert len(calls) == before
+    del conv.weight_function
+    for hook in hooks:
+        hook.remove()
     undo()
     assert not any("forward" in vars(m) for m in unet.unet.modules())
     assert torch.equal(unet(x, t, ctx, y), ref)

@@ -285,6 +285,8 @@ def test_add_bias_residual(shape, dtype):
     _close(ln.add_bias_residual(x, b, r), x.float() + b.float() + r.float(), dtype)
     b2 = _randn(shape[-1], dtype=dtype, seed=3)  # a shortcut convolution's bias too
     _close(ln.add_bias_residual(x, b, r, b2), x.float() + b.float() + r.float() + b2.float(), dtype)
+    _close(ln.add_bias_residual(x, b), x.float() + b.float(), dtype)  # a convolution's bias alone
+    _close(ln.add_bias_residual(x, b, bias2=b2), x.float() + b.float() + b2.float(), dtype)
     with pytest.raises(BadInput, match="bias2 has"):
         ln.add_bias_residual(x, b, r, b2[:-1])
 
@@ -315,6 +317,51 @@ def test_upsample_nearest2x_errors_say_what_to_do():
     assert not up.supported(x)
     with pytest.raises(BadInput, match="channels_last"):
         up.upsample_nearest2x(x)
+
+
+@pytest.mark.parametrize("n,ci,co,h,w,dtype", [(2, 64, 64, 8, 8, torch.float16), (3, 12, 20, 3, 5, torch.float32),
+                                                (1, 7, 5, 1, 1, torch.float32), (1, 40, 24, 4, 2, torch.bfloat16)])
+def test_upsample_conv3x3_is_the_upsampling_then_the_convolution(n, ci, co, h, w, dtype):
+    x = _randn(n, ci, h, w, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    weight, bias = _randn(co, ci, 3, 3, dtype=dtype, seed=1, scale=(9 * ci) ** -0.5), _randn(co, dtype=dtype, seed=2)
+    ref = up.upsample_conv3x3_ref(x.double(), weight.double(), bias.double())
+    y = up.upsample_conv3x3(x, weight, bias)
+    assert y.shape == ref.shape and y.dtype == dtype and y.is_contiguous(memory_format=torch.channels_last)
+    # the yardstick is the rounding of the torch path's own upsample + conv at this dtype (TF32 for fp32 on a GPU)
+    own = up.upsample_conv3x3_ref(x, weight, bias).double()
+    tol = 2 * ((own - ref).norm() / ref.norm()).item() + (1e-5 if dtype == torch.float32 else 1e-3)
+    assert ((y.double() - ref).norm() / ref.norm()).item() <= tol
+    no_bias = up.upsample_conv3x3(x, weight.contiguous(memory_format=torch.channels_last))  # either weight layout
+    assert ((no_bias.double() + bias.double()[:, None, None] - ref).norm() / ref.norm()).item() <= tol
+
+
+def test_subpixel_weight_sums_the_taps_each_parity_sees():
+    w = _randn(3, 2, 3, 3)
+    sub = up.subpixel_weight(w).view(2, 2, 3, 2, 2, 2)  # (a, b, out, in, u, v)
+    rows = [[[0], [1, 2]], [[0, 1], [2]]]  # parity, tap -> the 3x3 rows (columns) summed
+    for a in range(2):
+        for b in range(2):
+            for u in range(2):
+                for v in range(2):
+                    expected = w[:, :, rows[a][u]][:, :, :, rows[b][v]].sum((2, 3))
+                    torch.testing.assert_close(sub[a, b, :, :, u, v], expected)
+
+
+def test_upsample_conv3x3_errors_and_coverage():
+    x = _randn(2, 8, 4, 4)  # NCHW, not channels_last
+    with pytest.raises(BadInput, match="channels_last"):
+        up.upsample_conv3x3(x, _randn(8, 8, 3, 3))
+    x = x.contiguous(memory_format=torch.channels_last)
+    with pytest.raises(BadInput, match="does not fit"):
+        up.upsample_conv3x3(x, _randn(8, 4, 3, 3))
+    with pytest.raises(BadInput, match="bias has 3"):
+        up.upsample_conv3x3(x, _randn(8, 8, 3, 3), _randn(3))
+    with pytest.raises(BadInput, match="3, 3"):
+        up.subpixel_weight(_randn(8, 8, 1, 1))
+    # the 2x2 weights are made at every call: below SUBPIXEL_MIN_PIXELS input pixels they cost more than they save
+    big = _randn(1, 8, 32, 32).contiguous(memory_format=torch.channels_last)
+    assert up.conv_covers(big, _randn(8, 8, 3, 3)) and not up.conv_covers(x, _randn(8, 8, 3, 3))
+    assert not up.conv_covers(big, _randn(8, 8, 1, 1)) and not up.conv_covers(big, _randn(8, 8, 3, 3).half())
 
 
 # ---- attention ----
@@ -386,7 +433,8 @@ def test_bench_smoke():
 
     rows = bench_kernels(device=DEVICE, tiny=True)
     assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "geglu_linear", "skip_layer_norm",
-                                              "add_bias_residual", "upsample_nearest2x", "attention"}
+                                              "add_bias_residual", "upsample_nearest2x", "upsample_conv3x3",
+                                              "attention"}
     for r in rows:
         assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["copy_gbps"] > 0
         assert r["max_rel_err"] < 5e-3, r

@@ -11,11 +11,11 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Undo
-from . import cross_attention, geglu, groupnorm, layout, qkv, resnet, sdpa_processor, skip_layernorm, upsample
+from . import conv_bias, cross_attention, geglu, groupnorm, layout, qkv, resnet, sdpa_processor, skip_layernorm, upsample
 
 FUSIONS = {"layout": layout.apply, "groupnorm": groupnorm.apply, "geglu": geglu.apply, "resnet": resnet.apply,
            "skip_layernorm": skip_layernorm.apply, "sdpa_processor": sdpa_processor.apply, "qkv": qkv.apply,
-           "upsample": upsample.apply, "cross_attention": cross_attention.apply}
+           "upsample": upsample.apply, "cross_attention": cross_attention.apply, "conv_bias": conv_bias.apply}
 
 
 def apply(model: nn.Module, names: list[str] | None = None) -> tuple[Undo, dict[str, int]]:

@@ -97,18 +97,26 @@ def plain_conv(conv: nn.Module) -> bool:
             and plain_weights(conv))
 
 
+def own_conv(conv: nn.Module) -> bool:
+    """torch's or ComfyUI's Conv2d computing F.conv2d of its own weight and bias: a subclass that restates forward
+    (a LoRA-compatible layer) is not."""
+    return ((type(conv) is nn.Conv2d or (isinstance(conv, nn.Conv2d) and hasattr(conv, "comfy_cast_weights")))
+            and plain_conv(conv))
+
+
 def conv_without_bias(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 
-def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None,
                            bias2: torch.Tensor | None = None) -> torch.Tensor:
-    """h + bias (+ bias2, per channel) + residual for channels_last (N, C, H, W) tensors, in one pass of the Triton
-    kernel."""
+    """h + bias (+ bias2, per channel) (+ residual) for channels_last (N, C, H, W) tensors, in one pass of the
+    Triton kernel."""
     # channels_last (N, C, H, W) is (N, H, W, C) in memory: the bias runs along the last dimension of that view.
     nhwc = (0, 2, 3, 1)
     layernorm = kernel_module("layernorm")
-    return layernorm.add_bias_residual(h.permute(nhwc), bias, residual.permute(nhwc), bias2).permute(0, 3, 1, 2)
+    r = None if residual is None else residual.permute(nhwc)
+    return layernorm.add_bias_residual(h.permute(nhwc), bias, r, bias2).permute(0, 3, 1, 2)
 
 
 def conv_add(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

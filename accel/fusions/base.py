@@ -119,10 +119,15 @@ def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.
     return layernorm.add_bias_residual(h.permute(nhwc), bias, r, bias2).permute(0, 3, 1, 2)
 
 
+def bias_pass_runs(conv: nn.Module, x: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether conv(x)'s bias can be added in the bias kernel's pass over t, a channels_last tensor of its output's
+    layout (the output itself, or the residual added to it)."""
+    return (plain_conv(conv) and t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+            and not t.is_contiguous() and conv.weight.dtype == x.dtype and kernel_module("layernorm").supported(t))
+
+
 def conv_add(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """conv(x) + residual, with the conv's bias added in the residual's pass where the kernel runs on them."""
-    if (plain_conv(conv) and residual.dim() == 4 and residual.is_contiguous(memory_format=torch.channels_last)
-            and not residual.is_contiguous() and conv.weight.dtype == x.dtype
-            and kernel_module("layernorm").supported(residual)):
+    if bias_pass_runs(conv, x, residual):
         return add_bias_residual_nchw(conv_without_bias(conv, x), conv.bias, residual)
     return conv(x) + residual

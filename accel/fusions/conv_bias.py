@@ -14,12 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, add_bias_residual_nchw, conv_without_bias, kernel_module, own_conv, patch_forward
+from .base import Undo, add_bias_residual_nchw, bias_pass_runs, conv_without_bias, own_conv, patch_forward
 
 
 def _forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    if (own_conv(self) and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-            and not x.is_contiguous() and self.weight.dtype == x.dtype and kernel_module("layernorm").supported(x)):
+    if own_conv(self) and bias_pass_runs(self, x, x):  # the output keeps the input's channels_last layout
         return add_bias_residual_nchw(conv_without_bias(self, x), self.bias, None)
     return type(self).forward(self, x)
 

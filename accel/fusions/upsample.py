@@ -20,8 +20,8 @@ from .base import Undo, forward_takes, kernel_module, own_conv, patch_forward
 def _upsample_conv(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
     """conv(nearest 2x of x): in the sub-pixel form where it covers a plain 3x3 convolution, else as two steps."""
     upsample = kernel_module("upsample")
-    if (own_conv(conv) and conv.kernel_size == (3, 3) and conv.stride == (1, 1) and conv.padding == (1, 1)
-            and conv.dilation == (1, 1) and conv.groups == 1 and upsample.conv_covers(x, conv.weight)):
+    if (own_conv(conv) and conv.stride == (1, 1) and conv.padding == (1, 1) and conv.dilation == (1, 1)
+            and conv.groups == 1 and upsample.conv_covers(x, conv.weight)):  # conv_covers: 3x3 weights
         return upsample.upsample_conv3x3(x, conv.weight, conv.bias)
     return conv(upsample.upsample_nearest2x(x))
 

@@ -14,7 +14,9 @@ _CLASSES = [
     ("norm", re.compile(r"norm|welford|moments|ComputeFusedParams|_stats_nhwc|_stats_nchw|_apply_nhwc|_apply_nchw"
                         r"|_finalize_kernel", re.I)),
     ("conv", re.compile(r"conv|fprop|dgrad|implicit_gemm|winograd", re.I)),
-    ("gemm", re.compile(r"nvjet|gemm|cutlass|cublas|matmul|sm90_xmma|Kernel2|s16816|h16816|wgmma", re.I)),
+    # _geglu_linear: the GEGLU projection's GEMM with the GEGLU in its epilogue, mostly GEMM work
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|cublas|matmul|sm90_xmma|Kernel2|s16816|h16816|wgmma|_geglu_linear",
+                        re.I)),
 ]
 
 

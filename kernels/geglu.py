@@ -5,9 +5,11 @@ projection output; here h is read once, the (tokens, D) result written once, and
 (ONNX Runtime's BiasSplitGelu does the same).
 
 `geglu_linear` also takes the projection's GEMM: x @ W_hidden.T and x @ W_gate.T in two accumulators of one
-program, only hidden * gelu(gate) written, so the (tokens, 2*D) projection never goes to memory. A plain Triton GEMM
-is slower than cuBLAS's, so this only pays where the GEMM is short (small input width K) and the projection's
-write and re-read are a large part of the work: `linear_covers` says where.
+program, only hidden * gelu(gate) written, so the (tokens, 2*D) projection never goes to memory. On GPUs with TMA
+(NVIDIA Hopper and later) the kernel loads its tiles through tensor descriptors, in tiles small enough that two
+programs share an SM and one's GELU epilogue overlaps the other's main loop; that beats cuBLAS + the GEGLU kernel
+from 2048 rows whatever the width. Elsewhere a plain pointer-load GEMM only pays where the GEMM is short (small
+input width K). `linear_covers` says where.
 """
 
 from __future__ import annotations
@@ -21,17 +23,31 @@ from accel.errors import BadInput
 
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # no Triton, or one older than tensor descriptors (3.3): the pointer-load kernel only
+    TensorDescriptor = None
+
 MAX_BLOCK_D = 1024
 # Loaded elements per thread: 32 (half the warps of the other kernels' 16) moved 22-25% more bytes per second on an
 # H100 at SD1.5 and SDXL widths (per call, in a CUDA graph).
 ELEMS_PER_THREAD = 32
 
 
-# geglu_linear: inputs up to this width (K), and its tiles (each of hidden and gate columns). Per call in a CUDA graph
-# on an H100, against cuBLAS + the GEGLU kernel: 8192 x 320 -> 2 x 1280 (SD1.5's first level) 62.6 -> 49.1 us;
-# at K = 640 even (8192 tokens: 138.6 -> 140.1 us) or slower (2048: 37.2 -> 41.7), at 1280 slower (104.8 -> 115.1).
+# geglu_linear without TMA: inputs up to this width (K), and its tiles (each of hidden and gate columns). Per call in
+# a CUDA graph on an H100, against cuBLAS + the GEGLU kernel: 8192 x 320 -> 2 x 1280 (SD1.5's first level) 62.6 ->
+# 49.1 us; at K = 640 even (8192 tokens: 138.6 -> 140.1 us) or slower (2048: 37.2 -> 41.7), at 1280 slower.
 LINEAR_MAX_K = 320
 LINEAR_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+# With TMA: from this many rows, any width. Per call in a CUDA graph on an H100 (tl.erf GELU), against cuBLAS + the
+# GEGLU kernel: 8192 x 320 -> 2 x 1280 43.0 against 62.6 us; 2048 x 640 -> 2 x 2560 34.8 / 36.8; 8192 x 640 ->
+# 2 x 2560 119.5 / 136.0; 2048 x 1280 -> 2 x 5120 94.6 / 101.8 (the wide tiles); 512 x 1280 -> 2 x 5120 lost.
+# 128 x 64 tiles (x 2) with 4 warps and 3 stages fit two programs in an SM; at K >= 1280 the main loop is long
+# enough that 128 x 128 tiles with 8 warps and 4 stages, one program per SM, do better.
+LINEAR_TMA_MIN_ROWS = 2048
+LINEAR_TMA_TILES = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, STAGES=3, num_warps=4)
+LINEAR_TMA_WIDE_K = 1280
+LINEAR_TMA_WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=8)
 
 
 @jit
@@ -40,16 +56,47 @@ def _gelu_gate(a, g):
 
 
 @jit
-def _geglu_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, D, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile(M, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # Tiles in groups of GROUP_M rows of tiles, so that the programs running together share their W columns in L2.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     per_group = GROUP_M * tl.cdiv(D, BLOCK_N)
     first_m = (pid // per_group) * GROUP_M
     rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
+    return first_m + (pid % per_group) % rows_in_group, (pid % per_group) // rows_in_group
+
+
+@jit
+def _bias_gelu_gate(acc_h, acc_g, b_ptr, rn, D, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc_h += tl.load(b_ptr + rn, mask=rn < D, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(b_ptr + D + rn, mask=rn < D, other=0.0).to(tl.float32)[None, :]
+    return _gelu_gate(acc_h, acc_g)
+
+
+@jit
+def _geglu_linear_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, D, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                             STAGES: tl.constexpr):
+    pid_m, pid_n = _tile(M, D, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc_h = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # Out-of-range rows and K columns load as zeros. Where D is not a multiple of BLOCK_N, the hidden tile's last
+    # rows are gate rows: their columns are past D, which the store drops.
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        a = x_desc.load([off_m, k])
+        acc_h = tl.dot(a, w_desc.load([off_n, k]).T, acc_h)
+        acc_g = tl.dot(a, w_desc.load([D + off_n, k]).T, acc_g)
+    y = _bias_gelu_gate(acc_h, acc_g, b_ptr, off_n + tl.arange(0, BLOCK_N), D, HAS_BIAS)
+    y_desc.store([off_m, off_n], y.to(y_desc.dtype))
+
+
+@jit
+def _geglu_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, D, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile(M, D, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -63,10 +110,7 @@ def _geglu_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, D, K, HAS_BIAS: tl.const
         wmask = kmask[:, None] & (rn < D)[None, :]
         acc_h = tl.dot(a, tl.load(w_tile + k, mask=wmask, other=0.0), acc_h)
         acc_g = tl.dot(a, tl.load(w_tile + D * K + k, mask=wmask, other=0.0), acc_g)
-    if HAS_BIAS:
-        acc_h += tl.load(b_ptr + rn, mask=rn < D, other=0.0).to(tl.float32)[None, :]
-        acc_g += tl.load(b_ptr + D + rn, mask=rn < D, other=0.0).to(tl.float32)[None, :]
-    y = _gelu_gate(acc_h, acc_g)
+    y = _bias_gelu_gate(acc_h, acc_g, b_ptr, rn, D, HAS_BIAS)
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * D + rn[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(rm < M)[:, None] & (rn < D)[None, :])
 
@@ -118,13 +162,33 @@ def geglu(h: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     return y
 
 
+def _tma(x: torch.Tensor) -> bool:
+    """Whether x's device loads through tensor descriptors (TMA): NVIDIA compute capability 9.0 and later. The CPU
+    interpreter, which the tests run on, emulates them."""
+    if TensorDescriptor is None:
+        return False
+    if x.device.type == "cpu":
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def _tma_aligned(*rows: torch.Tensor) -> bool:
+    """TMA's rule for 2-D row-major tensors: 16-byte-aligned start and row stride."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in rows)
+
+
 def linear_covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `geglu_linear` serves x @ weight.T: the kernel runs there, fp16 on both sides (bf16 GEMMs are left to
-    cuBLAS: Triton's CPU interpreter, which the tests run on, computes bf16 dot products wrongly), and the input width
-    is one where the fused kernel is the faster."""
-    return (supported(x) and x.dtype == torch.float16 and weight.dtype == x.dtype
+    cuBLAS: Triton's CPU interpreter, which the tests run on, computes bf16 dot products wrongly), and the shape is
+    one where the fused kernel is the faster: with TMA many rows (and TMA-aligned widths), without it a short K."""
+    if not (supported(x) and x.dtype == torch.float16 and weight.dtype == x.dtype
             and weight.device == x.device and weight.dim() == 2 and x.shape[-1] == weight.shape[1]
-            and weight.shape[1] <= LINEAR_MAX_K and weight.shape[0] % 2 == 0)
+            and weight.shape[0] % 2 == 0):
+        return False
+    two_d, K = weight.shape
+    if _tma(x):
+        return x.numel() // max(K, 1) >= LINEAR_TMA_MIN_ROWS and K % 8 == 0 and two_d % 16 == 0
+    return K <= LINEAR_MAX_K
 
 
 def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -145,11 +209,20 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     y = torch.empty(x.shape[:-1] + (D,), device=x.device, dtype=x.dtype)
     if M == 0:
         return y
-    t = LINEAR_TILES
-    grid = (cdiv(M, t["BLOCK_M"]) * cdiv(D, t["BLOCK_N"]),)
+    w = weight.contiguous()
+    b = bias.contiguous() if bias is not None else x2
+    y2 = y.view(M, D)
     with on_device(x):
-        _geglu_linear_kernel[grid](x2, weight.contiguous(), bias.contiguous() if bias is not None else x2, y, M, D,
-                                   K, HAS_BIAS=bias is not None, **t)
+        if _tma(x) and _tma_aligned(x2, w, y2):
+            t = LINEAR_TMA_WIDE_TILES if K >= LINEAR_TMA_WIDE_K else LINEAR_TMA_TILES
+            bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
+            _geglu_linear_tma_kernel[(cdiv(M, bm) * cdiv(D, bn),)](
+                TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+                TensorDescriptor.from_tensor(y2, [bm, bn]), b, M, D, K, HAS_BIAS=bias is not None, **t)
+        else:
+            t = LINEAR_TILES
+            _geglu_linear_kernel[(cdiv(M, t["BLOCK_M"]) * cdiv(D, t["BLOCK_N"]),)](
+                x2, w, b, y2, M, D, K, HAS_BIAS=bias is not None, **t)
     return y
 
 

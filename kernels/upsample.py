@@ -25,7 +25,7 @@ from accel.errors import BadInput
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
 
 MAX_BLOCK_C = 1024
-SUBPIXEL_MIN_PIXELS = 1024
+SUBPIXEL_MIN_PIXELS = 512
 
 
 @jit
@@ -141,7 +141,8 @@ def conv_covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
     (C_in x C_out x 25 values), and the convolution saves 5/9 of N x 4HW x C_in x C_out x 9 products. On an H100
     (2 x 2-D 2x-upsamplings before a 3x3 convolution, per call in a CUDA graph): SDXL's 1280 channels at 32x32
     340 -> 177 us for the convolution alone, 640 at 64x64 339 -> 164, SD1.5's 640 at 32x32 103 -> 53, while at
-    1280 channels and 8x8 (37 -> 33 us) the weights' 27 us lose. Covered from 1024 input pixels over the batch."""
+    1280 channels and 8x8 (37 -> 33 us) the weights' 27 us lose, and at 16x16 the whole sub-pixel path still wins
+    (92.0 against 102.5 us). Covered from 512 input pixels over the batch."""
     return (supported(x) and x.dim() == 4 and x.shape[0] * x.shape[2] * x.shape[3] >= SUBPIXEL_MIN_PIXELS
             and weight.dim() == 4 and tuple(weight.shape[2:]) == (3, 3) and weight.shape[1] == x.shape[1]
             and weight.dtype == x.dtype and weight.device == x.device)

@@ -378,7 +378,9 @@ def test_geglu_fusion_takes_the_projection_into_the_kernel_where_it_covers_it(mo
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the kernels run (the CPU under the interpreter)
     torch.manual_seed(0)
     short, wide = GEGLU(64, 48).to(device).half(), GEGLU(geglu.LINEAR_MAX_K + 64, 48).to(device).half()
-    xs = [torch.randn(2, 9, m.proj.in_features, device=device).half() for m in (short, wide)]
+    # many rows (covered with TMA) and a short K (covered without); few rows and a long K: neither
+    xs = [torch.randn(2, rows, m.proj.in_features, device=device).half()
+          for m, rows in ((short, geglu.LINEAR_TMA_MIN_ROWS // 2), (wide, 9))]
     with torch.no_grad():
         refs = [m.float()(x.float()) for m, x in zip((short, wide), xs)]
         short.half(), wide.half()

@@ -218,12 +218,15 @@ def test_geglu_is_diffusers_geglu():
         _close(gg.geglu(h, mod.proj.bias), mod(x), torch.float32)
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("tokens,k,d,bias", [
     (300, 320, 96, True),   # SD1.5's first level: K = 320 (D cut down from 1280), rows not a multiple of the tile
-    (7, 40, 24, False),     # odd: K and D below one tile, a few rows
-    (130, 72, 70, True),    # K not a multiple of the K tile, D not of the N tile
+    (7, 40, 24, False),     # odd: K and D below one tile, a few rows; D not a multiple of the TMA kernel's N tile
+    (130, 72, 70, True),    # K not a multiple of the K tile, D not of the N tile nor TMA-aligned (pointer kernel)
+    (64, 1280, 40, True),   # the TMA kernel's wide tiles (K >= LINEAR_TMA_WIDE_K)
 ])
-def test_geglu_linear_is_projection_then_geglu(tokens, k, d, bias):
+def test_geglu_linear_is_projection_then_geglu(monkeypatch, tma, tokens, k, d, bias):
+    monkeypatch.setattr(gg, "_tma", lambda x: tma)
     x = _randn(2, tokens, k, dtype=torch.float16)
     w = _randn(2 * d, k, dtype=torch.float16, seed=1, scale=k ** -0.5)
     b = _randn(2 * d, dtype=torch.float16, seed=2) if bias else None
@@ -232,13 +235,41 @@ def test_geglu_linear_is_projection_then_geglu(tokens, k, d, bias):
     _close(y, gg.geglu_linear_ref(x.float(), w.float(), b.float() if bias else None), torch.float16)
 
 
-def test_geglu_linear_covers_only_short_fp16_projections():
+def test_geglu_linear_covers_many_rows_with_tma_and_short_projections_without(monkeypatch):
     w = _randn(2 * 64, 320, dtype=torch.float16)
+    wide = _randn(2 * 64, 640, dtype=torch.float16)
+    rows = gg.LINEAR_TMA_MIN_ROWS
+    monkeypatch.setattr(gg, "_tma", lambda x: False)
     assert gg.linear_covers(_randn(2, 8, 320, dtype=torch.float16), w)
     assert not gg.linear_covers(_randn(2, 8, 320, dtype=torch.float32), w.float())
-    assert not gg.linear_covers(_randn(2, 8, 640, dtype=torch.float16), _randn(2 * 64, 640, dtype=torch.float16))
+    assert not gg.linear_covers(_randn(rows, 640, dtype=torch.float16), wide)
+    monkeypatch.setattr(gg, "_tma", lambda x: True)
+    assert gg.linear_covers(_randn(rows, 640, dtype=torch.float16), wide)
+    assert not gg.linear_covers(_randn(rows - 1, 640, dtype=torch.float16), wide)
+    assert not gg.linear_covers(_randn(rows, 644, dtype=torch.float16), _randn(2 * 64, 644, dtype=torch.float16))
+    assert not gg.linear_covers(_randn(rows, 640, dtype=torch.float32), wide.float())
     with pytest.raises(BadInput, match="does not project"):
         gg.geglu_linear(_randn(2, 8, 32, dtype=torch.float16), w)
+
+
+def test_geglu_linear_with_tma_takes_misaligned_input_through_the_pointer_kernel(monkeypatch):
+    class Launches:
+        def __init__(self, kernel):
+            self.kernel, self.grids = kernel, []
+
+        def __getitem__(self, grid):
+            self.grids.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(gg, "_tma", lambda x: True)
+    tma = Launches(gg._geglu_linear_tma_kernel)
+    monkeypatch.setattr(gg, "_geglu_linear_tma_kernel", tma)
+    w = _randn(2 * 32, 64, dtype=torch.float16, seed=1, scale=0.125)
+    x = _randn(2 * 100 * 64 + 1, dtype=torch.float16)[1:].view(2, 100, 64)  # starts 2 bytes into its storage
+    _close(gg.geglu_linear(x, w), gg.geglu_linear_ref(x.float(), w.float()), torch.float16)
+    assert not tma.grids
+    gg.geglu_linear(x.clone(), w)
+    assert tma.grids
 
 
 def test_geglu_rejects_odd_last_dim():

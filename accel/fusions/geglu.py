@@ -1,8 +1,9 @@
 """GEGLU (ONNX Runtime's BiasSplitGelu): the feed-forward projection's bias, split, exact GELU and product in
 one pass after a bias-free GEMM, instead of a GEMM with bias, a GELU kernel and a multiply kernel.
 
-Where the projection is short (kernels/geglu.linear_covers: SD1.5's first level), the GEMM goes into the same
-kernel and the (tokens, 2 x inner) projection is never written.
+Where kernels/geglu.linear_covers says the fused kernel is the faster (on GPUs with TMA every projection of 2048 or
+more rows: SDXL's two upper levels, SD1.5's two upper ones; elsewhere SD1.5's first level), the GEMM goes into the
+same kernel and the (tokens, 2 x inner) projection is never written.
 
 Covers diffusers' and ldm/ComfyUI's GEGLU modules (both hold `proj` and compute
 `hidden, gate = proj(x).chunk(2, -1); hidden * gelu(gate)`) whose projection is a plain Linear; others run their own

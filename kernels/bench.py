@@ -7,7 +7,9 @@ x.clone(), timed the same way) to show how close each side gets to what the memo
 
 Two timings per side on a GPU: `triton.testing.do_bench` (each call launched from Python: at the UNet's small
 shapes the launches, not the memory, set that time) and per call inside a CUDA graph over enough input sets to
-exceed the L2 cache (how the torch path runs the kernels: its UNet step is one graph replay).
+exceed the L2 cache (how the torch path runs the kernels: its UNet step is one graph replay). In the graph a copy of
+the case's own byte count is timed too (`copy_graph_ms`): at small shapes no kernel can beat it, since one launch
+costs microseconds whatever the size, and `triton_graph_of_same_copy` says how close the kernel gets to it.
 """
 
 from __future__ import annotations
@@ -262,13 +264,16 @@ def _bench_case(case: Case, dtype: torch.dtype, timer: Callable[[Callable[[], ob
     if graphs:
         sets = [case.inputs(i) for i in range(min(MAX_GRAPH_SETS, max(2, -(-GRAPH_BYTES // case.bytes))))]
         tg, rg = graph_ms(case.triton, sets), graph_ms(case.torch, sets)
-        del sets
+        copies = [(torch.empty(max(1, case.bytes // 4), device=args[0].device, dtype=torch.float16),) for _ in sets]
+        cg = graph_ms(torch.clone, copies)
+        del sets, copies
         # against the same copy bandwidth as above: a clone captured in a graph measured lower (2430 against
         # 3000 GB/s on an H100), which would flatter the kernels
         if case.flops:
             row.update({"triton_graph_tflops": round(case.flops / tg / 1e9, 1),
                         "torch_graph_tflops": round(case.flops / rg / 1e9, 1)})
-        row.update({"triton_graph_ms": round(tg, 4), "torch_graph_ms": round(rg, 4),
+        row.update({"triton_graph_ms": round(tg, 4), "torch_graph_ms": round(rg, 4), "copy_graph_ms": round(cg, 4),
+                    "triton_graph_of_same_copy": round(cg / tg, 3),
                     "triton_graph_of_copy": round(case.bytes / tg / 1e6 / copy_gbps, 3),
                     "torch_graph_of_copy": round(case.bytes / rg / 1e6 / copy_gbps, 3)})
     return row

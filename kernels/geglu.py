@@ -7,9 +7,9 @@ projection output; here h is read once, the (tokens, D) result written once, and
 `geglu_linear` also takes the projection's GEMM: x @ W_hidden.T and x @ W_gate.T in two accumulators of one
 program, only hidden * gelu(gate) written, so the (tokens, 2*D) projection never goes to memory. On GPUs with TMA
 (NVIDIA Hopper and later) the kernel loads its tiles through tensor descriptors, in tiles small enough that two
-programs share an SM and one's GELU epilogue overlaps the other's main loop; that beats cuBLAS + the GEGLU kernel
-from 2048 rows whatever the width. Elsewhere a plain pointer-load GEMM only pays where the GEMM is short (small
-input width K). `linear_covers` says where.
+programs can share an SM (one's GELU epilogue can then overlap the other's main loop), or wider ones where K is
+long; that beats cuBLAS + the GEGLU kernel from 2048 rows whatever the width. Elsewhere a plain pointer-load GEMM
+only pays where the GEMM is short (small input width K). `linear_covers` says where.
 """
 
 from __future__ import annotations

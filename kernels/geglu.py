@@ -14,6 +14,7 @@ only pays where the GEMM is short (small input width K). `linear_covers` says wh
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -167,9 +168,13 @@ def _tma(x: torch.Tensor) -> bool:
     interpreter, which the tests run on, emulates them."""
     if TensorDescriptor is None:
         return False
-    if x.device.type == "cpu":
-        return True
-    return torch.version.hip is None and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu" or _tma_gpu(x.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_gpu(device: torch.device) -> bool:
+    # once per device: linear_covers and geglu_linear both ask at every call outside a CUDA graph
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _tma_aligned(*rows: torch.Tensor) -> bool:

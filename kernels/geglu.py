@@ -4,12 +4,14 @@ The unfused form runs a bias add, a chunk, an erf GELU and a multiply as separat
 projection output; here h is read once, the (tokens, D) result written once, and the math stays in fp32 throughout
 (ONNX Runtime's BiasSplitGelu does the same).
 
-`geglu_linear` also takes the projection's GEMM: x @ W_hidden.T and x @ W_gate.T in two accumulators of one
-program, only hidden * gelu(gate) written, so the (tokens, 2*D) projection never goes to memory. On GPUs with TMA
-(NVIDIA Hopper and later) the kernel loads its tiles through tensor descriptors, in tiles small enough that two
-programs can share an SM (one's GELU epilogue can then overlap the other's main loop), or wider ones where K is
-long; that beats cuBLAS + the GEGLU kernel from 2048 rows whatever the width. Elsewhere a plain pointer-load GEMM
-only pays where the GEMM is short (small input width K). `linear_covers` says where.
+`geglu_linear` also takes the projection's GEMM: x @ W_hidden.T and x @ W_gate.T in one program, only
+hidden * gelu(gate) written, so the (tokens, 2*D) projection never goes to memory. On GPUs with TMA (NVIDIA Hopper
+and later) the kernel loads its tiles through tensor descriptors, in tiles small enough that two programs can share
+an SM (one's GELU epilogue can then overlap the other's main loop). Where K is long, one program per SM walks the
+tiles in one flattened loop instead, so that Triton's pipelining issues the next tile's loads while this tile's
+epilogue runs, and loads a tile's hidden and gate rows as one 3-D box into one wide accumulator. That beats cuBLAS +
+the GEGLU kernel from 2048 rows whatever the width. Elsewhere a plain pointer-load GEMM only pays where the GEMM is
+short (small input width K). `linear_covers` says where.
 """
 
 from __future__ import annotations
@@ -42,13 +44,17 @@ LINEAR_MAX_K = 320
 LINEAR_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 # With TMA: from this many rows, any width. Per call in a CUDA graph on an H100 (tl.erf GELU), against cuBLAS + the
 # GEGLU kernel: 8192 x 320 -> 2 x 1280 43.0 against 62.6 us; 2048 x 640 -> 2 x 2560 34.8 / 36.8; 8192 x 640 ->
-# 2 x 2560 119.5 / 136.0; 2048 x 1280 -> 2 x 5120 94.6 / 101.8 (the wide tiles); 512 x 1280 -> 2 x 5120 lost.
-# 128 x 64 tiles (x 2) with 4 warps and 3 stages fit two programs in an SM; at K >= 1280 the main loop is long
-# enough that 128 x 128 tiles with 8 warps and 4 stages, one program per SM, do better.
+# 2 x 2560 119.5 / 136.0; 2048 x 1280 -> 2 x 5120 94.6 / 101.8 (128 x 128 tiles); 512 x 1280 -> 2 x 5120 lost.
+# 128 x 64 tiles (x 2) with 4 warps and 3 stages fit two programs in an SM. From K = 1280 the persistent kernel:
+# 2048 x 1280 -> 2 x 5120 85.8-88.5 us (programs that each own a 128 x 128 tile: 94.1-96.0; cuBLAS's GEMM alone 80),
+# SDXL's UNet step 0.4-0.5 ms faster (60 such calls). At SD1.5's shapes it was faster per call too, but not in the
+# UNet step.
 LINEAR_TMA_MIN_ROWS = 2048
 LINEAR_TMA_TILES = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, STAGES=3, num_warps=4)
 LINEAR_TMA_WIDE_K = 1280
 LINEAR_TMA_WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=8)
+# Programs of the persistent kernel under the CPU interpreter: more than one, so that the tests walk the strided loop.
+INTERPRET_PROGRAMS = 2
 
 
 @jit
@@ -57,14 +63,13 @@ def _gelu_gate(a, g):
 
 
 @jit
-def _tile(M, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile(tile, M, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     # Tiles in groups of GROUP_M rows of tiles, so that the programs running together share their W columns in L2.
-    pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     per_group = GROUP_M * tl.cdiv(D, BLOCK_N)
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % rows_in_group, (pid % per_group) // rows_in_group
+    return first_m + (tile % per_group) % rows_in_group, (tile % per_group) // rows_in_group
 
 
 @jit
@@ -79,7 +84,7 @@ def _bias_gelu_gate(acc_h, acc_g, b_ptr, rn, D, HAS_BIAS: tl.constexpr):
 def _geglu_linear_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, D, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                              STAGES: tl.constexpr):
-    pid_m, pid_n = _tile(M, D, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile(tl.program_id(0), M, D, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
     acc_h = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -95,9 +100,29 @@ def _geglu_linear_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, D, K, HAS_BIAS: t
 
 
 @jit
+def _geglu_linear_persistent_kernel(x_desc, w_desc, y_desc, b_ptr, M, D, K, HAS_BIAS: tl.constexpr,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    GROUP_M: tl.constexpr, STAGES: tl.constexpr, PROGRAMS: tl.constexpr):
+    # w_desc views W (2D, K) as (2, D, K): a box holds the tile's hidden rows and, below them, its gate rows.
+    # Out-of-range rows and K columns load as zeros; the store drops columns past D.
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(D, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile(tile, M, D, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
+        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            w = w_desc.load([0, off_n, k]).reshape([2 * BLOCK_N, BLOCK_K])
+            acc = tl.dot(x_desc.load([off_m, k]), w.T, acc)
+        acc_h, acc_g = tl.split(acc.reshape([BLOCK_M, 2, BLOCK_N]).permute(0, 2, 1))
+        y = _bias_gelu_gate(acc_h, acc_g, b_ptr, off_n + tl.arange(0, BLOCK_N), D, HAS_BIAS)
+        y_desc.store([off_m, off_n], y.to(y_desc.dtype))
+
+
+@jit
 def _geglu_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, D, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile(M, D, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile(tl.program_id(0), M, D, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -177,6 +202,11 @@ def _tma_gpu(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _tma_aligned(*rows: torch.Tensor) -> bool:
     """TMA's rule for 2-D row-major tensors: 16-byte-aligned start and row stride."""
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in rows)
@@ -219,11 +249,22 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     y2 = y.view(M, D)
     with on_device(x):
         if _tma(x) and _tma_aligned(x2, w, y2):
-            t = LINEAR_TMA_WIDE_TILES if K >= LINEAR_TMA_WIDE_K else LINEAR_TMA_TILES
-            bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
-            _geglu_linear_tma_kernel[(cdiv(M, bm) * cdiv(D, bn),)](
-                TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-                TensorDescriptor.from_tensor(y2, [bm, bn]), b, M, D, K, HAS_BIAS=bias is not None, **t)
+            if K >= LINEAR_TMA_WIDE_K:
+                t = LINEAR_TMA_WIDE_TILES
+                bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
+                programs = min(cdiv(M, bm) * cdiv(D, bn),
+                               INTERPRET_PROGRAMS if x.device.type == "cpu" else _sms(x.device))
+                _geglu_linear_persistent_kernel[(programs,)](
+                    TensorDescriptor.from_tensor(x2, [bm, bk]),
+                    TensorDescriptor.from_tensor(w.view(2, D, K), [2, bn, bk]),
+                    TensorDescriptor.from_tensor(y2, [bm, bn]), b, M, D, K, HAS_BIAS=bias is not None,
+                    PROGRAMS=programs, **t)
+            else:
+                t = LINEAR_TMA_TILES
+                bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
+                _geglu_linear_tma_kernel[(cdiv(M, bm) * cdiv(D, bn),)](
+                    TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+                    TensorDescriptor.from_tensor(y2, [bm, bn]), b, M, D, K, HAS_BIAS=bias is not None, **t)
         else:
             t = LINEAR_TILES
             _geglu_linear_kernel[(cdiv(M, t["BLOCK_M"]) * cdiv(D, t["BLOCK_N"]),)](

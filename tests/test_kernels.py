@@ -223,7 +223,8 @@ def test_geglu_is_diffusers_geglu():
     (300, 320, 96, True),   # SD1.5's first level: K = 320 (D cut down from 1280), rows not a multiple of the tile
     (7, 40, 24, False),     # odd: K and D below one tile, a few rows; D not a multiple of the TMA kernel's N tile
     (130, 72, 70, True),    # K not a multiple of the K tile, D not of the N tile nor TMA-aligned (pointer kernel)
-    (64, 1280, 40, True),   # the TMA kernel's wide tiles (K >= LINEAR_TMA_WIDE_K)
+    (64, 1280, 40, True),   # a long K: 20 steps through the TMA kernel's pipeline
+    (300, 64, 200, True),   # TMA-aligned D past one N tile, ragged: 10 tiles, several per persistent program
 ])
 def test_geglu_linear_is_projection_then_geglu(monkeypatch, tma, tokens, k, d, bias):
     monkeypatch.setattr(gg, "_tma", lambda x: tma)

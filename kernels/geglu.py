@@ -249,22 +249,20 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     y2 = y.view(M, D)
     with on_device(x):
         if _tma(x) and _tma_aligned(x2, w, y2):
-            if K >= LINEAR_TMA_WIDE_K:
-                t = LINEAR_TMA_WIDE_TILES
-                bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
-                programs = min(cdiv(M, bm) * cdiv(D, bn),
-                               INTERPRET_PROGRAMS if x.device.type == "cpu" else _sms(x.device))
+            wide = K >= LINEAR_TMA_WIDE_K
+            t = LINEAR_TMA_WIDE_TILES if wide else LINEAR_TMA_TILES
+            bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
+            tiles = cdiv(M, bm) * cdiv(D, bn)
+            x_desc, y_desc = TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(y2, [bm, bn])
+            if wide:
+                programs = min(tiles, INTERPRET_PROGRAMS if x.device.type == "cpu" else _sms(x.device))
                 _geglu_linear_persistent_kernel[(programs,)](
-                    TensorDescriptor.from_tensor(x2, [bm, bk]),
-                    TensorDescriptor.from_tensor(w.view(2, D, K), [2, bn, bk]),
-                    TensorDescriptor.from_tensor(y2, [bm, bn]), b, M, D, K, HAS_BIAS=bias is not None,
-                    PROGRAMS=programs, **t)
+                    x_desc, TensorDescriptor.from_tensor(w.view(2, D, K), [2, bn, bk]), y_desc, b, M, D, K,
+                    HAS_BIAS=bias is not None, PROGRAMS=programs, **t)
             else:
-                t = LINEAR_TMA_TILES
-                bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
-                _geglu_linear_tma_kernel[(cdiv(M, bm) * cdiv(D, bn),)](
-                    TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-                    TensorDescriptor.from_tensor(y2, [bm, bn]), b, M, D, K, HAS_BIAS=bias is not None, **t)
+                _geglu_linear_tma_kernel[(tiles,)](
+                    x_desc, TensorDescriptor.from_tensor(w, [bn, bk]), y_desc, b, M, D, K, HAS_BIAS=bias is not None,
+                    **t)
         else:
             t = LINEAR_TILES
             _geglu_linear_kernel[(cdiv(M, t["BLOCK_M"]) * cdiv(D, t["BLOCK_N"]),)](

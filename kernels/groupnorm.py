@@ -38,6 +38,11 @@ FINALIZE_TILE = 1024
 # per group (chunks x channels of a group), which the finalize kernel loads as one tile.
 MAX_BLOCK_C = 64
 MAX_GROUP_ENTRIES = 512
+# Loads the channels_last passes keep in flight (Triton's loop pipelining): on an H100, per call in a CUDA graph,
+# 4 stages for the statistics and 2 for the normalization took 2-10% less than none at every UNet and VAE size
+# measured (2x960x128x128 86.8 -> 80.0 us, 1x128x1024x1024 320.6 -> 301.7 us, 2x320x64x64 13.9 -> 13.6 us).
+STATS_STAGES = 4
+APPLY_STAGES = 2
 # Under the CPU interpreter every program costs Python time: few, large programs.
 INTERPRET_PROGRAMS = 1
 # Groups of at most WHOLE_GROUP_ELEMENTS (pixels x channels of the group) are normalized by one program each, in one
@@ -85,7 +90,8 @@ def _stats_nchw_kernel(x_ptr, part_ptr, NG, group_len, span, P, BLOCK_GRP: tl.co
 
 @jit
 def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P, sh_stride,
-                       HAS_SHIFT: tl.constexpr, SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       HAS_SHIFT: tl.constexpr, SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       STAGES: tl.constexpr):
     # NHWC: rows of C channels, read as [rows, BLOCK_C] tiles of whole cache lines. A program reduces its rows of
     # one sample to a (count, mean, M2) per channel (the finalize kernel merges a group's channels and chunks).
     # The loop only adds up deviations from the chunk's first row and their squares, element by element, and
@@ -103,7 +109,7 @@ def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P,
     tile = r * C + cols[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     acc_sq = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    for i in range(0, r1 - r0, BLOCK_R):
+    for i in tl.range(0, r1 - r0, BLOCK_R, num_stages=STAGES):
         # i is a Python int under the interpreter: offset from the tensor r0 before widening to int64.
         row = r0 + i
         mask = (row + r < r1) & cmask[None, :]
@@ -189,7 +195,8 @@ def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, HW, G,
 @jit
 def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog,
                        sh_stride, CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                       SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       STAGES: tl.constexpr):
     # y = x * scale + shift per channel, both made once per program from its channels' group statistics.
     p = tl.program_id(0)
     n = tl.program_id(1)
@@ -215,7 +222,7 @@ def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rst
     r1 = tl.minimum(r0 + rows_per_prog, HW)
     x_ptr += n.to(tl.int64) * HW * C
     y_ptr += n.to(tl.int64) * HW * C
-    for i in range(0, r1 - r0, BLOCK_R):
+    for i in tl.range(0, r1 - r0, BLOCK_R, num_stages=STAGES):
         mask = (r0 + i + r < r1) & cmask[None, :]
         row = (r0 + i).to(tl.int64) * C
         y = tl.load(x_ptr + row + tile, mask=mask, other=0.0).to(tl.float32) * scale + shift
@@ -344,7 +351,8 @@ def _partials(x: torch.Tensor, G: int, nhwc: bool, shift: Optional[torch.Tensor]
                                          shift_bias if shift_bias is not None else x, part, HW, C, rows, P,
                                          shift.stride(0) if shift is not None else 0,
                                          HAS_SHIFT=shift is not None, SHIFT_BIAS=shift_bias is not None,
-                                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps(block_r * block_c))
+                                         BLOCK_R=block_r, BLOCK_C=block_c, STAGES=STATS_STAGES,
+                                         num_warps=warps(block_r * block_c))
         return _Partials(part, N, G, P * CG, CG, P * C * 3, CG * 3, C * 3)
     L = CG * HW
     block = min(pow2(L), tile_for(x))
@@ -416,8 +424,8 @@ def _apply(x: torch.Tensor, nhwc: bool, G: int, weight: Optional[torch.Tensor], 
         _apply_nhwc_kernel[(cdiv(HW, rows), N, n_cb)](
             x, y, w, b, shift if shift is not None else x, shift_bias if shift_bias is not None else x, mean, rstd,
             HW, C, G, rows, shift.stride(0) if shift is not None else 0, HAS_SHIFT=shift is not None,
-            SHIFT_BIAS=shift_bias is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps(block_r * block_c),
-            **flags)
+            SHIFT_BIAS=shift_bias is not None, BLOCK_R=block_r, BLOCK_C=block_c, STAGES=APPLY_STAGES,
+            num_warps=warps(block_r * block_c), **flags)
         return y
     block_hw = min(pow2(HW), tile_for(x))
     block_ch = min(pow2(C), max(1, tile_for(x) // block_hw))

@@ -7,11 +7,11 @@ projection output; here h is read once, the (tokens, D) result written once, and
 `geglu_linear` also takes the projection's GEMM: x @ W_hidden.T and x @ W_gate.T in one program, only
 hidden * gelu(gate) written, so the (tokens, 2*D) projection never goes to memory. On GPUs with TMA (NVIDIA Hopper
 and later) the kernel loads its tiles through tensor descriptors, in tiles small enough that two programs can share
-an SM (one's GELU epilogue can then overlap the other's main loop). Where K is long, one program per SM walks the
-tiles in one flattened loop instead, so that Triton's pipelining issues the next tile's loads while this tile's
-epilogue runs, and loads a tile's hidden and gate rows as one 3-D box into one wide accumulator. That beats cuBLAS +
-the GEGLU kernel from 2048 rows whatever the width. Elsewhere a plain pointer-load GEMM only pays where the GEMM is
-short (small input width K). `linear_covers` says where.
+an SM (one's GELU epilogue can then overlap the other's main loop). Where the GEMM is large, one program per SM
+walks the tiles in one flattened loop instead, so that Triton's pipelining issues the next tile's loads while this
+tile's epilogue runs, and loads a tile's hidden and gate rows as one 3-D box into one wide accumulator. That beats
+cuBLAS + the GEGLU kernel from 2048 rows whatever the width. Elsewhere a plain pointer-load GEMM only pays where the
+GEMM is short (small input width K). `linear_covers` says where.
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ LINEAR_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8
 # With TMA: from this many rows, any width. Per call in a CUDA graph on an H100 (tl.erf GELU), against cuBLAS + the
 # GEGLU kernel: 8192 x 320 -> 2 x 1280 43.0 against 62.6 us; 2048 x 640 -> 2 x 2560 34.8 / 36.8; 8192 x 640 ->
 # 2 x 2560 119.5 / 136.0; 2048 x 1280 -> 2 x 5120 94.6 / 101.8 (128 x 128 tiles); 512 x 1280 -> 2 x 5120 lost.
-# 128 x 64 tiles (x 2) with 4 warps and 3 stages fit two programs in an SM. From K = 1280 the persistent kernel:
-# 2048 x 1280 -> 2 x 5120 85.8-88.5 us (programs that each own a 128 x 128 tile: 94.1-96.0; cuBLAS's GEMM alone 80),
-# SDXL's UNet step 0.14-0.56 ms faster in five A/Bs (60 such calls), though inside the step the kernel measures
-# 98-102 us a call. At SD1.5's shapes it was faster per call too, but the step was 0.03-0.10 ms slower.
+# 128 x 64 tiles (x 2) with 4 warps and 3 stages fit two programs in an SM. From 2^33 multiply-adds per half (rows x K
+# x D: SDXL's 70 calls, not SD1.5's) the persistent kernel: 2048 x 1280 -> 2 x 5120 85.8-88.5 us (programs that each
+# own a 128 x 128 tile: 94.1-96.0; cuBLAS's GEMM alone 80), 8192 x 640 -> 2 x 2560 103.7-108.0 (116.1-118.5); SDXL's
+# UNet step 0.14-0.56 ms faster in five A/Bs, though inside the step the kernel measures 98-102 us a 2048-row call.
+# At SD1.5's shapes it was faster per call too, but the step was 0.03-0.10 ms slower.
 LINEAR_TMA_MIN_ROWS = 2048
 LINEAR_TMA_TILES = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, STAGES=3, num_warps=4)
-LINEAR_TMA_WIDE_K = 1280
+LINEAR_TMA_PERSISTENT_WORK = 1 << 33
 LINEAR_TMA_WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=8)
 # Programs of the persistent kernel under the CPU interpreter: more than one, so that the tests walk the strided loop.
 INTERPRET_PROGRAMS = 2
@@ -249,12 +250,12 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     y2 = y.view(M, D)
     with on_device(x):
         if _tma(x) and _tma_aligned(x2, w, y2):
-            wide = K >= LINEAR_TMA_WIDE_K
-            t = LINEAR_TMA_WIDE_TILES if wide else LINEAR_TMA_TILES
+            persistent = M * K * D >= LINEAR_TMA_PERSISTENT_WORK
+            t = LINEAR_TMA_WIDE_TILES if persistent else LINEAR_TMA_TILES
             bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
             tiles = cdiv(M, bm) * cdiv(D, bn)
             x_desc, y_desc = TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(y2, [bm, bn])
-            if wide:
+            if persistent:
                 programs = min(tiles, INTERPRET_PROGRAMS if x.device.type == "cpu" else _sms(x.device))
                 _geglu_linear_persistent_kernel[(programs,)](
                     x_desc, TensorDescriptor.from_tensor(w.view(2, D, K), [2, bn, bk]), y_desc, b, M, D, K,

@@ -218,7 +218,7 @@ def test_geglu_is_diffusers_geglu():
         _close(gg.geglu(h, mod.proj.bias), mod(x), torch.float32)
 
 
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("path", ["tma", "persistent", "pointers"])
 @pytest.mark.parametrize("tokens,k,d,bias", [
     (300, 320, 96, True),   # SD1.5's first level: K = 320 (D cut down from 1280), rows not a multiple of the tile
     (7, 40, 24, False),     # odd: K and D below one tile, a few rows; D not a multiple of the TMA kernel's N tile
@@ -226,8 +226,10 @@ def test_geglu_is_diffusers_geglu():
     (64, 1280, 40, True),   # a long K: 20 steps through the TMA kernel's pipeline
     (300, 64, 200, True),   # TMA-aligned D past one N tile, ragged: 10 tiles, several per persistent program
 ])
-def test_geglu_linear_is_projection_then_geglu(monkeypatch, tma, tokens, k, d, bias):
-    monkeypatch.setattr(gg, "_tma", lambda x: tma)
+def test_geglu_linear_is_projection_then_geglu(monkeypatch, path, tokens, k, d, bias):
+    monkeypatch.setattr(gg, "_tma", lambda x: path != "pointers")
+    # Only large GEMMs take the persistent kernel: make every TMA call take it, or none.
+    monkeypatch.setattr(gg, "LINEAR_TMA_PERSISTENT_WORK", 0 if path == "persistent" else 1 << 62)
     x = _randn(2, tokens, k, dtype=torch.float16)
     w = _randn(2 * d, k, dtype=torch.float16, seed=1, scale=k ** -0.5)
     b = _randn(2 * d, dtype=torch.float16, seed=2) if bias else None

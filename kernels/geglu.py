@@ -47,9 +47,10 @@ LINEAR_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8
 # 2 x 2560 119.5 / 136.0; 2048 x 1280 -> 2 x 5120 94.6 / 101.8 (128 x 128 tiles); 512 x 1280 -> 2 x 5120 lost.
 # 128 x 64 tiles (x 2) with 4 warps and 3 stages fit two programs in an SM. From 2^33 multiply-adds per half (rows x K
 # x D: SDXL's 70 calls, not SD1.5's) the persistent kernel: 2048 x 1280 -> 2 x 5120 85.8-88.5 us (programs that each
-# own a 128 x 128 tile: 94.1-96.0; cuBLAS's GEMM alone 80), 8192 x 640 -> 2 x 2560 103.7-108.0 (116.1-118.5); SDXL's
-# UNet step 0.14-0.56 ms faster in five A/Bs, though inside the step the kernel measures 98-102 us a 2048-row call.
-# At SD1.5's shapes it was faster per call too, but the step was 0.03-0.10 ms slower.
+# own a 128 x 128 tile: 94.1-96.0; cuBLAS's GEMM alone 80), 8192 x 640 -> 2 x 2560 103.7-108.0 (116.1-118.5). SDXL's
+# UNet step was 0.14-0.56 ms faster in five A/Bs with its 60 calls at 2048 rows (inside the step the kernel measures
+# 98-102 us a call); adding the 10 at 8192 rows moved the step within its noise. At SD1.5's shapes it was faster per
+# call too, but the step was 0.03-0.10 ms slower.
 LINEAR_TMA_MIN_ROWS = 2048
 LINEAR_TMA_TILES = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, STAGES=3, num_warps=4)
 LINEAR_TMA_PERSISTENT_WORK = 1 << 33

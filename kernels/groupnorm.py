@@ -39,8 +39,8 @@ FINALIZE_TILE = 1024
 MAX_BLOCK_C = 64
 MAX_GROUP_ENTRIES = 512
 # Loads the channels_last passes keep in flight (Triton's loop pipelining): on an H100, per call in a CUDA graph,
-# 4 stages for the statistics and 2 for the normalization took 2-10% less than none at every UNet and VAE size
-# measured (2x960x128x128 86.8 -> 80.0 us, 1x128x1024x1024 320.6 -> 301.7 us, 2x320x64x64 13.9 -> 13.6 us).
+# 4 stages for the statistics and 2 for the normalization took up to 10% less than none and were slower at no UNet
+# or VAE size measured (2x960x128x128 86.8 -> 80.0 us, 1x128x1024x1024 320.6 -> 301.7, 2x2560x32x32 19.1 -> 19.1).
 STATS_STAGES = 4
 APPLY_STAGES = 2
 # Under the CPU interpreter every program costs Python time: few, large programs.

@@ -54,7 +54,7 @@ LINEAR_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8
 LINEAR_TMA_MIN_ROWS = 2048
 LINEAR_TMA_TILES = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, STAGES=3, num_warps=4)
 LINEAR_TMA_PERSISTENT_WORK = 1 << 33
-LINEAR_TMA_WIDE_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=8)
+LINEAR_TMA_PERSISTENT_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, STAGES=4, num_warps=8)
 # Programs of the persistent kernel under the CPU interpreter: more than one, so that the tests walk the strided loop.
 INTERPRET_PROGRAMS = 2
 
@@ -252,7 +252,7 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     with on_device(x):
         if _tma(x) and _tma_aligned(x2, w, y2):
             persistent = M * K * D >= LINEAR_TMA_PERSISTENT_WORK
-            t = LINEAR_TMA_WIDE_TILES if persistent else LINEAR_TMA_TILES
+            t = LINEAR_TMA_PERSISTENT_TILES if persistent else LINEAR_TMA_TILES
             bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
             tiles = cdiv(M, bm) * cdiv(D, bn)
             x_desc, y_desc = TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(y2, [bm, bn])

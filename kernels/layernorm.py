@@ -143,8 +143,7 @@ def add_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: Optional[to
         with on_device(x):
             _bias_residual_kernel[(cdiv(M, block_m), cdiv(C, block_c))](
                 x, b, b2, x if r is None else r, y, M, C, HAS_B2=bias2 is not None, HAS_RES=r is not None,
-                BLOCK_M=block_m, BLOCK_C=block_c,
-                num_warps=warps(block_m * block_c))
+                BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps(block_m * block_c))
     return y
 
 

@@ -45,7 +45,8 @@ STATS_STAGES = 4
 APPLY_STAGES = 2
 # Elements per thread in the channels_last passes' tiles: 32 (4 warps for a 4096-element tile) against 16, on an H100
 # per call in a CUDA graph, took 1.7-3.3 us less at every UNet size measured (2x320x64x64 13.7 -> 11.9 us, 2x2560x32x32
-# 19.0 -> 16.4, 2x320x128x128 29.4 -> 26.2) and was even or better at the VAE's (1x128x1024x1024 301.9 -> 300.6, 1x512x256x256 84.2 -> 82.4).
+# 19.0 -> 16.4, 2x320x128x128 29.4 -> 26.2) and was even or better at the VAE's (1x128x1024x1024 301.9 -> 300.6,
+# 1x512x256x256 84.2 -> 82.4).
 NHWC_ELEMS_PER_THREAD = 32
 # Under the CPU interpreter every program costs Python time: few, large programs.
 INTERPRET_PROGRAMS = 1

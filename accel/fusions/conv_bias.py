@@ -18,7 +18,8 @@ from .base import Undo, add_bias_residual_nchw, bias_pass_runs, conv_without_bia
 
 
 def _forward(self: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    if own_conv(self) and bias_pass_runs(self, x, x):  # the output keeps the input's channels_last layout
+    # apply() checked the class; bias_pass_runs checks what a host may change later (cast and weight functions).
+    if bias_pass_runs(self, x, x):  # the output keeps the input's channels_last layout
         return add_bias_residual_nchw(conv_without_bias(self, x), self.bias, None)
     return type(self).forward(self, x)
 

@@ -10,8 +10,10 @@ What it installs:
   GPU. They are not installed by default: TensorRT is a download of several GB from NVIDIA's index, and ONNX
   Runtime is not chosen automatically until it is measured faster than the torch path.
 
-torch is never changed: every pip call is constrained to the installed torch, and a package that would need
-another torch is skipped with the reason.
+No installed package is ever changed: every pip call is constrained to the version of every distribution installed
+in this Python (the host's pins: A1111's transformers 4.30.2 and its huggingface_hub, ComfyUI's torch, ...), so pip
+either adds what is missing beside them or refuses, and a package it refuses is skipped with pip's reason. --dry-run
+asks pip the same question without installing.
 
     python install.py [--dry-run] [--with onnxruntime,tensorrt]
 """
@@ -117,13 +119,26 @@ def _installed() -> dict[str, bool]:
     return found
 
 
-def _pip(packages: list[str], torch_version: str) -> tuple[bool, str]:
-    """pip install with torch pinned to the installed version; (ok, last lines of pip's output)."""
+def installed_pins() -> list[str]:
+    """name==version of every distribution installed in this Python: the constraints of every pip call."""
+    from importlib.metadata import distributions
+
+    pins = {}
+    for dist in distributions():
+        name = (dist.metadata["Name"] or "").strip()
+        if name and dist.version:
+            pins[name.lower()] = f"{name}=={dist.version}"
+    return sorted(pins.values())
+
+
+def _pip(packages: list[str], dry_run: bool = False) -> tuple[bool, str]:
+    """pip install with every installed distribution pinned; (ok, last lines of pip's output)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(f"torch=={torch_version}\n")
+        f.write("\n".join(installed_pins()) + "\n")
         constraints = f.name
     try:
-        run = subprocess.run([sys.executable, "-m", "pip", "install", "-c", constraints, *packages],
+        run = subprocess.run([sys.executable, "-m", "pip", "install", "-c", constraints,
+                              *(["--dry-run"] if dry_run else []), *packages],
                              capture_output=True, text=True, timeout=3600)
         tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-3:])
         return run.returncode == 0, tail
@@ -144,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{ENV_SKIP} is set: nothing installed.")
         return 0
     try:
-        import torch
+        import torch  # noqa: F401
     except ImportError:
         say("torch is not installed in this Python; the host (ComfyUI / A1111) installs it. Nothing installed.")
         return 0
@@ -162,12 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     for step in plan.steps:
         command = "pip install " + " ".join(step.packages)
         if args.dry_run:
-            say(f"would run: {command}  ({step.why})")
+            ok, tail = _pip(step.packages, dry_run=True)
+            say(f"would run: {command}  ({step.why}); " + (
+                "pip resolves it without changing any installed package." if ok else
+                f"pip cannot add it without changing installed packages, so it would be skipped:\n{tail}"))
             continue
-        say(f"running: {command}  ({step.why})")
-        ok, tail = _pip(step.packages, torch.__version__)
-        say(("installed: " if ok else "not installed (sd-accel still runs without it): ") + " ".join(step.packages)
-            + ("" if ok else f"\n{tail}"))
+        say(f"running: {command}  ({step.why}; installed packages stay as they are)")
+        ok, tail = _pip(step.packages)
+        say(("installed: " if ok else "not installed (it would change packages the host installed; sd-accel still "
+             "runs without it): ") + " ".join(step.packages) + ("" if ok else f"\n{tail}"))
     return 0
 
 

@@ -288,6 +288,12 @@ class EngineSlot:
             self.acc.fallback.release()
             self.acc.fallback = None
 
+    def suspend(self) -> None:
+        """Before the host's own forward runs the module: undo the torch path's changes to it (fused forwards
+        that would skip the layers' own, patched forwards), keeping its graphs; the next engine call redoes them."""
+        if self.acc is not None:
+            self.acc.suspend()
+
     def release(self) -> None:
         if self.acc is not None:
             self.acc.release()

@@ -1,86 +1,130 @@
-"""A1111 / Forge extension entry: an "sd-accel" choice under Settings > Stable Diffusion > SD Unet, and a
-setting for the backend. Thin: all the work is in accel/.
+"""A1111 extension entry: an "sd-accel" choice under Settings > Stable Diffusion > SD Unet, the settings under
+Settings > sd-accel, the tiled VAE decode, and GET /sd-accel/status. Thin: the work is in accel/.
+
+A1111 (1.7 and later) routes UNetModel.forward, at class level, to the active SdUnet's forward. The engine calls
+the same module, so its calls come back through that routing; they are told apart and run A1111's original forward.
+Nothing is set on the module instance: an instance `forward` would shadow the routing and the extension would never
+run (what happened on 1.6 and is fixed here too).
 
 A1111 runs this file with the extension folder first on sys.path, so `accel` imports from the checkout.
 """
 
 from __future__ import annotations
 
-import logging
-import types
+import importlib
+from typing import Callable
 
-import ldm.modules.diffusionmodules.openaimodel as openaimodel
-from modules import devices, script_callbacks, sd_unet, shared
+import torch
+from modules import devices, patches, script_callbacks, sd_unet, shared
 
-from accel.accelerate import accelerate
-from accel.errors import AccelError
+from accel.cache import default_root
 from accel.host_a1111 import LoraSync
-from accel.host_support import refit
+from accel.host_support import EngineSlot
 from accel.progress import CallbackProgress
 
-log = logging.getLogger("sd-accel")
-BACKENDS = ["auto", "torch", "onnxruntime", "tensorrt", "off"]
+BACKENDS = ["auto", "torch", "onnxruntime", "off"]
+TILED_VAE = ["auto", "always", "off"]
+SECTION = ("sd_accel", "sd-accel")
+
+
+def _option(name: str, default):
+    # With --nowebui the options exist too (they are registered below at import), but a config saved by another
+    # version may lack them.
+    return shared.opts.data.get(name, default)
+
+
+def original_forward(unet: torch.nn.Module) -> Callable:
+    """The UNet forward A1111 routes to the SdUnet (its class's own forward before A1111 patched it)."""
+    from modules import sd_hijack
+
+    sgm = type(unet).__module__.startswith("sgm.")
+    forward = getattr(sd_hijack, "sgm_original_forward" if sgm else "ldm_original_forward", None)
+    if forward is None:  # A1111 before 1.7 kept the original next to the class
+        forward = importlib.import_module(type(unet).__module__).copy_of_UNetModel_forward_for_webui
+    return forward
 
 
 class AccelUnet(sd_unet.SdUnet):
     def __init__(self) -> None:
         super().__init__()
-        self.acc = None
+        self.backend = _option("sd_accel_backend", "auto")
+        self.slot = _slot(self.backend)
         self.lora = LoraSync()
-        self._told_functional = False
-        self._engine_networks = None  # the networks a weight-baking engine was last brought to
-        self._engine_current = True  # whether that engine serves the weights as they are now
+        self._inner = False  # True while the engine runs the module: A1111 routes those calls here again
 
     def activate(self) -> None:
-        diffusion_model = shared.sd_model.model.diffusion_model
-        # A1111 parks the built-in UNet on the CPU before activating an option; ours runs that same module.
-        diffusion_model.to(devices.device)
-        # A1111 routes UNetModel.forward to the active SdUnet; the engine must call the real forward, or every
-        # step would come back here.
-        diffusion_model.forward = types.MethodType(openaimodel.copy_of_UNetModel_forward_for_webui, diffusion_model)
-        try:
-            self.acc = accelerate(diffusion_model, preference=shared.opts.data.get("sd_accel_backend", "auto"),
-                                  progress=CallbackProgress(_show_progress))
-            print(f"sd-accel: {self.acc.backend} path active\n" + self.acc.plan.summary())
-        except AccelError as e:
-            print(f"sd-accel: {e} The built-in UNet runs.")
-            self.acc = None
+        global _active
+        _active = self
+        if not _lowvram():
+            # A1111 parks the built-in UNet on the CPU before activating an option; ours runs that same module.
+            shared.sd_model.model.diffusion_model.to(devices.device)
+        print("sd-accel: active; the engine is prepared on the first sampling step.")
 
-    def forward(self, x, timesteps, context, *args, **kwargs):
-        diffusion_model = shared.sd_model.model.diffusion_model
-        if self.acc is None:
-            return diffusion_model(x, timesteps, context, *args, **kwargs)
-        if not self.lora.sync(diffusion_model, getattr(shared.opts, "lora_functional", False)):
-            if not self._told_functional:
-                self._told_functional = True
-                print("sd-accel: the Lora setting 'use old method that takes longer when you have multiple Loras "
-                      "active' (Settings > Compatibility) is on: it adds each LoRA inside every layer's own forward, "
-                      "which no accelerated path runs, so the built-in UNet runs while a LoRA is in use. Turn that "
-                      "setting off to get acceleration with LoRAs (they are then merged into the weights).")
-            # The layers' own (patched) forwards must run: the torch path's fused forwards would bypass them.
-            self.acc.suspend()
-            return diffusion_model(x, timesteps, context, *args, **kwargs)
-        runner = self.acc
-        if self.acc.backend != "torch":
-            if self.lora.applied != self._engine_networks:
-                self._engine_networks = self.lora.applied
-                why = refit(self.acc)
-                self._engine_current = why is None
-                if why is not None:
-                    print(f"sd-accel: the {self.acc.backend} engine could not take the new LoRA weights ({why}); "
-                          "the torch path serves these calls. Choose the torch backend in the sd-accel settings to "
-                          "keep using LoRAs without this.")
-            if not self._engine_current:
-                runner = self.acc.fallback or self.acc.unet
-        y = kwargs.pop("y", None)
-        control = kwargs.pop("control", None)
-        return runner(x, timesteps, context, y, control, **kwargs)
+    def forward(self, x, timesteps=None, context=None, *args, **kwargs):
+        unet = shared.sd_model.model.diffusion_model
+        original = original_forward(unet)
+        if self._inner:
+            return original(unet, x, timesteps, context, *args, **kwargs)
+        backend = _option("sd_accel_backend", "auto")
+        if backend != self.backend:  # changed in Settings: the next call is served by the path asked for
+            self.slot.release()
+            self.backend, self.slot = backend, _slot(backend)
+
+        def plain() -> torch.Tensor:
+            return original(unet, x, timesteps, context, *args, **kwargs)
+
+        why = self._why_plain(unet, args, kwargs)
+        if why is not None:
+            self.slot.suspend()  # the layers' own forwards (A1111's Lora, lowvram hooks) must run, not fused ones
+            return self.slot.run_plain(*why, plain)
+        self._inner = True
+        try:
+            return self.slot.call(unet, self.lora.applied, x, timesteps, context, kwargs.get("y"), None, plain)
+        finally:
+            self._inner = False
+
+    def _why_plain(self, unet: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+        """(key, message) when this call must run on A1111's own UNet forward, else None."""
+        if _lowvram():
+            return ("lowvram", "--medvram / --lowvram move the UNet's layers to the GPU one at a time, which an "
+                    "engine or CUDA graph cannot follow; the built-in UNet runs. Start A1111 without them to "
+                    "accelerate.")
+        extra = sorted(set(kwargs) - {"y"})
+        if args or extra:
+            names = ", ".join(extra) or f"{len(args)} positional"
+            return (f"inputs:{names}", f"the UNet was called with inputs sd-accel does not take ({names}); such "
+                    "calls run on the built-in UNet.")
+        if not self.lora.sync(unet, bool(getattr(shared.opts, "lora_functional", False))):
+            return ("lora-functional", "the Lora setting 'use old method that takes longer when you have multiple "
+                    "Loras active' (Settings > Compatibility) is on: it adds each LoRA inside every layer's own "
+                    "forward, which no accelerated path runs, so the built-in UNet runs while a LoRA is in use. "
+                    "Turn that setting off to get acceleration with LoRAs (they are then merged into the weights).")
+        return None
 
     def deactivate(self) -> None:
-        if self.acc is not None:
-            self.acc.release()
-            self.acc = None
-        shared.sd_model.model.diffusion_model.__dict__.pop("forward", None)
+        global _active
+        self.slot.release()
+        if _active is self:
+            _active = None
+
+
+def _slot(backend: str) -> EngineSlot:
+    return EngineSlot(None if backend == "auto" else backend, {"cache_root": str(default_root(_models_dir()))},
+                      progress=lambda: CallbackProgress(_show_progress))
+
+
+def _lowvram() -> bool:
+    return bool(getattr(shared.sd_model, "lowvram", False))
+
+
+def _models_dir() -> str:
+    from modules import paths
+
+    return f"{paths.models_path}/accel"
+
+
+_active: AccelUnet | None = None  # the SdUnet A1111 activated last, for GET /sd-accel/status
+_tiled_decodes = 0
 
 
 def _show_progress(stage: str, fraction: float, eta: float | None) -> None:
@@ -101,14 +145,85 @@ def _list_unets(unets: list) -> None:
     unets.append(AccelUnetOption())
 
 
-def _settings() -> None:
-    import gradio as gr
+# -- tiled VAE decode
 
-    section = ("sd_accel", "sd-accel")
-    shared.opts.add_option("sd_accel_backend", shared.OptionInfo(
-        "auto", "Acceleration path (choose 'sd-accel' under SD Unet to use it)", gr.Dropdown,
-        {"choices": BACKENDS}, section=section))
+def _tiled_decode(vae: torch.nn.Module, original: Callable) -> Callable:
+    told: set[str] = set()
+
+    def decode(z, *args, **kwargs):
+        mode = _option("sd_accel_tiled_vae", "auto")
+        if mode == "off" or args or kwargs:
+            return original(z, *args, **kwargs)
+        if mode == "auto":
+            try:
+                return original(z)
+            except torch.OutOfMemoryError:
+                devices.torch_gc()
+                if "oom" not in told:
+                    told.add("oom")
+                    print("sd-accel: the VAE decode ran out of GPU memory; decoding in tiles (the same image).")
+        from accel import vae_tiled
+        from accel.errors import AccelError
+
+        global _tiled_decodes
+        try:
+            image = vae_tiled.decode(vae, z, progress=CallbackProgress(_show_progress))
+        except AccelError as e:
+            if str(e) not in told:
+                told.add(str(e))
+                print(f"sd-accel: the tiled VAE decode cannot run ({e}); A1111's decode runs.")
+            return original(z)
+        _tiled_decodes += 1
+        return image
+
+    return decode
 
 
+def _hook_vae(sd_model) -> None:
+    vae = getattr(sd_model, "first_stage_model", None)
+    if vae is None or patches.originals[__name__].get((vae, "decode")) is not None:
+        return
+    original = vae.decode
+    patches.patch(__name__, vae, "decode", _tiled_decode(vae, original))
+
+
+# -- settings and status
+
+def _settings() -> dict:
+    return {
+        "sd_accel_backend": shared.OptionInfo(
+            "auto", "Acceleration path (choose 'sd-accel' under Stable Diffusion > SD Unet to use it)",
+            _dropdown(), {"choices": BACKENDS}).info("auto: the fastest installed path for this GPU"),
+        "sd_accel_tiled_vae": shared.OptionInfo(
+            "auto", "Tiled VAE decode (same image as the untiled decode)", _dropdown(), {"choices": TILED_VAE})
+        .info("auto: only when the untiled decode runs out of GPU memory; always: every decode in tiles"),
+    }
+
+
+def _dropdown():
+    try:
+        import gradio as gr
+
+        return gr.Dropdown
+    except ImportError:
+        return None
+
+
+def _status_api(_demo, app) -> None:
+    @app.get("/sd-accel/status")
+    def status() -> dict:
+        if _active is None:
+            return {"backend": "not active", "tiled_decodes": _tiled_decodes}
+        s = _active.slot.status
+        return {"backend": s.backend, "source": s.source, "engine_calls": s.engine_calls,
+                "plain_calls": s.plain_calls, "messages": list(s.messages), "plan": s.plan,
+                "tiled_decodes": _tiled_decodes}
+
+
+shared.options_templates.update(shared.options_section(SECTION, _settings()))
 script_callbacks.on_list_unets(_list_unets)
-script_callbacks.on_ui_settings(_settings)
+script_callbacks.on_model_loaded(_hook_vae)
+script_callbacks.on_app_started(_status_api)
+_loaded = getattr(importlib.import_module("modules.sd_models").model_data, "sd_model", None)
+if _loaded is not None:  # scripts reloaded with a model in memory ("Apply and restart UI")
+    _hook_vae(_loaded)

@@ -2,16 +2,15 @@
 weights itself (the engine never calls the layers' patched forwards), only when they change, and runs the built-in
 UNet in the extension's functional mode.
 
-A1111 is not needed: a fake `networks` module does what the real one's network_apply_weights does to the weights
-(back up, restore, add each loaded network's delta in place, remember the key). With A1111_ROOT pointing at an
-AUTOMATIC1111 checkout, the real extension's source is checked to still define what the adapter relies on.
+A fake `networks` module does what the real one's network_apply_weights does to the weights (back up, restore, add
+each loaded network's delta in place, remember the key), so the sync can be checked layer by layer here and on the
+GPU; the real extension's source (A1111_ROOT) is checked to still define what the sync relies on, and
+test_a1111_server.py runs the real extension in a real A1111, both modes.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
-import os
 import subprocess
 import sys
 import types
@@ -22,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from a1111_helpers import a1111_root
 from accel.host_a1111 import KEY_FIELDS, PATCHED_TYPES, LoraSync, lora_extension
 from ldm_unet import tiny_ldm_unet
 
@@ -194,113 +194,6 @@ def test_functional_mode_with_networks_runs_the_plain_model(networks):
     assert same(weights(unet), expected(unet, base, [Network("a")]))
 
 
-def _load_adapter(monkeypatch, diffusion_model: nn.Module, opts: types.SimpleNamespace):
-    """scripts/sd_accel.py imported against stand-ins for the A1111 modules it imports."""
-    stubs = {name: types.ModuleType(name) for name in (
-        "ldm", "ldm.modules", "ldm.modules.diffusionmodules", "ldm.modules.diffusionmodules.openaimodel",
-        "modules", "modules.devices", "modules.script_callbacks", "modules.sd_unet", "modules.shared")}
-    stubs["ldm.modules.diffusionmodules.openaimodel"].copy_of_UNetModel_forward_for_webui = None
-    stubs["modules.script_callbacks"].on_list_unets = stubs["modules.script_callbacks"].on_ui_settings = lambda _: None
-    stubs["modules.sd_unet"].SdUnet = nn.Module
-    stubs["modules.sd_unet"].SdUnetOption = object
-    stubs["modules.shared"].opts = opts
-    model = types.SimpleNamespace(diffusion_model=diffusion_model)
-    stubs["modules.shared"].sd_model = types.SimpleNamespace(model=model)
-    for name, module in stubs.items():
-        monkeypatch.setitem(sys.modules, name, module)
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(stubs[parent], child, module)
-    spec = importlib.util.spec_from_file_location("sd_accel_adapter_under_test", ROOT / "scripts" / "sd_accel.py")
-    adapter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(adapter)
-    return adapter
-
-
-class RecordingEngine:
-    """An AcceleratedUNet stand-in that records what it was asked to do."""
-
-    def __init__(self, backend: str = "torch") -> None:
-        self.backend = backend
-        self.engine = self.unet = self.fallback = None
-        self.calls, self.suspends = 0, 0
-
-    def __call__(self, x, timesteps, context, y=None, control=None, **kwargs):
-        self.calls += 1
-        return x
-
-    def suspend(self) -> None:
-        self.suspends += 1
-
-
-def test_adapter_merges_networks_before_the_engine_and_routes_functional_mode_to_the_plain_unet(
-        networks, monkeypatch, capsys):
-    unet = named_unet()
-    base = weights(unet)
-    plain_calls = []
-    plain_forward = unet.forward
-    unet.forward = lambda *a, **k: plain_calls.append(1) or plain_forward(*a, **k)
-    opts = types.SimpleNamespace()  # lora_functional is absent when the Lora extension is disabled
-    adapter = _load_adapter(monkeypatch, unet, opts)
-    accel_unet = adapter.AccelUnet()
-    accel_unet.acc = engine = RecordingEngine()
-    x, t, ctx = torch.randn(1, 4, 8, 8), torch.tensor([10.0]), torch.randn(1, 77, 32)
-
-    networks.loaded_networks[:] = [Network("a")]
-    accel_unet.forward(x, t, ctx)
-    assert engine.calls == 1 and not plain_calls
-    assert same(weights(unet), expected(unet, base, [Network("a")]))
-
-    opts.lora_functional = True
-    with torch.no_grad():
-        accel_unet.forward(x, t, ctx)
-        accel_unet.forward(x, t, ctx)
-    assert engine.calls == 1 and engine.suspends == 2 and len(plain_calls) == 2
-    told = capsys.readouterr().out
-    assert told.count("sd-accel:") == 1 and "Settings > Compatibility" in told and "off" in told
-
-    networks.loaded_networks.clear()  # functional mode without networks: accelerated, original weights
-    accel_unet.forward(x, t, ctx)
-    assert engine.calls == 2 and same(weights(unet), base)
-
-
-def test_a_weight_baking_engine_is_refitted_to_new_networks_or_handed_to_the_torch_path(networks, monkeypatch,
-                                                                                        capsys):
-    from accel import backends
-    from accel.errors import BackendUnavailable
-
-    unet = named_unet()
-    adapter = _load_adapter(monkeypatch, unet, types.SimpleNamespace())
-    accel_unet = adapter.AccelUnet()
-    accel_unet.acc = engine = RecordingEngine("onnxruntime")
-    engine.fallback = torch_path = RecordingEngine()
-    refits, refit_fails = [], []
-
-    def update_weights(ort_engine, canonical):
-        refits.append(weights(unet))  # what the engine is refitted to: the weights with the networks merged
-        if refit_fails:
-            raise BackendUnavailable("no weight map", "Rebuild it.")
-
-    monkeypatch.setattr(backends, "load", lambda name: types.SimpleNamespace(update_weights=update_weights))
-    x, t, ctx = torch.randn(1, 4, 8, 8), torch.tensor([10.0]), torch.randn(1, 77, 32)
-    accel_unet.forward(x, t, ctx)
-    accel_unet.forward(x, t, ctx)
-    assert len(refits) == 1 and engine.calls == 2 and torch_path.calls == 0  # checked once, not every step
-
-    base = weights(unet)
-    networks.loaded_networks[:] = [Network("a")]
-    accel_unet.forward(x, t, ctx)
-    assert len(refits) == 2 and same(refits[-1], expected(unet, base, [Network("a")])) and engine.calls == 3
-
-    refit_fails.append(1)
-    networks.loaded_networks[:] = [Network("a", unet_multiplier=0.5)]
-    accel_unet.forward(x, t, ctx)
-    accel_unet.forward(x, t, ctx)
-    assert engine.calls == 3 and torch_path.calls == 2  # never the old weights: the torch path serves
-    told = capsys.readouterr().out
-    assert told.count("could not take the new LoRA weights") == 1 and "torch" in told
-
-
 @gpu
 def test_torch_path_graphs_and_packed_weights_follow_the_networks_in_place(networks):
     """The bug this fixes: after the first capture the engine kept the weights it started with. With the sync the
@@ -344,10 +237,10 @@ def test_torch_path_graphs_and_packed_weights_follow_the_networks_in_place(netwo
 
 
 def _a1111_lora_dir() -> Path:
-    root = os.environ.get("A1111_ROOT")
-    if not root:
+    root = a1111_root()
+    if root is None:
         pytest.skip("set A1111_ROOT to an AUTOMATIC1111 stable-diffusion-webui checkout to check its Lora extension")
-    return Path(root) / "extensions-builtin" / "Lora"
+    return root / "extensions-builtin" / "Lora"
 
 
 def _parse(path: Path) -> ast.Module:

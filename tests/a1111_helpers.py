@@ -1,0 +1,205 @@
+"""AUTOMATIC1111 for the tests: finding a checkout with its repositories and a Python environment built from its
+pins, a seeded tiny checkpoint and LoRA made by A1111's own model classes, and a headless API server on the CPU.
+
+What the tests need, each from the environment (the suite skips A1111's tests, naming what is missing, without):
+- A1111_ROOT: an AUTOMATIC1111 checkout (default ../shared/hosts/stable-diffusion-webui beside this repository);
+  treated as read-only: the server gets a temporary --data-dir.
+- A1111_REPOSITORIES: the folder holding stable-diffusion-stability-ai, generative-models and k-diffusion at the
+  commits A1111 pins (default: A1111_ROOT/repositories).
+- A1111_PYTHON: a Python with A1111's requirements_versions.txt installed (A1111's pins conflict with this
+  project's test pins, so it is a separate environment, as an A1111 user has); .ci/run builds one.
+- HF_HOME: an offline Hugging Face cache with openai/clip-vit-large-patch14's config and tokenizer (default
+  ../shared/hosts/hf-offline); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from comfy_helpers import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+HOSTS = REPO.parent / "shared" / "hosts"
+HERE = Path(__file__).resolve().parent / "a1111"
+ACCEL_UNET = "sd-accel (fastest path for this GPU)"  # the SD Unet option's label
+REPOSITORIES = ("stable-diffusion-stability-ai", "generative-models", "k-diffusion")
+
+
+def _path(var: str, default: Path | None) -> Path | None:
+    raw = os.environ.get(var, "").strip()
+    return Path(raw) if raw else default
+
+
+def a1111_root() -> Path | None:
+    root = _path("A1111_ROOT", HOSTS / "stable-diffusion-webui")
+    return root if root is not None and (root / "modules" / "sd_unet.py").is_file() else None
+
+
+def repositories(root: Path | None) -> Path | None:
+    repos = _path("A1111_REPOSITORIES", root / "repositories" if root else None)
+    ldm = repos / REPOSITORIES[0] / "ldm" / "models" / "diffusion" / "ddpm.py" if repos is not None else None
+    return repos if ldm is not None and ldm.is_file() else None
+
+
+def hf_home() -> Path | None:
+    home = _path("HF_HOME", HOSTS / "hf-offline")
+    return home if home is not None and (home / "hub").is_dir() else None
+
+
+def missing() -> str | None:
+    """Why A1111's tests cannot run here, or None."""
+    root = a1111_root()
+    if root is None:
+        return "no AUTOMATIC1111 checkout (set A1111_ROOT)"
+    if repositories(root) is None:
+        return (f"A1111's repositories ({', '.join(REPOSITORIES)}) are not in {root / 'repositories'} "
+                "(set A1111_REPOSITORIES)")
+    python = os.environ.get("A1111_PYTHON", "").strip()
+    if not python or not Path(python).is_file():
+        return "no Python environment with A1111's pinned packages (set A1111_PYTHON)"
+    if hf_home() is None:
+        return "no offline Hugging Face cache with the CLIP tokenizer (set HF_HOME)"
+    return None
+
+
+def host_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update({"HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"})
+    # The project's test settings are not A1111's: its own interpreter and the real Triton, no interpreter mode.
+    for var in ("PYTHONPATH", "TRITON_INTERPRET", "SD_ACCEL_CACHE", "VIRTUAL_ENV"):
+        env.pop(var, None)
+    env.update(extra or {})
+    return env
+
+
+def python() -> str:
+    return os.environ["A1111_PYTHON"]
+
+
+def make_models(models: Path, name: str = "tiny", lora: str = "testlora") -> None:
+    """A seeded tiny SD1.x checkpoint (with its config beside it, as A1111 reads one) and a LoRA for it."""
+    ckpt_dir, lora_dir = models / "Stable-diffusion", models / "Lora"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    lora_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(HERE / "tiny-sd1.yaml", ckpt_dir / f"{name}.yaml")
+    env = host_env({"PYTHONPATH": str(repositories(a1111_root()) / REPOSITORIES[0])})
+    run = subprocess.run([python(), str(HERE / "make_checkpoint.py"), str(HERE / "tiny-sd1.yaml"),
+                          str(ckpt_dir / f"{name}.safetensors"), "--lora", str(lora_dir / f"{lora}.safetensors"),
+                          "--half"], env=env, capture_output=True, text=True, timeout=600)
+    if run.returncode:
+        raise RuntimeError(f"building the test checkpoint failed:\n{run.stderr[-3000:]}")
+
+
+class Server:
+    """A1111's launch.py --nowebui --api on the CPU in full precision, on a loopback port, with this repository as
+    its one extension (besides the built-in ones) and `data` as its data folder."""
+
+    def __init__(self, data: Path, *flags: str, startup_timeout: float = 180) -> None:
+        self.data = data
+        (data / "extensions").mkdir(parents=True, exist_ok=True)
+        ext = data / "extensions" / "sd-accel"
+        if not ext.exists():
+            # The checkout without its .git: A1111 reads an extension's git remote and prints a traceback for a
+            # repository that has none, as a clone made by hand has not.
+            ext.mkdir()
+            for item in REPO.iterdir():
+                if item.name != ".git":
+                    (ext / item.name).symlink_to(item, target_is_directory=item.is_dir())
+        # Live previews would download A1111's approximate VAE; the CPU needs none.
+        config = data / "config.json"
+        if not config.exists():
+            config.write_text(json.dumps({"live_previews_enable": False}))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = data / f"server-{self.port}.log"
+        root = a1111_root()
+        cmd = [python(), str(root / "launch.py"), "--skip-torch-cuda-test", "--use-cpu", "all", "--no-half",
+               "--precision", "full", "--skip-prepare-environment", "--skip-install", "--skip-version-check",
+               "--api", "--nowebui", "--server-name", "127.0.0.1", "--port", str(self.port),
+               "--data-dir", str(data), *flags]
+        self._log = open(self.log_path, "wb")
+        # A1111 finds its `ldm` repository in the working folder too; the others beside it.
+        self.proc = subprocess.Popen(cmd, cwd=repositories(root) / REPOSITORIES[0], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=host_env({"SD_ACCEL_CACHE": str(data / "accel")}))
+        self._wait_up(startup_timeout)
+
+    def _wait_up(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"A1111 exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            with contextlib.suppress(OSError):
+                if self.get("/sdapi/v1/sd-models"):
+                    return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"A1111 did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, payload: dict, timeout: float = 300):
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')[:2000]}\n"
+                               f"{self.log()[-3000:]}") from None
+
+    def options(self, **values) -> None:
+        self.post("/sdapi/v1/options", values)
+
+    def image(self, path: str, payload: dict):
+        """The first image of a txt2img / img2img call, as a float array (H, W, 3) in 0..255."""
+        import numpy as np
+        from PIL import Image
+
+        out = self.post(path, payload)
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(out["images"][0]))).convert("RGB"), dtype=np.float64)
+
+    def status(self) -> dict:
+        return self.get("/sd-accel/status")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)
+        self._log.close()
+
+
+def psnr(a, b) -> float:
+    import numpy as np
+
+    mse = float(((a - b) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * float(np.log10(255.0 ** 2 / mse))
+
+
+def png_b64(array) -> str:
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(array, 0, 255).astype("uint8")).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()

@@ -76,7 +76,8 @@ def host_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update({"HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"})
-    # The project's test settings are not A1111's: its own interpreter and the real Triton, no interpreter mode.
+    # The project's test settings are not A1111's: its own interpreter, and Triton's interpreter mode only where
+    # a test asks for it.
     for var in ("PYTHONPATH", "TRITON_INTERPRET", "SD_ACCEL_CACHE", "VIRTUAL_ENV"):
         env.pop(var, None)
     env.update(extra or {})

@@ -1,0 +1,64 @@
+"""The torch path's fusions on A1111's own UNet classes (ldm for SD1.x/SD2.x, sgm for SDXL), against the same module
+unfused. Run with the Python of an A1111 environment, A1111's repositories importable and this repository on
+PYTHONPATH; without a GPU, with TRITON_INTERPRET=1 (the kernels then run in Triton's interpreter). Prints one JSON
+line per model: fused-vs-unfused relative error, fusion counts, and whether undo restored the forward exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from accel import fusions
+from accel.backends.torch_fused import DEFAULTS
+from accel.unet import CanonicalUNet
+
+TINY = dict(in_channels=4, out_channels=4, model_channels=32, attention_resolutions=[2, 1], num_res_blocks=1,
+            channel_mult=[1, 2], num_heads=2, use_spatial_transformer=True, transformer_depth=1,
+            use_checkpoint=False, legacy=False)
+
+
+def _models():
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel as LdmUNet
+
+    yield "ldm (SD1.x)", LdmUNet(image_size=32, context_dim=768, **TINY), 768, None
+    try:
+        from sgm.modules.diffusionmodules.openaimodel import UNetModel as SgmUNet
+    except ImportError:
+        return
+    yield ("sgm (SDXL)", SgmUNet(context_dim=64, adm_in_channels=96, num_classes="sequential",
+                                 use_linear_in_transformer=True, **{**TINY, "num_heads": -1, "num_head_channels": 16}),
+           64, 96)
+
+
+def check(name: str, unet: torch.nn.Module, context_dim: int, adm: int | None) -> dict:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in unet.parameters():
+            if not p.any():  # ldm zero-initialises output convs: an all-zero output proves nothing
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    unet.eval()
+    canonical = CanonicalUNet(unet)
+    x = torch.randn(2, 4, 16, 16, generator=g).contiguous(memory_format=torch.channels_last)
+    t = torch.tensor([10.0, 700.0])
+    ctx = torch.randn(2, 77, context_dim, generator=g)
+    y = torch.randn(2, adm, generator=g) if adm else None
+    with torch.no_grad():
+        ref = canonical(x, t, ctx, y)
+        undo, counts = fusions.apply(unet, list(DEFAULTS["fusions"]))
+        out = canonical(x, t, ctx, y)
+        undo()
+        again = canonical(x, t, ctx, y)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    return {"model": name, "rel": rel, "counts": counts, "undo_exact": bool(torch.equal(again, ref))}
+
+
+def main() -> None:
+    for name, unet, ctx, adm in _models():
+        print(json.dumps(check(name, unet, ctx, adm)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -100,6 +100,13 @@ class _Collect(logging.Handler):
         self.sink(msg[len("sd-accel: "):] if msg.startswith("sd-accel: ") else msg)
 
 
+def transformer_patches(transformer_options: dict) -> list[str]:
+    """The per-step patches a ComfyUI-style transformer_options carries (ComfyUI's and Forge's): a call that carries
+    any must run on the host's own forward, which applies them; an engine or CUDA graph would not."""
+    names = sorted(k for k, v in transformer_options.get("patches", {}).items() if v)
+    return names + sorted(f"{k} replace" for k, v in transformer_options.get("patches_replace", {}).items() if v)
+
+
 def refit(acc) -> str | None:
     """Bring an AcceleratedUNet's engine that bakes weights in (ONNX Runtime) to its module's current weights (a
     LoRA merged or removed). None when it did; else why not: its backend has no refit, or the refit failed."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from accel.errors import AccelError, BadInput
-from accel.host_support import EngineSlot, SlotStatus, shape_profile
+from accel.host_support import EngineSlot, SlotStatus, shape_profile, transformer_patches
 from accel.unet import inspect_unet
 
 from .comfy_ui import CATEGORY, cache_root, node_progress, publish, say
@@ -225,8 +225,7 @@ class Session:
         if getattr(p, "hook_patches", None):
             return ("hooks", "per-step weight hooks (scheduled LoRA / hook keyframes) change the weights while "
                     "sampling; the plain model runs rather than stale weights.")
-        patches = sorted(k for k, v in transformer_options.get("patches", {}).items() if v)
-        patches += sorted(f"{k} replace" for k, v in transformer_options.get("patches_replace", {}).items() if v)
+        patches = transformer_patches(transformer_options)
         if transformer_options.get("optimized_attention_override") is not None:
             patches.append("attention override")
         inner = executor.wrappers[executor.idx + 1:]

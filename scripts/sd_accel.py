@@ -1,5 +1,11 @@
-"""A1111 extension entry: an "sd-accel" choice under Settings > Stable Diffusion > SD Unet, the settings under
-Settings > sd-accel, the tiled VAE decode, and GET /sd-accel/status. Thin: the work is in accel/.
+"""A1111 and Forge extension entry. Thin: the work is in accel/.
+
+A1111: an "sd-accel" choice under Settings > Stable Diffusion > SD Unet, the settings under Settings > sd-accel, the
+tiled VAE decode, and GET /sd-accel/status.
+
+Forge routes nothing to an SdUnet (the choice would do nothing, so it is not offered): every generation's
+forge_objects.unet is cloned with a model function wrapper (accel/host_forge.py), as Forge's own extensions patch it,
+unless Settings > sd-accel > backend is off.
 
 A1111 (1.7 and later) routes UNetModel.forward, at class level, to the active SdUnet's forward. The engine calls
 the same module, so its calls come back through that routing; they are told apart and run A1111's original forward.
@@ -12,10 +18,11 @@ A1111 runs this file with the extension folder first on sys.path, so `accel` imp
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Callable
 
 import torch
-from modules import devices, patches, script_callbacks, sd_unet, shared
+from modules import devices, patches, script_callbacks, scripts, sd_unet, shared
 
 from accel.cache import default_root
 from accel.host_a1111 import LoraSync
@@ -123,7 +130,7 @@ def _models_dir() -> str:
     return f"{paths.models_path}/accel"
 
 
-_active: AccelUnet | None = None  # the SdUnet A1111 activated last, for GET /sd-accel/status
+_active = None  # what serves the UNet now, for GET /sd-accel/status: the A1111 SdUnet, or Forge's script class
 _tiled_decodes = 0
 
 
@@ -192,7 +199,8 @@ def _hook_vae(sd_model) -> None:
 def _settings() -> dict:
     return {
         "sd_accel_backend": shared.OptionInfo(
-            "auto", "Acceleration path (choose 'sd-accel' under Stable Diffusion > SD Unet to use it)",
+            "auto", "Acceleration path for the UNet (off: Forge's own UNet)" if FORGE else
+            "Acceleration path (choose 'sd-accel' under Stable Diffusion > SD Unet to use it)",
             _dropdown(), {"choices": BACKENDS}).info("auto: the fastest installed path for this GPU"),
         "sd_accel_tiled_vae": shared.OptionInfo(
             "auto", "Tiled VAE decode (same image as the untiled decode)", _dropdown(), {"choices": TILED_VAE})
@@ -220,10 +228,50 @@ def _status_api(_demo, app) -> None:
                 "tiled_decodes": _tiled_decodes}
 
 
+FORGE = importlib.util.find_spec("modules_forge") is not None
+
+if FORGE:
+    class AccelForge(scripts.Script):
+        """Each sampling (hires fix: both passes) runs on a clone of forge_objects.unet carrying sd-accel's wrapper;
+        the engine (one EngineSlot for the loaded model) outlives the generations."""
+
+        slot: EngineSlot | None = None
+        backend: str | None = None
+
+        def title(self) -> str:
+            return "sd-accel"
+
+        def show(self, is_img2img):
+            return scripts.AlwaysVisible
+
+        def process_before_every_sampling(self, p, *args, **kwargs) -> None:
+            global _active
+            from accel.host_forge import ForgeSession
+
+            backend = _option("sd_accel_backend", "auto")
+            if backend == "off":
+                self.postprocess(p, None)
+                return
+            if AccelForge.slot is None or backend != AccelForge.backend:
+                if AccelForge.slot is not None:
+                    AccelForge.slot.release()
+                AccelForge.slot, AccelForge.backend = _slot(backend), backend
+            _active = AccelForge
+            unet = p.sd_model.forge_objects.unet.clone()
+            unet.set_model_unet_function_wrapper(ForgeSession(AccelForge.slot, unet).wrapper)
+            p.sd_model.forge_objects.unet = unet
+
+        def postprocess(self, p, processed, *args) -> None:
+            # The torch path changed the module in place (fused forwards): undone until the next sampling, whose
+            # first call redoes it and replays the kept CUDA graphs.
+            if AccelForge.slot is not None:
+                AccelForge.slot.end_run(keep_graphs=True)
+
 shared.options_templates.update(shared.options_section(SECTION, _settings()))
-script_callbacks.on_list_unets(_list_unets)
-script_callbacks.on_model_loaded(_hook_vae)
 script_callbacks.on_app_started(_status_api)
-_loaded = getattr(importlib.import_module("modules.sd_models").model_data, "sd_model", None)
-if _loaded is not None:  # scripts reloaded with a model in memory ("Apply and restart UI")
-    _hook_vae(_loaded)
+if not FORGE:
+    script_callbacks.on_list_unets(_list_unets)
+    script_callbacks.on_model_loaded(_hook_vae)
+    _loaded = getattr(importlib.import_module("modules.sd_models").model_data, "sd_model", None)
+    if _loaded is not None:  # scripts reloaded with a model in memory ("Apply and restart UI")
+        _hook_vae(_loaded)

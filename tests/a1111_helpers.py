@@ -1,5 +1,5 @@
-"""AUTOMATIC1111 for the tests: finding a checkout with its repositories and a Python environment built from its
-pins, a seeded tiny checkpoint and LoRA made by A1111's own model classes, and a headless API server on the CPU.
+"""AUTOMATIC1111 and Forge for the tests: finding a checkout with its repositories and a Python environment built
+from its pins, seeded checkpoints and a LoRA made by A1111's own model classes, and a headless API server on the CPU.
 
 What the tests need, each from the environment (the suite skips A1111's tests, naming what is missing, without):
 - A1111_ROOT: an AUTOMATIC1111 checkout (default ../shared/hosts/stable-diffusion-webui beside this repository);
@@ -8,6 +8,10 @@ What the tests need, each from the environment (the suite skips A1111's tests, n
   commits A1111 pins (default: A1111_ROOT/repositories).
 - A1111_PYTHON: a Python with A1111's requirements_versions.txt installed (A1111's pins conflict with this
   project's test pins, so it is a separate environment, as an A1111 user has); .ci/run builds one.
+- Forge (tests skip without): FORGE_ROOT, a stable-diffusion-webui-forge checkout with its repositories/
+  huggingface_guess, and FORGE_PYTHON, a Python with Forge's requirements_versions.txt installed. Forge finds the
+  model type from a checkpoint's tensor shapes, so its tests use a full-size SD1.5 checkpoint (2 GB, built with
+  A1111's classes: the A1111 variables above are needed too).
 - HF_HOME: an offline Hugging Face cache with openai/clip-vit-large-patch14's config and tokenizer (default
   ../shared/hosts/hf-offline); nothing is downloaded.
 """
@@ -72,6 +76,19 @@ def missing() -> str | None:
     return None
 
 
+def forge_missing() -> str | None:
+    """Why Forge's tests cannot run here, or None."""
+    root = _path("FORGE_ROOT", None)
+    if root is None or not (root / "modules_forge").is_dir():
+        return "no Forge checkout (set FORGE_ROOT)"
+    if not (root / "repositories" / "huggingface_guess" / "huggingface_guess").is_dir():
+        return f"Forge's repositories/huggingface_guess is missing in {root}"
+    python_ = os.environ.get("FORGE_PYTHON", "").strip()
+    if not python_ or not Path(python_).is_file():
+        return "no Python environment with Forge's pinned packages (set FORGE_PYTHON)"
+    return missing()
+
+
 def host_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update({"HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -88,14 +105,17 @@ def python() -> str:
     return os.environ["A1111_PYTHON"]
 
 
-def make_models(models: Path, name: str = "tiny", lora: str = "testlora") -> None:
-    """A seeded tiny SD1.x checkpoint (with its config beside it, as A1111 reads one) and a LoRA for it."""
+def make_models(models: Path, name: str = "tiny", lora: str = "testlora", full_size: bool = False) -> None:
+    """A seeded SD1.x checkpoint and a LoRA for it: tiny (with its config beside it, as A1111 reads one), or with
+    the full SD1.5 architecture (A1111's v1-inference.yaml)."""
     ckpt_dir, lora_dir = models / "Stable-diffusion", models / "Lora"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     lora_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(HERE / "tiny-sd1.yaml", ckpt_dir / f"{name}.yaml")
+    config = a1111_root() / "configs" / "v1-inference.yaml" if full_size else HERE / "tiny-sd1.yaml"
+    if not full_size:
+        shutil.copy(config, ckpt_dir / f"{name}.yaml")
     env = host_env({"PYTHONPATH": str(repositories(a1111_root()) / REPOSITORIES[0])})
-    run = subprocess.run([python(), str(HERE / "make_checkpoint.py"), str(HERE / "tiny-sd1.yaml"),
+    run = subprocess.run([python(), str(HERE / "make_checkpoint.py"), str(config),
                           str(ckpt_dir / f"{name}.safetensors"), "--lora", str(lora_dir / f"{lora}.safetensors"),
                           "--half"], env=env, capture_output=True, text=True, timeout=600)
     if run.returncode:
@@ -103,10 +123,10 @@ def make_models(models: Path, name: str = "tiny", lora: str = "testlora") -> Non
 
 
 class Server:
-    """A1111's launch.py --nowebui --api on the CPU in full precision, on a loopback port, with this repository as
-    its one extension (besides the built-in ones) and `data` as its data folder."""
+    """A1111's (or Forge's) launch.py --nowebui --api on the CPU in full precision, on a loopback port, with this
+    repository as its one extension (besides the built-in ones) and `data` as its data folder."""
 
-    def __init__(self, data: Path, *flags: str, startup_timeout: float = 180) -> None:
+    def __init__(self, data: Path, *flags: str, forge: bool = False, startup_timeout: float = 180) -> None:
         self.data = data
         (data / "extensions").mkdir(parents=True, exist_ok=True)
         ext = data / "extensions" / "sd-accel"
@@ -124,28 +144,33 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = data / f"server-{self.port}.log"
-        root = a1111_root()
-        cmd = [python(), str(root / "launch.py"), "--skip-torch-cuda-test", "--use-cpu", "all", "--no-half",
-               "--precision", "full", "--skip-prepare-environment", "--skip-install", "--skip-version-check",
-               "--api", "--nowebui", "--server-name", "127.0.0.1", "--port", str(self.port),
-               "--data-dir", str(data), *flags]
+        if forge:
+            root, cwd = Path(os.environ["FORGE_ROOT"]), data
+            cmd = [os.environ["FORGE_PYTHON"], str(root / "launch.py"), "--always-cpu"]
+        else:
+            # A1111 finds its `ldm` repository in the working folder too; the others beside it.
+            root = a1111_root()
+            cwd = repositories(root) / REPOSITORIES[0]
+            cmd = [python(), str(root / "launch.py"), "--use-cpu", "all", "--no-half", "--precision", "full"]
+        cmd += ["--skip-torch-cuda-test", "--skip-prepare-environment", "--skip-install", "--skip-version-check",
+                "--api", "--nowebui", "--server-name", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data),
+                *flags]
         self._log = open(self.log_path, "wb")
-        # A1111 finds its `ldm` repository in the working folder too; the others beside it.
-        self.proc = subprocess.Popen(cmd, cwd=repositories(root) / REPOSITORIES[0], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=host_env({"SD_ACCEL_CACHE": str(data / "accel")}))
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=host_env({"SD_ACCEL_CACHE": str(data / "accel")}))
         self._wait_up(startup_timeout)
 
     def _wait_up(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"A1111 exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             with contextlib.suppress(OSError):
                 if self.get("/sdapi/v1/sd-models"):
                     return
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"A1111 did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
+        raise TimeoutError(f"the server did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
 
     def get(self, path: str):
         with urllib.request.urlopen(self.url + path, timeout=30) as r:

@@ -1,0 +1,79 @@
+"""The extension inside a real Forge (stable-diffusion-webui-forge main; tests/a1111_helpers.py says what it needs):
+its API server on the CPU, a full-size SD1.5 checkpoint with seeded weights, the same requests with
+Settings > sd-accel > backend off and auto.
+
+Forge has no SD Unet routing: the extension clones forge_objects.unet with a model function wrapper for every
+sampling. Proven here: every step runs the engine (counted), the images equal Forge's own, LoRAs through Forge's own
+LoRA code reach the weights the engine reads, hires fix (two shapes), and another extension's UNet patch (FreeU) runs
+Forge's forward with one message.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import a1111_helpers as a1
+from a1111_helpers import psnr
+
+pytestmark = pytest.mark.skipif(a1.forge_missing() is not None, reason=f"Forge tests: {a1.forge_missing()}")
+
+BASE = {"steps": 3, "width": 64, "height": 64, "seed": 5, "sampler_name": "Euler", "cfg_scale": 7.0, "prompt": "a cat"}
+FREEU = {"FreeU Integrated (SD 1.x, SD 2.x, SDXL)": {"args": [True, 1.5, 1.6, 0.9, 0.2, 0.0, 1.0]}}
+# name: (request, UNet calls through the engine, UNet calls on Forge's forward)
+CASES = {
+    "txt2img": (BASE, 3, 0),
+    "lora": ({**BASE, "prompt": "a cat <lora:testlora:1>"}, 3, 0),
+    "hires fix": ({**BASE, "enable_hr": True, "hr_scale": 2, "hr_upscaler": "Latent", "denoising_strength": 0.6,
+                   "hr_second_pass_steps": 2, "hr_additional_modules": ["Use same choices"]}, 3 + 2, 0),
+    "freeu": ({**BASE, "alwayson_scripts": FREEU}, 0, 3),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data = tmp_path_factory.mktemp("forge")
+    a1.make_models(data / "models", name="sd15", full_size=True)
+    srv = a1.Server(data, forge=True, startup_timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(server):
+    """Each case with backend off (Forge's own UNet), then each with backend auto, with the calls it made."""
+    out = {}
+    for backend in ("off", "auto"):
+        server.options(sd_accel_backend=backend)
+        server.image("/sdapi/v1/txt2img", BASE)  # the same history before both runs
+        for name, (request, _, _) in CASES.items():
+            before = server.status()
+            image = server.image("/sdapi/v1/txt2img", request)
+            after = server.status()
+            calls = (after.get("engine_calls", 0) - before.get("engine_calls", 0),
+                     after.get("plain_calls", 0) - before.get("plain_calls", 0))
+            out[backend, name] = (image, calls, after)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_images_equal_forges_own_and_the_engine_serves_what_it_can(runs, name):
+    image, calls, status = runs["auto", name]
+    assert psnr(image, runs["off", name][0]) >= 60
+    assert calls == CASES[name][1:], (name, calls)
+
+
+def test_the_comparisons_can_fail(runs):
+    assert psnr(runs["off", "lora"][0], runs["off", "txt2img"][0]) < 40
+    assert psnr(runs["off", "freeu"][0], runs["off", "txt2img"][0]) < 40
+
+
+def test_a_patch_from_another_extension_is_named_once(runs):
+    status = runs["auto", "freeu"][2]
+    said = [m for m in status["messages"] if "output_block_patch" in m]
+    assert len(said) == 1 and "Forge's own forward" in said[0]
+
+
+def test_no_sd_unet_option_on_forge_and_a_clean_console(server, runs):
+    log = server.log()
+    assert "Traceback" not in log, log[log.find("Traceback") - 1500:log.find("Traceback") + 1500]
+    assert "sd-accel (fastest path" not in log

@@ -22,6 +22,8 @@ import torch
 from .host_support import EngineSlot, transformer_patches
 
 KNOWN_CONDITIONS = {"c_crossattn", "c_concat", "y", "control", "transformer_options"}
+# transformer_options entries Forge's UNet applies besides ComfyUI's patches (backend/nn/unet.py).
+FORGE_MODIFIERS = ("group_norm_wrapper", "block_modifiers", "block_inner_modifiers")
 
 
 def weights_key(patcher: Any) -> Any:
@@ -79,7 +81,8 @@ class ForgeSession:
         if self._why_module is not None:
             return self._why_module
         extra = sorted(set(c) - KNOWN_CONDITIONS)
-        patches = transformer_patches(c.get("transformer_options") or {})
+        options = c.get("transformer_options") or {}
+        patches = transformer_patches(options) + [k for k in FORGE_MODIFIERS if options.get(k)]
         if extra:
             patches.append("extra inputs " + ", ".join(extra))
         if patches:

@@ -124,13 +124,15 @@ def _ldm_parts(m: nn.Module):
 
 
 def _ldm_forward(time: _TimeProjections):
-    def forward(self, x, emb):
+    def forward(self, x, emb, *args, **kwargs):
+        # Forge passes its transformer_options, where a group_norm_wrapper replaces the block's norms.
+        options = args[0] if args else kwargs.get("transformer_options") or {}
         parts = _ldm_parts(self)
-        if parts is None or (self.training and self.out_layers[2].p):
-            return type(self).forward(self, x, emb)
+        if parts is None or (self.training and self.out_layers[2].p) or "group_norm_wrapper" in options:
+            return type(self).forward(self, x, emb, *args, **kwargs)
         norm1, conv1, emb_layers, norm2, conv2, skip = parts
         if not _runs(x, [c for c in (conv1, conv2, skip) if c is not None]):
-            return type(self).forward(self, x, emb)
+            return type(self).forward(self, x, emb, *args, **kwargs)
         return _block(x, norm1, conv1, time(emb_layers[1], emb), norm2, conv2, skip)
     return forward
 

@@ -1,7 +1,8 @@
-"""The torch path's fusions on A1111's own UNet classes (ldm for SD1.x/SD2.x, sgm for SDXL), against the same module
-unfused. Run with the Python of an A1111 environment, A1111's repositories importable and this repository on
-PYTHONPATH; without a GPU, with TRITON_INTERPRET=1 (the kernels then run in Triton's interpreter). Prints one JSON
-line per model: fused-vs-unfused relative error, fusion counts, and whether undo restored the forward exactly.
+"""The torch path's fusions on A1111's own UNet classes (ldm for SD1.x/SD2.x, sgm for SDXL) or Forge's
+(backend.nn.unet), against the same module unfused. Run with the Python of an A1111 (or Forge) environment, its
+repositories (or Forge's folder) and this repository on PYTHONPATH; without a GPU, with TRITON_INTERPRET=1 (the
+kernels then run in Triton's interpreter). Prints one JSON line per model found: fused-vs-unfused relative error,
+fusion counts, and whether undo restored the forward exactly.
 """
 
 from __future__ import annotations
@@ -20,17 +21,30 @@ TINY = dict(in_channels=4, out_channels=4, model_channels=32, attention_resoluti
             use_checkpoint=False, legacy=False)
 
 
-def _models():
-    from ldm.modules.diffusionmodules.openaimodel import UNetModel as LdmUNet
+XL = dict(context_dim=64, adm_in_channels=96, num_classes="sequential", use_linear_in_transformer=True,
+          **{**TINY, "num_heads": -1, "num_head_channels": 16})
 
-    yield "ldm (SD1.x)", LdmUNet(image_size=32, context_dim=768, **TINY), 768, None
+
+def _models():
     try:
+        from ldm.modules.diffusionmodules.openaimodel import UNetModel as LdmUNet
         from sgm.modules.diffusionmodules.openaimodel import UNetModel as SgmUNet
     except ImportError:
+        pass
+    else:
+        yield "ldm (SD1.x)", LdmUNet(image_size=32, context_dim=768, **TINY), 768, None
+        yield "sgm (SDXL)", SgmUNet(**XL), 64, 96
+    try:
+        from backend.nn.unet import IntegratedUNet2DConditionModel as ForgeUNet
+    except ImportError:
         return
-    yield ("sgm (SDXL)", SgmUNet(context_dim=64, adm_in_channels=96, num_classes="sequential",
-                                 use_linear_in_transformer=True, **{**TINY, "num_heads": -1, "num_head_channels": 16}),
-           64, 96)
+    # Forge takes ComfyUI's form of the config: depths per level.
+    forge = dict(in_channels=4, out_channels=4, model_channels=32, num_res_blocks=[1, 1], channel_mult=[1, 2],
+                 use_spatial_transformer=True, transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
+                 transformer_depth_middle=1)
+    yield "forge (SD1.x)", ForgeUNet(context_dim=768, num_heads=2, **forge), 768, None
+    yield "forge (SDXL)", ForgeUNet(context_dim=64, adm_in_channels=96, num_classes="sequential", num_head_channels=16,
+                                    use_linear_in_transformer=True, **forge), 64, 96
 
 
 def check(name: str, unet: torch.nn.Module, context_dim: int, adm: int | None) -> dict:

@@ -23,6 +23,11 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host(args: argparse.Namespace) -> tuple[str, str] | None:
+    """--comfyui / --a1111 / --forge DIR: whose UNet class the bench builds."""
+    return next(((host, getattr(args, host)) for host in ("comfyui", "a1111", "forge") if getattr(args, host)), None)
+
+
 def _bench(args: argparse.Namespace) -> int:
     out: dict = {}
     if args.kernels:
@@ -45,8 +50,8 @@ def _bench(args: argparse.Namespace) -> int:
         paths = [p for p in args.paths.split(",") if p and not (p.endswith("-compile") and (args.no_compile or args.tiny))]
         try:
             rows = bench.run([m for m in args.models.split(",") if m], args.tiny, args.iters, modes, paths,
-                             log=(lambda s: print(s, file=sys.stderr)), profile=args.profile, comfyui=args.comfyui)
-        except ValueError as e:  # an unknown model name or a folder that is not a ComfyUI checkout
+                             log=(lambda s: print(s, file=sys.stderr)), profile=args.profile, host=_host(args))
+        except ValueError as e:  # an unknown model name or a folder that is not the host's checkout
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 2
         out["unet"] = bench.as_dicts(rows)
@@ -86,9 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae: time the UNets too")
     b.add_argument("--profile", action="store_true",
                    help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")
-    b.add_argument("--comfyui", metavar="DIR",
-                   help="build the UNets with ComfyUI's own UNetModel from this ComfyUI checkout (the ldm form "
-                        "ComfyUI runs; sd15 and sdxl) instead of diffusers'")
+    hosts = b.add_mutually_exclusive_group()
+    hosts.add_argument("--comfyui", metavar="DIR",
+                       help="build the UNets with ComfyUI's own UNetModel from this ComfyUI checkout (the ldm form "
+                            "ComfyUI runs; sd15 and sdxl) instead of diffusers'")
+    hosts.add_argument("--a1111", metavar="DIR",
+                       help="build them with A1111's own classes (ldm for sd15, sgm for sdxl) from A1111's "
+                            "repositories folder; the eager baseline's attention is PyTorch SDPA, as A1111's default")
+    hosts.add_argument("--forge", metavar="DIR", help="build them with Forge's own UNet class from this Forge checkout")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("demo", help="detect, plan, build, sample plain and accelerated, compare, save a PNG")

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .configs import SHAPES, build_comfy_unet, build_unet, example_inputs, ldm_example_inputs
+from .configs import SHAPES, build_host_unet, build_unet, example_inputs, ldm_example_inputs
 from .progress import StageLog
 from .unet import CanonicalUNet
 
@@ -100,15 +100,16 @@ def _graphed(fn: Callable, args: tuple) -> Callable[[], torch.Tensor]:
 
 def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, compile_modes: list[str],
                paths: list[str], log: Callable[[str], None] = print, profile: bool = False,
-               comfyui: str | None = None) -> list[Row]:
-    """Rows for one UNet: diffusers' model, or with `comfyui` (a ComfyUI checkout) ComfyUI's own UNetModel."""
+               host: tuple[str, str] | None = None) -> list[Row]:
+    """Rows for one UNet: diffusers' model, or with `host` ("comfyui" | "a1111" | "forge", folder) that host's own
+    UNet class (accel.configs.build_host_unet)."""
     rows: list[Row] = []
     tokens, latent = SHAPES[name]
     t0 = time.perf_counter()
-    if comfyui:
-        ref_model = build_comfy_unet(name, comfyui, seed=0, device=device, dtype=torch.float32)
+    if host:
+        ref_model = build_host_unet(name, *host, seed=0, device=device, dtype=torch.float32)
         x, t, ctx, y = (None if a is None else a.to(device) for a in ldm_example_inputs(name))
-        name = f"{name}/comfy"
+        name = f"{name}/{host[0]}"
     else:
         ref_model = build_unet(name, seed=0, device=device, dtype=torch.float32)
         x, t, ctx, y = example_inputs(ref_model, batch=2, latent=latent, tokens=tokens, device=device)
@@ -222,7 +223,7 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
 
 
 def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], paths: list[str],
-        log: Callable[[str], None] = print, profile: bool = False, comfyui: str | None = None) -> list[Row]:
+        log: Callable[[str], None] = print, profile: bool = False, host: tuple[str, str] | None = None) -> list[Row]:
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     names = [("tiny-" + name) if tiny else name for name in models]
@@ -232,7 +233,7 @@ def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], pat
             raise ValueError(f"no {name!r} UNet to time; choose from {', '.join(known)} (names given without 'tiny-').")
     rows: list[Row] = []
     for name in names:
-        rows += bench_unet(name, device, dtype, iters, compile_modes, paths, log, profile, comfyui)
+        rows += bench_unet(name, device, dtype, iters, compile_modes, paths, log, profile, host)
     return rows
 
 

@@ -5,7 +5,9 @@ Models are built from these with seeded random weights: nothing is downloaded.
 
 from __future__ import annotations
 
+import inspect
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -146,6 +148,97 @@ def build_comfy_unet(name: str, comfyui_root: str | Path, seed: int = 0, device:
 
     unet = UNetModel(**LDM_UNET_CONFIGS[name], dtype=torch.float32, device="cpu",
                      operations=comfy.ops.disable_weight_init)
+    return seed_parameters(unet, seed).to(device, dtype).eval().requires_grad_(False)
+
+
+# The same UNets as A1111 configures its own classes for them (configs/v1-inference.yaml: ldm; sd_xl_base.yaml: sgm).
+_A1111_CONFIGS = {
+    "sd15": ("ldm", dict(image_size=32, in_channels=4, out_channels=4, model_channels=320,
+                         attention_resolutions=[4, 2, 1], num_res_blocks=2, channel_mult=[1, 2, 4, 4], num_heads=8,
+                         use_spatial_transformer=True, transformer_depth=1, context_dim=768, use_checkpoint=False,
+                         legacy=False)),
+    "sdxl": ("sgm", dict(adm_in_channels=2816, num_classes="sequential", use_checkpoint=False, in_channels=4,
+                         use_spatial_transformer=True,
+                         out_channels=4, model_channels=320, attention_resolutions=[4, 2], num_res_blocks=2,
+                         channel_mult=[1, 2, 4], num_head_channels=64, use_linear_in_transformer=True,
+                         transformer_depth=[1, 2, 10], context_dim=2048, spatial_transformer_attn_type="softmax",
+                         legacy=False)),
+}
+_A1111_TINY = dict(model_channels=32, attention_resolutions=[2, 1], num_res_blocks=1, channel_mult=[1, 2])
+_A1111_CONFIGS["tiny-sd15"] = ("ldm", {**_A1111_CONFIGS["sd15"][1], **_A1111_TINY, "num_heads": 2})
+_A1111_CONFIGS["tiny-sdxl"] = ("sgm", {**_A1111_CONFIGS["sdxl"][1], **_A1111_TINY, "transformer_depth": [1, 1],
+                                       "num_head_channels": 16})
+
+
+def _package_shell(name: str, folder: Path) -> None:
+    """Make `name` importable as a package of `folder` without running its __init__ (sgm's imports its whole
+    training stack: Lightning, open_clip, ...; only the UNet's modules are needed here)."""
+    if name not in sys.modules:
+        shell = types.ModuleType(name)
+        shell.__path__ = [str(folder)]
+        sys.modules[name] = shell
+
+
+def _sdpa_cross_attention(self, x, context=None, mask=None, **kwargs):
+    """ldm's CrossAttention through PyTorch's SDPA: what A1111's default cross-attention optimization ("sdp")
+    runs in place of ldm's einsum attention."""
+    q, k, v = self.to_q(x), self.to_k(x if context is None else context), self.to_v(x if context is None else context)
+    b, h = q.shape[0], self.heads
+    q, k, v = (t.reshape(b, -1, h, t.shape[-1] // h).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return self.to_out(out.transpose(1, 2).reshape(b, -1, h * out.shape[-1]))
+
+
+def build_host_unet(name: str, host: str, root: str | Path, seed: int = 0, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A host's own UNet class of a published architecture, seeded weights: host "comfyui" (root: a ComfyUI
+    checkout), "a1111" (root: A1111's repositories folder, with stable-diffusion-stability-ai and generative-models)
+    or "forge" (root: a Forge checkout)."""
+    root = Path(root).expanduser().resolve()
+    if host == "comfyui":
+        return build_comfy_unet(name, root, seed, device, dtype)
+    if host == "a1111":
+        if name not in _A1111_CONFIGS:
+            raise ValueError(f"no A1111 config for {name!r}; choose one of {', '.join(_A1111_CONFIGS)}")
+        form, cfg = _A1111_CONFIGS[name]
+        if form == "ldm":
+            folder = root / "stable-diffusion-stability-ai"
+            if not (folder / "ldm" / "modules" / "diffusionmodules" / "openaimodel.py").is_file():
+                raise ValueError(f"{folder} has no ldm/; pass A1111's repositories folder.")
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+            import ldm.modules.attention
+            from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+            ldm.modules.attention.CrossAttention.forward = _sdpa_cross_attention
+        else:
+            folder = root / "generative-models" / "sgm"
+            if not (folder / "modules" / "diffusionmodules" / "openaimodel.py").is_file():
+                raise ValueError(f"{folder} is missing; pass A1111's repositories folder.")
+            for package, path in (("sgm", folder), ("sgm.modules", folder / "modules"),
+                                  ("sgm.modules.diffusionmodules", folder / "modules" / "diffusionmodules")):
+                _package_shell(package, path)
+            from sgm.modules.diffusionmodules.openaimodel import UNetModel
+        unet = UNetModel(**cfg)
+    elif host == "forge":
+        if not (root / "backend" / "nn" / "unet.py").is_file():
+            raise ValueError(f"{root} is not a Forge checkout (no backend/nn/unet.py).")
+        for folder in (root, root / "packages_3rdparty"):
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))
+        from backend.nn.unet import IntegratedUNet2DConditionModel
+        from backend.operations import using_forge_operations
+
+        accepted = inspect.signature(IntegratedUNet2DConditionModel.__init__).parameters
+        cfg = {k: v for k, v in LDM_UNET_CONFIGS[name].items() if k in accepted}
+        # Forge's loader builds the UNet with its own layer classes, whose Linear gets its weight from a state dict.
+        weights = seed_parameters(IntegratedUNet2DConditionModel(**cfg), seed).state_dict()
+        with using_forge_operations():
+            unet = IntegratedUNet2DConditionModel(**cfg)
+        unet.load_state_dict(weights)
+        return unet.to(device, dtype).eval().requires_grad_(False)
+    else:
+        raise ValueError(f"unknown host {host!r}; choose comfyui, a1111 or forge")
     return seed_parameters(unet, seed).to(device, dtype).eval().requires_grad_(False)
 
 

@@ -85,10 +85,19 @@ def comfy_forward(m: nn.Module) -> bool:
     return forward_takes(m, "x", "context", "transformer_options")
 
 
+def forge_plain(m: nn.Module) -> bool:
+    """Forge's layer classes (backend.operations) when their forward is the plain op on their own weight and bias:
+    no per-layer cast or streaming, no online LoRA, no fp8 scale."""
+    return (hasattr(m, "parameters_manual_cast") and not m.parameters_manual_cast
+            and not getattr(m, "forge_online_loras", None) and getattr(m, "scale_weight", None) is None
+            and isinstance(getattr(m, "weight", None), torch.Tensor))
+
+
 def plain_linear(m: nn.Module) -> bool:
-    """nn.Linear, or ComfyUI's Linear without cast or weight functions: a forward that is F.linear of its own
-    weight and bias. Any other subclass (a LoRA layer adds its own terms) is left to its forward."""
-    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and hasattr(m, "comfy_cast_weights") and plain_weights(m))
+    """nn.Linear, or ComfyUI's or Forge's Linear without cast or weight functions: a forward that is F.linear of its
+    own weight and bias. Any other subclass (a LoRA layer adds its own terms) is left to its forward."""
+    return (type(m) is nn.Linear or (isinstance(m, nn.Linear) and hasattr(m, "comfy_cast_weights") and plain_weights(m))
+            or (type(m).__name__ == "Linear" and hasattr(m, "in_features") and forge_plain(m)))
 
 
 def plain_conv(conv: nn.Module) -> bool:
@@ -100,8 +109,8 @@ def plain_conv(conv: nn.Module) -> bool:
 def own_conv(conv: nn.Module) -> bool:
     """torch's or ComfyUI's Conv2d computing F.conv2d of its own weight and bias: a subclass that restates forward
     (a LoRA-compatible layer) is not."""
-    return ((type(conv) is nn.Conv2d or (isinstance(conv, nn.Conv2d) and hasattr(conv, "comfy_cast_weights")))
-            and plain_conv(conv))
+    return ((type(conv) is nn.Conv2d or (isinstance(conv, nn.Conv2d) and hasattr(conv, "comfy_cast_weights"))
+             or (isinstance(conv, nn.Conv2d) and forge_plain(conv))) and plain_conv(conv))
 
 
 def conv_without_bias(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:

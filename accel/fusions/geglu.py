@@ -36,7 +36,7 @@ def _forward(self: nn.Module, x, *args, **kwargs):
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if type(m).__name__ == "GEGLU" and isinstance(getattr(m, "proj", None), nn.Linear) \
+        if type(m).__name__ == "GEGLU" and plain_linear(getattr(m, "proj", None)) \
                 and getattr(m, "approximate", "none") == "none":
             patch_forward(m, _forward, undo)
             n += 1

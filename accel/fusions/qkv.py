@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import cross_attention, packing
-from .base import Undo, forward_takes, patch_forward
+from .base import Undo, forward_takes, patch_forward, plain_linear
 
 _QKV = "_sd_accel_qkv"  # on the attention module: its _Entry
 
@@ -35,7 +35,7 @@ class _Entry:
 
 def _projections(m: nn.Module) -> list[nn.Module] | None:
     layers = [getattr(m, name, None) for name in ("to_q", "to_k", "to_v")]
-    return layers if all(isinstance(layer, nn.Linear) for layer in layers) and layers[0].bias is None else None
+    return layers if all(plain_linear(layer) for layer in layers) and layers[0].bias is None else None
 
 
 def _pack(model: nn.Module, undo: Undo) -> int:

@@ -116,7 +116,7 @@ def _ldm_parts(m: nn.Module):
     norm2, act2, drop, conv2 = outs
     skip = m.skip_connection
     if not (isinstance(norm1, nn.GroupNorm) and isinstance(norm2, nn.GroupNorm) and norm1.affine and norm2.affine
-            and _is_silu(act1) and _is_silu(act2) and isinstance(act_e, nn.SiLU) and isinstance(linear, nn.Linear)
+            and _is_silu(act1) and _is_silu(act2) and isinstance(act_e, nn.SiLU) and plain_linear(linear)
             and isinstance(drop, nn.Dropout) and plain_conv(conv1) and plain_conv(conv2)
             and (isinstance(skip, nn.Identity) or plain_conv(skip))):
         return None

@@ -42,18 +42,36 @@ def _models():
     forge = dict(in_channels=4, out_channels=4, model_channels=32, num_res_blocks=[1, 1], channel_mult=[1, 2],
                  use_spatial_transformer=True, transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
                  transformer_depth_middle=1)
-    yield "forge (SD1.x)", ForgeUNet(context_dim=768, num_heads=2, **forge), 768, None
-    yield "forge (SDXL)", ForgeUNet(context_dim=64, adm_in_channels=96, num_classes="sequential", num_head_channels=16,
-                                    use_linear_in_transformer=True, **forge), 64, 96
+    for name, cfg, ctx, adm in (("forge (SD1.x)", dict(context_dim=768, num_heads=2), 768, None),
+                                ("forge (SDXL)", dict(context_dim=64, adm_in_channels=96, num_classes="sequential",
+                                                      num_head_channels=16, use_linear_in_transformer=True), 64, 96)):
+        yield name, _forge_layers(ForgeUNet, {**forge, **cfg}), ctx, adm
 
 
-def check(name: str, unet: torch.nn.Module, context_dim: int, adm: int | None) -> dict:
+def _forge_layers(cls, cfg: dict) -> torch.nn.Module:
+    """The UNet with Forge's own layer classes (its loader builds it inside using_forge_operations, whose Linear
+    gets its weight when a state dict is loaded), weights from the same class built with torch's layers."""
+    from backend.operations import using_forge_operations
+
+    plain = cls(**cfg)
+    with using_forge_operations():
+        unet = cls(**cfg)
+    unet.load_state_dict(_nonzero(plain).state_dict())
+    return unet
+
+
+def _nonzero(unet: torch.nn.Module) -> torch.nn.Module:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in unet.parameters():
             if not p.any():  # ldm zero-initialises output convs: an all-zero output proves nothing
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    unet.eval()
+    return unet
+
+
+def check(name: str, unet: torch.nn.Module, context_dim: int, adm: int | None) -> dict:
+    _nonzero(unet).eval()
+    g = torch.Generator().manual_seed(1)
     canonical = CanonicalUNet(unet)
     x = torch.randn(2, 4, 16, 16, generator=g).contiguous(memory_format=torch.channels_last)
     t = torch.tensor([10.0, 700.0])

@@ -9,6 +9,7 @@ fp32 reference of the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import statistics
@@ -89,7 +90,7 @@ def _graphed(fn: Callable, args: tuple) -> Callable[[], torch.Tensor]:
             fn(*args)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g), torch.device(args[0].device):  # as GraphCache captures (host constants made on device)
         out = fn(*args)
 
     def replay() -> torch.Tensor:
@@ -109,7 +110,7 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
     if host:
         ref_model = build_host_unet(name, *host, seed=0, device=device, dtype=torch.float32)
         x, t, ctx, y = (None if a is None else a.to(device) for a in ldm_example_inputs(name))
-        name = f"{name}/{host[0]}"
+        name = f"{name}/{'comfy' if host[0] == 'comfyui' else host[0]}"
     else:
         ref_model = build_unet(name, seed=0, device=device, dtype=torch.float32)
         x, t, ctx, y = example_inputs(ref_model, batch=2, latent=latent, tokens=tokens, device=device)
@@ -119,6 +120,10 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
     del ref_model
     build_s = time.perf_counter() - t0
     log(f"[{name}] built from config in {build_s:.1f}s")
+    # A1111 runs its half-precision UNet under autocast (ldm's GroupNorm32 computes in float32 with the weights as
+    # loaded); every variant of its classes runs so, sd-accel's too, as inside A1111.
+    amp = (lambda: torch.autocast(device.type, dtype)) if host and host[0] == "a1111" and dtype != torch.float32 \
+        else contextlib.nullcontext
     xh, ch = x.to(dtype), ctx.to(dtype)
     yh = None if y is None else y.to(dtype)
     args = (xh, t, ch, yh)
@@ -126,7 +131,7 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
 
     def add(variant: str, fn: Callable[[], torch.Tensor], setup_s: float | None = None, note: str = "", **extra) -> None:
         _peak_reset(device)
-        with torch.inference_mode():
+        with torch.inference_mode(), amp():
             out = fn()
             ms = time_ms(fn, device, iters)
         err = rel_l2(out, ref)
@@ -140,7 +145,7 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
     if device.type == "cuda":
         model.to(memory_format=torch.channels_last)
         xl = xh.contiguous(memory_format=torch.channels_last)
-        with torch.inference_mode():
+        with torch.inference_mode(), amp():
             replay = _graphed(canon, (xl, t, ch, yh))
         add("eager + channels_last + CUDA graph", replay)
         del replay
@@ -157,7 +162,7 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
         del compiled
         torch._dynamo.reset()
     for path in paths:
-        rows.extend(_bench_path(name, path, canon, args, ref, device, iters, rows[0].ms, log, profile))
+        rows.extend(_bench_path(name, path, canon, args, ref, device, iters, rows[0].ms, log, profile, amp))
     del model, canon
     _peak_reset(device)
     return rows
@@ -181,7 +186,8 @@ VARIANTS = {"compile": ({"compile": True}, " + regional compile"),
             "graph": ({"cuda_graph": True}, " + CUDA graph")}
 
 
-def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profile=False) -> list[Row]:
+def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profile=False,
+                amp=contextlib.nullcontext) -> list[Row]:
     from .accelerate import accelerate
 
     _peak_reset(device)
@@ -194,7 +200,7 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
         log(f"[{name}] sd-accel {path}: not available here ({'; '.join(acc.plan.reasons)})")
         acc.release()
         return [Row(name, f"sd-accel {path}", note="not available: " + "; ".join(acc.plan.reasons))]
-    with torch.inference_mode():
+    with torch.inference_mode(), amp():
         out = acc(*args)
         _sync(device)
         first_s = time.perf_counter() - start

@@ -220,6 +220,9 @@ def build_host_unet(name: str, host: str, root: str | Path, seed: int = 0, devic
                 _package_shell(package, path)
             from sgm.modules.diffusionmodules.openaimodel import UNetModel
         unet = UNetModel(**cfg)
+        # A1111 casts the time embedding's sinusoids to the UNet's dtype (its timestep_embedding hijack); the
+        # repositories' own code leaves them in float32.
+        unet.time_embed.register_forward_pre_hook(lambda m, args: (args[0].to(m[0].weight.dtype),))
     elif host == "forge":
         if not (root / "backend" / "nn" / "unet.py").is_file():
             raise ValueError(f"{root} is not a Forge checkout (no backend/nn/unet.py).")
@@ -239,7 +242,10 @@ def build_host_unet(name: str, host: str, root: str | Path, seed: int = 0, devic
         return unet.to(device, dtype).eval().requires_grad_(False)
     else:
         raise ValueError(f"unknown host {host!r}; choose comfyui, a1111 or forge")
-    return seed_parameters(unet, seed).to(device, dtype).eval().requires_grad_(False)
+    unet = seed_parameters(unet, seed).to(device, dtype).eval().requires_grad_(False)
+    if isinstance(getattr(unet, "dtype", None), torch.dtype):
+        unet.dtype = dtype  # ldm casts its input to this; A1111 sets it to the dtype it loaded the UNet in
+    return unet
 
 
 def ldm_example_inputs(name: str, batch: int = 2, seed: int = 1):

@@ -123,7 +123,9 @@ class GraphCache:
             # A pool is released with the last graph that used it: start a new one when none is left.
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # Factory calls default to the graph's device while it is captured: a host's code that builds a constant
+        # on the CPU and copies it over (ldm's and sgm's timestep_embedding, as A1111 runs SDXL) cannot be captured.
+        with torch.cuda.graph(graph, pool=self._pool), torch.device(static[0].device):
             output = self.fn(*static)
         self.captures += 1
         return _Entry(graph, static, output, token)

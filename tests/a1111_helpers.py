@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -55,9 +57,21 @@ def repositories(root: Path | None) -> Path | None:
     return repos if ldm is not None and ldm.is_file() else None
 
 
-def hf_home() -> Path | None:
+def _offline_cache() -> Path | None:
     home = _path("HF_HOME", HOSTS / "hf-offline")
     return home if home is not None and (home / "hub").is_dir() else None
+
+
+@functools.cache
+def hf_home() -> Path | None:
+    """A copy of the offline cache for this test run: diffusers writes a version file into HF_HOME on import, and
+    the shared cache stays as it is."""
+    home = _offline_cache()
+    if home is None:
+        return None
+    copy = Path(tempfile.mkdtemp(prefix="sd-accel-hf-")) / "hf"
+    _writable_copy(home, copy)
+    return copy
 
 
 def missing() -> str | None:
@@ -71,7 +85,7 @@ def missing() -> str | None:
     python = os.environ.get("A1111_PYTHON", "").strip()
     if not python or not Path(python).is_file():
         return "no Python environment with A1111's pinned packages (set A1111_PYTHON)"
-    if hf_home() is None:
+    if _offline_cache() is None:
         return "no offline Hugging Face cache with the CLIP tokenizer (set HF_HOME)"
     return None
 
@@ -122,6 +136,16 @@ def make_models(models: Path, name: str = "tiny", lora: str = "testlora", full_s
         raise RuntimeError(f"building the test checkpoint failed:\n{run.stderr[-3000:]}")
 
 
+def _writable_copy(source: Path, target: Path) -> None:
+    def skip(folder: str, names: list[str]) -> set[str]:  # the checkout's own models/ (Forge's) stays behind
+        return {n for n in names if n in ("__pycache__", ".git") or (n == "models" and Path(folder) == source)}
+
+    shutil.copytree(source, target, ignore=skip)
+    for path in (target, *target.rglob("*")):
+        if not path.is_symlink():
+            path.chmod(path.stat().st_mode | 0o200)
+
+
 class Server:
     """A1111's (or Forge's) launch.py --nowebui --api on the CPU in full precision, on a loopback port, with this
     repository as its one extension (besides the built-in ones) and `data` as its data folder."""
@@ -144,13 +168,17 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = data / f"server-{self.port}.log"
+        # The hosts write into their own folder (config_states/): each runs from a writable copy, and the checkout
+        # stays as it is.
+        root = data / "webui"
+        if not root.exists():
+            _writable_copy(Path(os.environ["FORGE_ROOT"]) if forge else a1111_root(), root)
         if forge:
-            root, cwd = Path(os.environ["FORGE_ROOT"]), data
+            cwd = data
             cmd = [os.environ["FORGE_PYTHON"], str(root / "launch.py"), "--always-cpu"]
         else:
             # A1111 finds its `ldm` repository in the working folder too; the others beside it.
-            root = a1111_root()
-            cwd = repositories(root) / REPOSITORIES[0]
+            cwd = repositories(a1111_root()) / REPOSITORIES[0]
             cmd = [python(), str(root / "launch.py"), "--use-cpu", "all", "--no-half", "--precision", "full"]
         cmd += ["--skip-torch-cuda-test", "--skip-prepare-environment", "--skip-install", "--skip-version-check",
                 "--api", "--nowebui", "--server-name", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data),

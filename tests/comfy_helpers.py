@@ -78,10 +78,13 @@ def torchvision_stub() -> Path | None:
 
 
 def import_comfy() -> None:
-    """Make ComfyUI's comfy package importable in this process (CPU when there is no CUDA)."""
+    """Make ComfyUI's comfy package importable in this process (CPU when there is no CUDA). The checkout is treated
+    as read-only: no bytecode is written into it, and ComfyUI's folders (folder_paths creates input/ when it is
+    first imported) go to a temporary base directory, as the server's --base-directory does."""
     root = comfy_root()
     if root is None:
         raise RuntimeError("set COMFYUI_ROOT to a ComfyUI checkout")
+    sys.dont_write_bytecode = True
     for p in (str(root), str(torchvision_stub() or "")):
         if p and p not in sys.path:
             sys.path.append(p)
@@ -90,6 +93,8 @@ def import_comfy() -> None:
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = not torch.cuda.is_available()
+    if not comfy.cli_args.args.base_directory and "folder_paths" not in sys.modules:
+        comfy.cli_args.args.base_directory = tempfile.mkdtemp(prefix="sd-accel-comfyui-base-")
 
 
 def load_pack():
@@ -285,10 +290,15 @@ class Server:
         env = dict(os.environ)
         stub = torchvision_stub()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(stub or ""), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing written into the checkout
         env["SD_ACCEL_CACHE"] = str(base / "models" / "accel")
+        # The tests talk to the API only: an empty web root stands in for the browser front end, so the server
+        # starts without the comfyui-frontend-package wheel (it exits when that is missing and no root is given).
+        front_end = base / "front_end"
+        front_end.mkdir(exist_ok=True)
         cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", str(base), "--disable-auto-launch", "--disable-api-nodes",
-               "--database-url", "sqlite:///:memory:", "--disable-metadata"]
+               "--database-url", "sqlite:///:memory:", "--disable-metadata", "--front-end-root", str(front_end)]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=comfy_root(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self._wait_up(startup_timeout)

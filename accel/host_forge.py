@@ -55,6 +55,11 @@ class ForgeSession:
         self._why_module: tuple[str, str] | None | bool = False  # False: not looked at yet
         self._inner = False
 
+    def __deepcopy__(self, memo: dict) -> "ForgeSession":
+        # Forge's patcher.clone() deep-copies model_options, this wrapper with them: a clone must share this session
+        # (and its engine), not copy the UNet the engine holds.
+        return self
+
     def wrapper(self, apply_model: Callable, args: dict) -> torch.Tensor:
         x, t, c = args["input"], args["timestep"], args["c"]
         kmodel = getattr(apply_model, "__self__", None)

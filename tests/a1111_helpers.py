@@ -19,7 +19,6 @@ What the tests need, each from the environment (the suite skips A1111's tests, n
 from __future__ import annotations
 
 import base64
-import contextlib
 import functools
 import io
 import json
@@ -27,12 +26,9 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from comfy_helpers import free_port
+from host_server import HostServer
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS = REPO.parent / "shared" / "hosts"
@@ -146,11 +142,15 @@ def _writable_copy(source: Path, target: Path) -> None:
             path.chmod(path.stat().st_mode | 0o200)
 
 
-class Server:
+class Server(HostServer):
     """A1111's (or Forge's) launch.py --nowebui --api on the CPU in full precision, on a loopback port, with this
     repository as its one extension (besides the built-in ones) and `data` as its data folder."""
 
+    probe = "/sdapi/v1/sd-models"
+
     def __init__(self, data: Path, *flags: str, forge: bool = False, startup_timeout: float = 180) -> None:
+        super().__init__()
+        self.name = "Forge" if forge else "A1111"
         self.data = data
         (data / "extensions").mkdir(parents=True, exist_ok=True)
         ext = data / "extensions" / "sd-accel"
@@ -165,9 +165,6 @@ class Server:
         config = data / "config.json"
         if not config.exists():
             config.write_text(json.dumps({"live_previews_enable": False}))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = data / f"server-{self.port}.log"
         # The hosts write into their own folder (config_states/): each runs from a writable copy, and the checkout
         # stays as it is.
         root = data / "webui"
@@ -183,36 +180,8 @@ class Server:
         cmd += ["--skip-torch-cuda-test", "--skip-prepare-environment", "--skip-install", "--skip-version-check",
                 "--api", "--nowebui", "--server-name", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data),
                 *flags]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=host_env({"SD_ACCEL_CACHE": str(data / "accel")}))
-        self._wait_up(startup_timeout)
-
-    def _wait_up(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            with contextlib.suppress(OSError):
-                if self.get("/sdapi/v1/sd-models"):
-                    return
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"the server did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
-
-    def get(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return json.loads(r.read())
-
-    def post(self, path: str, payload: dict, timeout: float = 300):
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')[:2000]}\n"
-                               f"{self.log()[-3000:]}") from None
+        self.start(cmd, cwd, host_env({"SD_ACCEL_CACHE": str(data / "accel")}), data / f"server-{self.port}.log",
+                   startup_timeout)
 
     def options(self, **values) -> None:
         self.post("/sdapi/v1/options", values)
@@ -227,20 +196,6 @@ class Server:
 
     def status(self) -> dict:
         return self.get("/sd-accel/status")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=20)
-        self._log.close()
 
 
 def psnr(a, b) -> float:

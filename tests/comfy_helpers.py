@@ -8,18 +8,12 @@ patch. So it imports comfy only inside functions, and pytest not at all.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
 
 REPO = Path(__file__).resolve().parent.parent
 PACK_NAME = "sd-accel"  # the folder name ComfyUI would import the pack under
@@ -268,92 +262,3 @@ NODE_CLASS_MAPPINGS = {
 
 
 # -------------------------------------------------------------------------------------- headless server
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """ComfyUI's main.py --cpu on a loopback port, with this pack and the test nodes as its only custom nodes."""
-
-    def __init__(self, base: Path, startup_timeout: float = 120) -> None:
-        self.base = base
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        custom = base / "custom_nodes"
-        custom.mkdir(parents=True, exist_ok=True)
-        (custom / PACK_NAME).symlink_to(REPO, target_is_directory=True)
-        (custom / "sd_accel_test_nodes.py").symlink_to(Path(__file__).resolve())
-        self.log_path = base / "server.log"
-        env = dict(os.environ)
-        stub = torchvision_stub()
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(stub or ""), env.get("PYTHONPATH", "")) if p)
-        env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing written into the checkout
-        env["SD_ACCEL_CACHE"] = str(base / "models" / "accel")
-        # The tests talk to the API only: an empty web root stands in for the browser front end, so the server
-        # starts without the comfyui-frontend-package wheel (it exits when that is missing and no root is given).
-        front_end = base / "front_end"
-        front_end.mkdir(exist_ok=True)
-        cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-               "--base-directory", str(base), "--disable-auto-launch", "--disable-api-nodes",
-               "--database-url", "sqlite:///:memory:", "--disable-metadata", "--front-end-root", str(front_end)]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=comfy_root(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self._wait_up(startup_timeout)
-
-    def _wait_up(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            with contextlib.suppress(OSError):
-                self.get("/system_stats")
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log()[-4000:]}")
-
-    def get(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
-            return json.loads(r.read())
-
-    def post(self, path: str, payload: dict):
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
-
-    def run(self, prompt: dict, timeout: float = 120) -> dict:
-        """Queue an API-format workflow and wait for it; its history entry (outputs and status)."""
-        prompt_id = self.post("/prompt", {"prompt": prompt, "client_id": "sd-accel-tests"})["prompt_id"]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
-            if entry and entry.get("status", {}).get("completed") is not None or entry and entry.get("outputs"):
-                status = entry.get("status", {})
-                if status.get("status_str") == "error":
-                    raise RuntimeError(f"workflow failed: {json.dumps(status.get('messages'))[:3000]}")
-                return entry
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited while running:\n{self.log()[-4000:]}")
-            time.sleep(0.25)
-        raise TimeoutError(f"workflow did not finish in {timeout:.0f} s:\n{self.log()[-4000:]}")
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-        self._log.close()

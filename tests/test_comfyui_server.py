@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import comfy_helpers as H
+from comfy_server import Server
 
 pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
 
@@ -26,7 +27,7 @@ def server(tmp_path_factory):
 
     (base / "models" / "loras").mkdir(parents=True)
     save_file(H.lora_patches(H.tiny_model(0)), str(base / "models" / "loras" / LORA))
-    srv = H.Server(base)
+    srv = Server(base)
     try:
         yield srv
     finally:

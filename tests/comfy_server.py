@@ -1,0 +1,58 @@
+"""ComfyUI's headless server for the tests: main.py --cpu with this pack and tests/comfy_helpers.py (the test nodes)
+as its custom nodes. Apart from comfy_helpers, which ComfyUI itself loads as a custom node and so imports nothing
+from the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from comfy_helpers import PACK_NAME, REPO, comfy_root, torchvision_stub
+from host_server import HostServer
+
+
+class Server(HostServer):
+    """ComfyUI's main.py --cpu on a loopback port, with this pack and the test nodes as its only custom nodes."""
+
+    name = "ComfyUI"
+    probe = "/system_stats"
+
+    def __init__(self, base: Path, startup_timeout: float = 120) -> None:
+        super().__init__()
+        self.base = base
+        custom = base / "custom_nodes"
+        custom.mkdir(parents=True, exist_ok=True)
+        (custom / PACK_NAME).symlink_to(REPO, target_is_directory=True)
+        (custom / "sd_accel_test_nodes.py").symlink_to(Path(__file__).resolve().parent / "comfy_helpers.py")
+        env = dict(os.environ)
+        stub = torchvision_stub()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(stub or ""), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing written into the checkout
+        env["SD_ACCEL_CACHE"] = str(base / "models" / "accel")
+        # The tests talk to the API only: an empty web root stands in for the browser front end, so the server
+        # starts without the comfyui-frontend-package wheel (it exits when that is missing and no root is given).
+        front_end = base / "front_end"
+        front_end.mkdir(exist_ok=True)
+        cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--base-directory", str(base), "--disable-auto-launch", "--disable-api-nodes",
+               "--database-url", "sqlite:///:memory:", "--disable-metadata", "--front-end-root", str(front_end)]
+        self.start(cmd, comfy_root(), env, base / "server.log", startup_timeout)
+
+    def run(self, prompt: dict, timeout: float = 120) -> dict:
+        """Queue an API-format workflow and wait for it; its history entry (outputs and status)."""
+        prompt_id = self.post("/prompt", {"prompt": prompt, "client_id": "sd-accel-tests"})["prompt_id"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None or entry and entry.get("outputs"):
+                status = entry.get("status", {})
+                if status.get("status_str") == "error":
+                    raise RuntimeError(f"workflow failed: {json.dumps(status.get('messages'))[:3000]}")
+                return entry
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited while running:\n{self.log()[-4000:]}")
+            time.sleep(0.25)
+        raise TimeoutError(f"workflow did not finish in {timeout:.0f} s:\n{self.log()[-4000:]}")

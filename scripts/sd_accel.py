@@ -10,7 +10,8 @@ unless Settings > sd-accel > backend is off.
 A1111 (1.7 and later) routes UNetModel.forward, at class level, to the active SdUnet's forward. The engine calls
 the same module, so its calls come back through that routing; they are told apart and run A1111's original forward.
 Nothing is set on the module instance: an instance `forward` would shadow the routing and the extension would never
-run (what happened on 1.6 and is fixed here too).
+run (the earlier version's bug, seen on 1.6). A1111 before 1.7 kept the original forward beside the class
+(copy_of_UNetModel_forward_for_webui); that name is looked up too, though only 1.10.1 is tested.
 
 A1111 runs this file with the extension folder first on sys.path, so `accel` imports from the checkout.
 """

@@ -5,21 +5,52 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
-def _doctor(args: argparse.Namespace) -> int:
+def _doctor_info(backend: str | None) -> dict:
+    """What `doctor` reports, as data: the text and the --json form are both made from it."""
+    from dataclasses import asdict
+
+    import torch
+
+    from . import __version__
+    from .cache import default_root
     from .device import describe, detect
     from .policy import choose, probe_packages
 
     gpu = detect()
-    print(describe(gpu))
-    for note in gpu.notes:
-        print(f"  note: {note}")
     installed = probe_packages()
-    print("packages: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in installed.items()))
-    plan = choose(gpu, args.backend, installed)
-    print(plan.summary())
+    plan = choose(gpu, backend, installed)
+    return {
+        "gpu": {"description": describe(gpu), **asdict(gpu)},
+        "family": gpu.family,
+        "packages": installed,
+        "plan": asdict(plan),
+        "cache": str(default_root()),
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")},
+        "versions": {"sd-accel": __version__, "torch": torch.__version__},
+    }
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .policy import Plan
+
+    info = _doctor_info(args.backend)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    print(info["gpu"]["description"])
+    for note in info["gpu"]["notes"]:
+        print(f"  note: {note}")
+    print("packages: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["packages"].items()))
+    print(Plan(**info["plan"]).summary())
+    print(f"cache: {info['cache']}")
+    settings = info["settings"]
+    print("settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings
+                          else "no SD_ACCEL_* variable set; defaults in force"))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     return 0
 
 
@@ -30,19 +61,21 @@ def _host(args: argparse.Namespace) -> tuple[str, str] | None:
 
 def _bench(args: argparse.Namespace) -> int:
     out: dict = {}
+    # With --json, stdout is the JSON alone (for a pipe); the tables go to stderr.
+    say = sys.stderr if args.json else sys.stdout
     if args.kernels:
         from kernels.bench import bench_kernels
 
         out["kernels"] = bench_kernels()
         for r in out["kernels"]:
-            print(r)
+            print(r, file=say)
     if args.vae:
         from .vae_bench import bench_vae
 
         sizes = tuple(int(v) for v in args.vae_sizes.split(",") if v) if args.vae_sizes else None
         out["vae"] = bench_vae(tiny=args.tiny, sizes=sizes, memory_gb=args.vae_memory_gb)
         for r in out["vae"]:
-            print(r)
+            print(r, file=say)
     if not (args.kernels or args.vae) or args.unet:
         from . import bench
 
@@ -55,10 +88,12 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 2
         out["unet"] = bench.as_dicts(rows)
-        print(bench.table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
+        print(bench.table(rows), file=say)
+    if args.json_file:
+        with open(args.json_file, "w") as f:
             json.dump(out, f, indent=1, default=str)
+    if args.json:
+        print(json.dumps(out, indent=1, default=str))
     return 0
 
 
@@ -71,8 +106,10 @@ def _demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m accel", description="sd-accel: fast Stable Diffusion UNet and VAE.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("doctor", help="the GPU, its family, the installed backends, the chosen plan and why")
+    d = sub.add_parser("doctor", help="the GPU, its family, the installed backends, the chosen plan and why, the "
+                                      "cache folder, the SD_ACCEL_* settings and the versions")
     d.add_argument("--backend", default=None, help="auto|torch|onnxruntime|tensorrt|off (default: SD_ACCEL_BACKEND or auto)")
+    d.add_argument("--json", action="store_true", help="print the same information as JSON")
     d.set_defaults(fn=_doctor)
     b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD1.5 and SDXL UNets")
     b.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sd21, sdxl (default: sd15,sdxl)")
@@ -99,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="build them with A1111's own classes (ldm for sd15, sgm for sdxl) from A1111's "
                             "repositories folder; the eager baseline's attention is PyTorch SDPA, as A1111's default")
     hosts.add_argument("--forge", metavar="DIR", help="build them with Forge's own UNet class from this Forge checkout")
-    b.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    b.add_argument("--json", action="store_true",
+                   help="print the results as JSON on stdout (the tables and progress go to stderr)")
+    b.add_argument("--json-file", metavar="FILE", help="also write the results as JSON to FILE")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("demo", help="detect, plan, build, sample plain and accelerated, compare, save a PNG")
     m.add_argument("--checkpoint", help="a .safetensors SD1.x/SD2.x/SDXL checkpoint (default: random weights)")

@@ -197,9 +197,9 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
     acc = accelerate(canon, preference=backend, options=options,
                      progress=StageLog(log, f"[{name}] sd-accel {path} build stage "))
     if acc.backend != backend:
-        log(f"[{name}] sd-accel {path}: not available here ({'; '.join(acc.plan.reasons)})")
+        log(f"[{name}] sd-accel {path}: not available here ({' '.join(acc.plan.reasons)})")
         acc.release()
-        return [Row(name, f"sd-accel {path}", note="not available: " + "; ".join(acc.plan.reasons))]
+        return [Row(name, f"sd-accel {path}", note="not available: " + " ".join(acc.plan.reasons))]
     with torch.inference_mode(), amp():
         out = acc(*args)
         _sync(device)

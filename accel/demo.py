@@ -17,6 +17,8 @@ from .accelerate import accelerate
 from .bench import rel_l2
 from .configs import SHAPES, build_unet, build_vae
 from .device import describe, detect
+from .errors import BadInput
+from .policy import check_preference
 from .progress import TqdmProgress
 from .unet import CanonicalUNet
 
@@ -48,7 +50,22 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.synchronize()
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Every argument and setting, before the models are built and sampled: a typo costs no minutes."""
+    check_preference(args.backend)
+    if args.steps is not None and args.steps < 2:
+        raise BadInput(f"--steps {args.steps} is too few: the speed is timed over the steps after the first.",
+                       "Use --steps 2 or more.")
+    if args.size is not None and args.size < 64:
+        raise BadInput(f"--size {args.size} is too small for the UNet.", "Use --size 64 or more.")
+    if args.checkpoint:
+        from .checkpoint import check_checkpoint
+
+        check_checkpoint(args.checkpoint)
+
+
 def main(args: argparse.Namespace) -> int:
+    _check(args)
     gpu = detect()
     device = torch.device(gpu.device if gpu.device.startswith("cuda") else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32

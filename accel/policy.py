@@ -58,8 +58,9 @@ class Plan:
         flags += [name for name in ("channels_last", "cuda_graphs", "compile", "triton_kernels") if o.get(name)]
         if o.get("provider"):
             flags.append(f"provider {o['provider']}")
-        lines = [f"backend: {self.backend} (falls back to {self.fallback if self.fallback != 'off' else 'the plain model'})",
-                 "options: " + ", ".join(flags)]
+        # "falls back to the plain model" read as if the torch path went unused: say which calls the fallback serves.
+        spare = "the torch path" if self.fallback == "torch" else "the plain model"
+        lines = [f"backend: {self.backend} ({spare} serves any call it cannot)", "options: " + ", ".join(flags)]
         lines += [f"- {r}" for r in self.reasons]
         return "\n".join(lines)
 
@@ -82,6 +83,12 @@ def probe_packages() -> dict[str, bool]:
     return found
 
 
+def check_preference(preference: str | None) -> str:
+    """The backend preference (argument, else SD_ACCEL_BACKEND, else auto), normalised; BadInput when it names
+    no backend. Commands call it before their slow work, so a typo is reported at once."""
+    return _preference(preference)[0]
+
+
 def _preference(preference: str | None) -> tuple[str, str]:
     """(preference, where it came from)."""
     source = "the preference given"
@@ -100,6 +107,11 @@ def _what(gpu: GpuInfo) -> str:
     if gpu.vendor == "apple":
         return "an Apple GPU (MPS)"
     return f"{gpu.name or 'a GPU'} ({gpu.vendor} {gpu.family})"
+
+
+def _on(gpu: GpuInfo) -> str:
+    """The device a reason names: on the CPU, GpuInfo.name is the processor (e.g. "x86_64"), which reads as a GPU."""
+    return "the CPU" if gpu.vendor == "cpu" else gpu.name or gpu.family
 
 
 def _tuned(gpu: GpuInfo) -> bool:
@@ -192,7 +204,8 @@ def _torch_reason(gpu: GpuInfo) -> str:
     if _tuned(gpu):
         return f"the torch path runs with the kernels tuned for {gpu.vendor} {gpu.family}."
     if gpu.vendor in ("cpu", "apple", "intel"):
-        return f"the torch path runs with generic options on {gpu.family} (no graphs, no Triton kernels)."
+        where = "the CPU" if gpu.vendor == "cpu" else gpu.family
+        return f"the torch path runs with generic options on {where} (no graphs, no Triton kernels)."
     return "this GPU's architecture is not recognised: the torch path runs with generic options."
 
 
@@ -211,7 +224,7 @@ def _options(gpu: GpuInfo, backend: str, provider: str | None, installed: dict[s
         if name in asked:
             want = bool(asked.pop(name))
             if want and not opts[name]:
-                reasons.append(f"{name} was asked for but is not available on {gpu.name or gpu.family}; it stays off.")
+                reasons.append(f"{name} was asked for but is not available on {_on(gpu)}; it stays off.")
             opts[name] = want and opts[name]
     if asked.pop("compile", False):
         if gpu.vendor in TUNED_VENDORS and not installed.get("triton"):
@@ -234,7 +247,7 @@ def _attention(gpu: GpuInfo, installed: dict[str, bool], asked: str | None, reas
                        f"Use one of: {', '.join(ATTENTION)}.")
     if asked not in usable:
         hint = " (pip install flash-attn)" if asked == "flash_attn" and asked in gpu.attention else ""
-        reasons.append(f"attention {asked} was asked for but cannot run on {gpu.name or gpu.family}{hint}; "
+        reasons.append(f"attention {asked} was asked for but cannot run on {_on(gpu)}{hint}; "
                        f"using {usable[0]}.")
         return usable[0]
     return asked
@@ -253,6 +266,6 @@ def _dtype(gpu: GpuInfo, asked: str | None, reasons: list[str]) -> str:
     if dtype is None:
         raise BadInput(f"dtype {asked!r} is not one sd-accel runs.", "Use float16, bfloat16 or float32.")
     if dtype not in gpu.dtypes:
-        reasons.append(f"{dtype} was asked for but {gpu.name or gpu.family} cannot run it; using {default}.")
+        reasons.append(f"{dtype} was asked for but {_on(gpu)} cannot run it; using {default}.")
         return default
     return dtype

@@ -12,8 +12,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+def run(*args: str, cwd: str = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([sys.executable, "-m", "accel", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
@@ -25,18 +26,49 @@ def test_doctor_names_device_and_plan():
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == describe(detect())
     assert "packages: onnxruntime" in r.stdout and "backend: " in r.stdout
+    lines = r.stdout.splitlines()
+    assert f"cache: {os.environ['SD_ACCEL_CACHE']}" in lines  # conftest sets it
+    assert any(line.startswith("settings: ") and "SD_ACCEL_CACHE=" in line for line in lines)
+    assert any(line.startswith("versions: sd-accel ") and ", torch " in line for line in lines)
+
+
+def test_doctor_json_has_what_the_text_shows(tmp_path):
+    import torch
+
+    import accel
+    from accel.device import detect
+
+    r = run("doctor", "--json", env={"SD_ACCEL_BACKEND": "torch", "SD_ACCEL_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    gpu = detect()
+    assert info["gpu"]["vendor"] == gpu.vendor and info["family"] == gpu.family
+    assert info["packages"]["onnxruntime"] in (True, False)
+    assert info["plan"]["backend"] == "torch" and "SD_ACCEL_BACKEND=torch asked for the torch path." in \
+        info["plan"]["reasons"]
+    assert info["cache"] == str(tmp_path)
+    assert info["settings"]["SD_ACCEL_BACKEND"] == "torch" and info["settings"]["SD_ACCEL_CACHE"] == str(tmp_path)
+    assert info["versions"] == {"sd-accel": accel.__version__, "torch": torch.__version__}
+
+
+def test_doctor_plan_wording_on_the_cpu():
+    r = run("doctor", "--backend", "torch", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert "backend: torch (the plain model serves any call it cannot)" in r.stdout.splitlines()
+    assert "falls back" not in r.stdout and ". ;" not in r.stdout
 
 
 def test_bench_tiny_writes_rows_with_errors(tmp_path):
     out = tmp_path / "bench.json"
-    r = run("bench", "--tiny", "--iters", "2", "--paths", "torch", "--json", str(out))
+    r = run("bench", "--tiny", "--iters", "2", "--paths", "torch", "--json", "--json-file", str(out))
     assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == json.loads(out.read_text())  # --json: stdout is the JSON alone
     rows = json.loads(out.read_text())["unet"]
     variants = {(row["model"], row["variant"]) for row in rows}
     assert ("tiny-sd15", "sd-accel torch") in variants and ("tiny-sdxl", "eager (SDPA)") in variants
     ours = [row for row in rows if row["variant"] == "sd-accel torch"]
     assert all(row["rel_err"] <= 1e-5 and row["ms"] > 0 for row in ours)
-    assert "speedup" in r.stdout
+    assert "speedup" in r.stderr  # the table, off stdout while it carries the JSON
 
 
 def test_bench_says_what_it_cannot_time(tmp_path):
@@ -50,7 +82,8 @@ def test_bench_says_what_it_cannot_time(tmp_path):
 def test_bench_times_comfyuis_own_unet(tmp_path):
     out = tmp_path / "bench.json"
     r = run("bench", "--tiny", "--iters", "2", "--paths", "torch", "--comfyui", os.environ["COMFYUI_ROOT"],
-            "--json", str(out))
+            "--json-file", str(out))
+    assert "speedup" in r.stdout
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["unet"]
     assert {row["model"] for row in rows} == {"tiny-sd15/comfy", "tiny-sdxl/comfy"}

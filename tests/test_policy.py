@@ -205,10 +205,24 @@ def test_bad_preference_names_the_valid_values(monkeypatch):
 def test_summary_for_doctor():
     plan = choose(GPUS["hopper"], "onnxruntime", INSTALLED["ort-cuda"])
     text = plan.summary()
-    assert text.splitlines()[0] == "backend: onnxruntime (falls back to torch)"
+    assert text.splitlines()[0] == "backend: onnxruntime (the torch path serves any call it cannot)"
     assert "provider CUDAExecutionProvider" in text and "attention cudnn" in text
     assert all(f"- {r}" in text for r in plan.reasons)
     assert isinstance(plan, Plan) and choose(GPUS["cpu"], "off", {}).summary().startswith("backend: off")
+
+
+def test_summary_says_the_plain_model_serves_what_the_torch_path_cannot():
+    assert choose(GPUS["hopper"], "torch", {}).summary().splitlines()[0] == \
+        "backend: torch (the plain model serves any call it cannot)"
+
+
+def test_reasons_on_the_cpu_name_the_cpu_not_the_processor():
+    cpu = GPUS["cpu"]
+    plan = choose(cpu, "torch", {}, {"cuda_graphs": True, "attention": "flash_attn", "dtype": "bf16"})
+    assert "cuda_graphs was asked for but is not available on the CPU; it stays off." in plan.reasons
+    assert "attention flash_attn was asked for but cannot run on the CPU; using math." in plan.reasons
+    assert "bfloat16 was asked for but the CPU cannot run it; using float32." in plan.reasons
+    assert not any(f" {cpu.name};" in r or f" {cpu.name} " in r for r in plan.reasons)
 
 
 def test_probe_packages_matches_this_environment():

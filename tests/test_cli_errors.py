@@ -1,0 +1,99 @@
+"""Bad input to `python -m accel demo`: one line naming the file or setting and the fix, exit code 2, no stack
+trace, nothing written to the engine cache, and no slow work done before the input is checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SD15_KEY = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"
+
+
+def run(*args: str, cache: str, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env, "SD_ACCEL_CACHE": cache,
+            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=600)
+
+
+def one_line(r: subprocess.CompletedProcess) -> str:
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+    return lines[0]
+
+
+def _valid(path):
+    save_file({"w": torch.zeros(64)}, str(path))
+
+
+def _text(path):
+    path.write_text("this is not a checkpoint\n")
+
+
+def _truncated(path):
+    _valid(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+CASES = {
+    "text": ("x.safetensors", _text, "is not a readable .safetensors file"),
+    "truncated": ("cut.safetensors", _truncated, "is not a readable .safetensors file"),
+    "folder": ("folder.safetensors", lambda p: p.mkdir(), "is a folder, not a file"),
+    "missing-ckpt": ("missing.ckpt", lambda p: None, "not found"),
+    "missing": ("missing.safetensors", lambda p: None, "not found"),
+    "upper-case-suffix": ("X.SAFETENSORS", _valid, "is not an SD1.x, SD2.x or SDXL checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_checkpoint_is_one_line_with_the_fix(tmp_path, case):
+    name, make, words = CASES[case]
+    path = tmp_path / name
+    make(path)
+    cache = tmp_path / "cache"
+    line = one_line(run("-m", "accel", "demo", "--checkpoint", str(path), "--out", str(tmp_path / "o.png"),
+                        cache=str(cache)))
+    assert line.startswith("sd-accel: ") and name in line and words in line
+    assert "pickled" not in line  # only a .ckpt/.pt file that exists is refused for being pickled
+    assert ("Give the path" in line or "Download it again" in line or "Use a single-file" in line)
+    assert not cache.exists() or not any(cache.iterdir())
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_upper_case_suffix_is_read_as_safetensors(tmp_path):
+    from accel.checkpoint import check_checkpoint
+
+    path = tmp_path / "MODEL.SAFETENSORS"
+    save_file({SD15_KEY: torch.zeros(320, 768)}, str(path))
+    assert check_checkpoint(path) == (path, "sd15")
+
+
+def test_checkpoint_missing_weights_is_one_line(tmp_path):
+    path = tmp_path / "partial.safetensors"
+    save_file({SD15_KEY: torch.zeros(320, 768)}, str(path))
+    line = one_line(run("-m", "accel", "demo", "--checkpoint", str(path), "--out", str(tmp_path / "o.png"),
+                        cache=str(tmp_path / "cache")))
+    assert "partial.safetensors" in line and "lacks weights" in line and "Use a complete" in line
+
+
+def test_bad_backend_setting_is_reported_before_the_slow_work(tmp_path):
+    code = ("import sys; from accel.__main__ import main; rc = main(['demo', '--out', sys.argv[1]]); "
+            "print('imported diffusers' if 'diffusers' in sys.modules else 'no diffusers', rc)")
+    r = run("-c", code, str(tmp_path / "o.png"), cache=str(tmp_path / "cache"), SD_ACCEL_BACKEND="bogus")
+    assert r.stdout.strip() == "no diffusers 2", r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert "SD_ACCEL_BACKEND is 'bogus'" in r.stderr and "Use one of: auto, torch" in r.stderr
+    assert not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.parametrize("option, value, fix", [("--steps", "1", "Use --steps 2 or more."),
+                                                ("--size", "32", "Use --size 64 or more.")])
+def test_bad_demo_argument_is_one_line(tmp_path, option, value, fix):
+    line = one_line(run("-m", "accel", "demo", option, value, cache=str(tmp_path / "cache")))
+    assert f"{option} {value}" in line and fix in line

@@ -597,8 +597,8 @@ class EngineCache:
         """The entry whose key is or starts with `key`; BadInput when none or several match."""
         matches = [e for e in self._entries() if e.key.startswith(key.strip())] if key.strip() else []
         if len(matches) != 1:
-            what = "no entry" if not matches else f"{len(matches)} entries"
-            raise BadInput(f"{what} in {self.root} match key {key!r}.",
+            what = "no entry matches" if not matches else f"{len(matches)} entries match"
+            raise BadInput(f"{what} key {key!r} in {self.root}.",
                            "Run `python -m accel cache ls` to see the keys (a unique prefix is enough).")
         return matches[0]
 

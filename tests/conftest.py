@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -13,5 +15,8 @@ if ROOT not in sys.path:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Engines built by tests go to a throw-away cache, never to the user's ~/.cache/sd-accel.
-os.environ.setdefault("SD_ACCEL_CACHE", tempfile.mkdtemp(prefix="sd-accel-test-cache-"))
+# Engines built by tests go to a throw-away cache, never to the user's ~/.cache/sd-accel; it goes when the run ends.
+if "SD_ACCEL_CACHE" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="sd-accel-test-cache-")
+    os.environ["SD_ACCEL_CACHE"] = _CACHE
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)

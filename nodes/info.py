@@ -38,13 +38,14 @@ def report(backend: str = "auto", model=None) -> str:
     lines += [f"- {n}" for n in gpu.notes]
     names = ("triton", "onnxruntime", "onnxruntime_gpu", "tensorrt", "flash_attn")
     lines.append("packages: " + ", ".join(f"{k} {'yes' if installed.get(k) else 'no'}" for k in names))
-    try:
-        lines.append(f"plan for backend={backend}:\n" + choose(gpu, backend, installed).summary())
-    except AccelError as e:
-        lines.append(f"plan for backend={backend}: {e}")
+    session = session_of(model) if model is not None else None
+    if session is None or not session.slot.status.plan:  # a connected model's own plan is shown with it below
+        try:
+            lines.append(f"plan for backend={backend}:\n" + choose(gpu, backend, installed).summary())
+        except AccelError as e:
+            lines.append(f"plan for backend={backend}: {e}")
     lines.append(cache_state(cache_root()))
     if model is not None:
-        session = session_of(model)
         lines.append("model: " + ("not accelerated (connect it through an Accelerated UNet node)" if session is None
                                   else "accelerated\n" + session.slot.status.describe()))
     return "\n".join(lines)

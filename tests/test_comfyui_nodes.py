@@ -324,10 +324,12 @@ def test_accel_info_reports_gpu_plan_cache_and_model(pack, tiny, tmp_path, monke
     out = info.info("auto", acc)
     text = out["result"][0]
     assert out["ui"]["text"] == [text]
-    assert text.startswith("GPU: ") and "plan for backend=auto:\nbackend: torch" in text
+    assert text.startswith("GPU: ") and "plan for backend" not in text  # the model's own plan, once
+    assert text.count("\nbackend: torch") == 1
     assert f"engine cache: {tmp_path / 'cache'} (empty" in text
     assert "model: accelerated\npath: torch" in text and "2 accelerated, 0 on the plain model" in text
-    assert "model: not accelerated" in info.info("auto", tiny)["result"][0]
+    plain = info.info("auto", tiny)["result"][0]
+    assert "model: not accelerated" in plain and "plan for backend=auto:\nbackend: torch" in plain
 
 
 def test_tiled_vae_decode_and_encode(pack):

@@ -236,9 +236,13 @@ class EntryInfo:
     problem: str = ""
 
     def summary(self) -> str:
+        """Model, size, dtype, backend, GPU and the weights it was built from: what tells two entries apart."""
         p = self.parts
         spec, gpu = p.get("spec") or {}, p.get("gpu") or {}
-        words = [spec.get("family"), p.get("dtype"), p.get("backend"), gpu.get("arch") or gpu.get("vendor")]
+        params = spec.get("num_params")
+        words = [spec.get("family"), spec.get("form") and f"({spec['form']} form)",
+                 params and f"{params / 1e6:.0f}M params", p.get("dtype"), p.get("backend"),
+                 gpu.get("arch") or gpu.get("vendor"), p.get("weights") and f"weights {str(p['weights'])[:8]}"]
         return " ".join(str(w) for w in words if w)
 
 
@@ -601,6 +605,14 @@ class EngineCache:
             raise BadInput(f"{what} key {key!r} in {self.root}.",
                            "Run `python -m accel cache ls` to see the keys (a unique prefix is enough).")
         return matches[0]
+
+    def leftovers(self) -> list[tuple[Path, int]]:
+        """Build folders (and their sizes) left by builders that are running or died; prune removes those nobody
+        holds."""
+        try:
+            return [(p, _du(p)) for p in sorted(self.root.iterdir()) if p.is_dir() and p.name.startswith(_TMP)]
+        except OSError:
+            return []
 
     def total_bytes(self) -> int:
         return sum(e.size for e in self._entries())

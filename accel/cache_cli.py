@@ -28,6 +28,11 @@ def _ls(cache: EngineCache) -> int:
     entries = cache.ls()
     total = sum(e.size for e in entries)
     print(f"cache: {cache.root}  ({len(entries)} entries, {human_bytes(total)} of {human_bytes(cache.max_bytes)} cap)")
+    leftovers = cache.leftovers()
+    if leftovers:
+        size = sum(n for _, n in leftovers)
+        print(f"leftover build folders: {len(leftovers)} ({human_bytes(size)}), from builds running now or interrupted; "
+              "`python -m accel cache prune` removes those no process is using")
     if not entries:
         return 0
     print(f"{'KEY':<14}{'SIZE':>10}  {'LAST USED':<30}{'WHAT'}")

@@ -386,6 +386,8 @@ def test_cli_ls_info_prune_clear(tmp_path, capsys):
     rc, out = cli("ls", "--root", root)
     assert rc == 0 and a.key[:12] in out and b.key[:12] in out and "2.5 MB" in out and "BROKEN" in out
     assert "float16 test sm_90" in out and "just now" in out
+    assert "weights aaaaaaaa" in out and "weights bbbbbbbb" in out  # entries of two checkpoints tell apart
+    assert "leftover build folders: 1" in out and "cache prune" in out
     rc, out = cli("info", a.key[:10], "--root", root)
     assert rc == 0 and a.key in out and "engine.bin" in out and '"arch": "sm_90"' in out
     rc = cli("info", "zz", "--root", root)[0]

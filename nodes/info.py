@@ -64,12 +64,14 @@ class AccelInfo:
     def INPUT_TYPES(cls) -> dict:
         return {"required": {"backend": (BACKENDS, {"default": "auto"})},
                 "optional": {"model": ("MODEL", {"tooltip": "A model from an Accelerated UNet node: shows its "
-                                                 "path and how its last run went."})}}
+                                                 "path and how its last run went."}),
+                             "after": ("LATENT", {"tooltip": "The sampler's output: this node then reports after "
+                                                  "the run, not before it (ComfyUI orders nodes by their inputs)."})}}
 
     @classmethod
     def IS_CHANGED(cls, **_kwargs) -> float:
         return float("nan")  # the cache and the model's state change between runs: always report afresh
 
-    def info(self, backend: str, model=None) -> dict:
+    def info(self, backend: str, model=None, after=None) -> dict:
         text = report(backend, model)
         return {"ui": {"text": [text]}, "result": (text,)}

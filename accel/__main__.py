@@ -71,11 +71,11 @@ def _bench(args: argparse.Namespace) -> int:
             print(r, file=say)
     if args.vae:
         from .vae_bench import bench_vae
+        from .vae_bench import table as vae_table
 
         sizes = tuple(int(v) for v in args.vae_sizes.split(",") if v) if args.vae_sizes else None
         out["vae"] = bench_vae(tiny=args.tiny, sizes=sizes, memory_gb=args.vae_memory_gb)
-        for r in out["vae"]:
-            print(r, file=say)
+        print(vae_table(out["vae"]), file=say)
     if not (args.kernels or args.vae) or args.unet:
         from . import bench
 

@@ -243,6 +243,11 @@ def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], pat
     return rows
 
 
+# "seen shape" is in the progress lines and the JSON (extra.seen_shape_s), not in a column of the table.
+LEGEND = ("setup s = build + first call at a new shape; seen shape = a call at a shape already captured, made after "
+          "a call at another shape (nothing rebuilt).")
+
+
 def table(rows: list[Row]) -> str:
     head = f"{'model':<10} {'variant':<36} {'ms/step':>8} {'speedup':>8} {'peak GB':>8} {'rel err':>9} {'setup s':>8}"
     lines = [head, "-" * len(head)]
@@ -252,6 +257,7 @@ def table(rows: list[Row]) -> str:
                      f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
         if r.note.startswith("not available") or "fell back" in r.note:
             lines.append(f"{'':<10} {r.note}")
+    lines.append(LEGEND)
     return "\n".join(lines)
 
 

@@ -9,11 +9,12 @@ random weights, so the picture is noise-like: the point is the speed and the agr
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
-from .accelerate import accelerate
+from .accelerate import AcceleratedUNet, accelerate
 from .bench import rel_l2
 from .configs import SHAPES, build_unet, build_vae
 from .device import describe, detect
@@ -100,24 +101,73 @@ def main(args: argparse.Namespace) -> int:
         out, acc_s = sample(acc, latent, context, y, steps)
         err = rel_l2(out, ref)
         image = vae.decode(out / vae.config.scaling_factor, return_dict=False)[0]
-    _save_png(image[0], args.out)
+    path = _save_png(image[0], args.out)
     ok = err < (1e-2 if dtype == torch.float16 else 1e-4)
     print("\n".join([
         f"model:       {name} ({plain.spec.describe()}), {size}x{size}, {steps} steps, CFG batch 2",
         f"path:        {acc.backend}" + (f" (plan: {acc.plan.backend})" if acc.plan.backend != acc.backend else ""),
         *[f"             - {r}" for r in acc.plan.reasons],
-        f"build:       {build_s:.1f} s (cache: not used by the torch path; graphs are captured on the first step)",
-        f"plain:       {plain_s * 1e3:.1f} ms/step",
-        f"accelerated: {acc_s * 1e3:.1f} ms/step  (x{plain_s / acc_s:.2f})",
+        f"build:       {build_s:.1f} s ({cache_note(acc)}; {graphs_note(acc)})",
+        *timing_lines(acc, device, plain_s, acc_s),
         f"agreement:   final latent rel. L2 error {err:.1e}: {'OK' if ok else 'TOO LARGE'}",
-        f"image:       {args.out}",
+        f"image:       {path}",
+        f"             {image_note(image, latent)}",
     ]))
     acc.release()
     return 0 if ok else 1
 
 
-def _save_png(image: torch.Tensor, path: str) -> None:
+def _save_png(image: torch.Tensor, path: str) -> str:
+    """Saves the image; returns the file's absolute path (a relative --out is otherwise hard to find)."""
     from PIL import Image
 
     arr = ((image.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
     Image.fromarray(arr).save(path)
+    return os.path.abspath(path)
+
+
+def cache_note(acc: AcceleratedUNet) -> str:
+    """What the engine cache did for the path that ran."""
+    if acc.engine is None:
+        return "nothing built, no cache used"
+    result = getattr(acc.engine, "cache_result", None)
+    if result is None:
+        return f"no cache used: the {acc.backend} path works on the model in memory and saves no engine"
+    return f"the {acc.backend} engine was {result.describe()}"
+
+
+def graphs_note(acc: AcceleratedUNet) -> str:
+    """Whether graphs are captured, as the engine that ran was built: for the torch path, the plan's cuda_graphs
+    (kept only on a GPU); ONNX Runtime has its own cuda_graph option."""
+    if acc.engine is None:
+        return "no graphs"
+    if acc.backend == "torch":
+        on, option = acc.engine.graphs is not None, "cuda_graphs is off in the plan"
+    else:
+        on, option = bool(acc.engine.options.get("cuda_graph")), "ONNX Runtime's cuda_graph option is off"
+    return "graphs are captured on the first step, which is not timed" if on else f"no graphs: {option}"
+
+
+def timing_lines(acc: AcceleratedUNet, device: torch.device, plain_s: float, acc_s: float) -> list[str]:
+    """The two times; a speed-up only where the accelerated path computes differently from the plain model:
+    elsewhere the ratio is run-to-run noise (x0.1 to x6.8 on a busy CPU)."""
+    plain = f"plain:       {plain_s * 1e3:.1f} ms/step"
+    accelerated = f"accelerated: {acc_s * 1e3:.1f} ms/step"
+    if acc.engine is None:
+        same = "acceleration is off: both runs are the plain model"
+    elif acc.backend == "torch" and device.type != "cuda":
+        same = "on the CPU the torch path runs the plain model unchanged: both runs are the same computation"
+    else:
+        return [plain, f"{accelerated}  (speed-up x{plain_s / acc_s:.2f})"]
+    return [plain, accelerated, f"             {same}, so the times differ only by noise (no speed-up)."]
+
+
+def image_note(image: torch.Tensor, latent: torch.Tensor) -> str:
+    """What the saved file is: the VAE's decode of the final latent, at the size that VAE gives."""
+    h, w = image.shape[-2:]
+    what = f"the decoded image, {w}x{h}"
+    factor = w // latent.shape[-1]
+    if factor == 8:
+        return what + "."
+    return (what + f": the demo's tiny VAE upsamples the {latent.shape[-1]}x{latent.shape[-2]} latent x{factor}, "
+            "not x8 like SD's, so the file is smaller than the sampled size.")

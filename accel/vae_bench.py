@@ -155,3 +155,38 @@ def bench_vae(device: str = "cuda", sizes: tuple[int, ...] | None = None, tiny: 
         del ref
         rows.append(row)
     return rows
+
+
+# The table's columns: (row key, heading, format); a column no row has a figure for (the GPU-only ones on the CPU)
+# is left out.
+_COLUMNS = (("size", "px", "d"), ("untiled_ms", "untiled ms", ".1f"), ("untiled_peak_gb", "untiled GB", ".2f"),
+            ("fused_untiled_ms", "fused ms", ".1f"), ("tiled_ms", "tiled ms", ".1f"),
+            ("tiled_peak_gb", "tiled GB", ".2f"), ("tile", "tile", "d"), ("grid", "grid", ""), ("store", "store", ""),
+            ("capped_ms", "capped ms", ".1f"), ("capped_peak_gb", "capped GB", ".2f"),
+            ("psnr_tiled_db", "tiled dB", ".1f"), ("psnr_naive_db", "naive dB", ".1f"))
+
+
+def table(rows: list[dict]) -> str:
+    """bench_vae's rows as a table, like the UNet bench's; the plans and notes of a row on lines under it."""
+    if not rows:
+        return ""
+    cols = [c for c in _COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    widths = [max(len(head), 8) for _, head, _ in cols]
+
+    def cell(value: object, spec: str) -> str:
+        if value is None:
+            return "-"
+        return value if isinstance(value, str) else format(value, spec)
+
+    head = " ".join(f"{h:>{w}}" for (_, h, _), w in zip(cols, widths))
+    lines = [f"VAE decode, {rows[0]['dtype']} on {rows[0]['device']}", head, "-" * len(head)]
+    for r in rows:
+        lines.append(" ".join(f"{cell(r.get(k), f):>{w}}" for (k, _, f), w in zip(cols, widths)))
+        if r.get("capped_plan"):
+            lines.append(f"    capped: {r['capped_plan']}")
+        if r.get("compare_tile"):
+            lines.append(f"    PSNR against the untiled decode at tile/overlap {r['compare_tile']} px: tiled dB = "
+                         "sd-accel's tiled decode, naive dB = per-tile GroupNorm (ComfyUI's VAEDecodeTiled)")
+        if r.get("notes"):
+            lines.append(f"    {r['notes']}")
+    return "\n".join(lines)

@@ -69,6 +69,38 @@ def test_bench_tiny_writes_rows_with_errors(tmp_path):
     ours = [row for row in rows if row["variant"] == "sd-accel torch"]
     assert all(row["rel_err"] <= 1e-5 and row["ms"] > 0 for row in ours)
     assert "speedup" in r.stderr  # the table, off stdout while it carries the JSON
+    legend = [line for line in r.stderr.splitlines() if line.startswith("setup s = ")]
+    assert legend and "seen shape = a call at a shape already captured" in legend[0]
+
+
+def test_bench_vae_prints_a_table(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "--vae", "--tiny", "--vae-sizes", "64", "--json-file", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "{" not in r.stdout  # no Python dicts
+    assert lines[0] == "VAE decode, float32 on cpu"
+    assert lines[1].split()[:3] == ["px", "untiled", "ms"] and set(lines[2]) == {"-"}
+    row = json.loads(out.read_text())["vae"][0]
+    cells = lines[3].split()
+    assert cells[0] == "64" and cells[1] == f"{row['untiled_ms']:.1f}" and row["grid"] in cells
+
+
+def test_vae_table_leaves_out_columns_without_figures():
+    from accel.vae_bench import table
+
+    cpu = {"size": 64, "dtype": "float32", "device": "cpu", "untiled_ms": 5.0, "untiled_peak_gb": None,
+           "tiled_ms": 9.0, "tiled_peak_gb": None, "tile": 16, "grid": "4x4", "store": "cpu", "capped_ms": None,
+           "capped_peak_gb": None, "capped_plan": None, "compare_tile": "16/8", "psnr_tiled_db": 120.0,
+           "psnr_naive_db": 30.0, "notes": ""}
+    text = table([cpu])
+    assert "GB" not in text.splitlines()[1] and "capped" not in text
+    assert "tile/overlap 16/8 px" in text
+    gpu = {**cpu, "device": "cuda", "untiled_ms": "OOM", "untiled_peak_gb": "OOM", "capped_ms": 7.0,
+           "capped_peak_gb": 3.5, "capped_plan": "512 px x 2x2 on cpu", "compare_tile": None}
+    lines = table([gpu]).splitlines()
+    assert "capped GB" in lines[1] and lines[3].split()[1:3] == ["OOM", "OOM"]
+    assert "    capped: 512 px x 2x2 on cpu" in lines
 
 
 def test_bench_says_what_it_cannot_time(tmp_path):
@@ -96,6 +128,43 @@ def test_demo_saves_png_and_reports(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "agreement:" in r.stdout and "OK" in r.stdout and "path:        torch" in r.stdout
+    lines = r.stdout.splitlines()
+    # On the CPU the torch path is the plain model: no speed-up is claimed, and no graphs (the plan has none).
+    assert "speed-up x" not in r.stdout and any("the same computation" in line for line in lines)
+    build = next(line for line in lines if line.startswith("build:"))
+    assert "no graphs: cuda_graphs is off in the plan" in build and "captured" not in build
+    assert "saves no engine" in build
+    # The file is what the tiny VAE decodes (x2 of the 16x16 latent), and the path is absolute.
+    assert f"image:       {png}" in lines
+    assert any("the decoded image, 32x32" in line for line in lines)
+    from PIL import Image
+
+    assert Image.open(png).size == (32, 32)
+
+
+def test_demo_relative_out_is_printed_absolute(tmp_path):
+    r = run("demo", "--out", "rel.png", "--steps", "2", "--backend", "off", cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"image:       {tmp_path / 'rel.png'}" in r.stdout.splitlines()
+    assert "acceleration is off: both runs are the plain model" in r.stdout and "speed-up x" not in r.stdout
+
+
+def test_demo_on_onnxruntime_reports_the_cache_and_keeps_ort_quiet(tmp_path):
+    pytest.importorskip("onnxruntime")
+    env = {"SD_ACCEL_CACHE": str(tmp_path / "cache")}
+    args = ("demo", "--backend", "onnxruntime", "--steps", "2", "--out", str(tmp_path / "o.png"))
+    first = run(*args, env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "path:        onnxruntime" in first.stdout
+    build = next(line for line in first.stdout.splitlines() if line.startswith("build:"))
+    assert "the onnxruntime engine was built in" in build and "torch path" not in build
+    # ORT's optimizer lines ("Fused Gelu: 4", "Removed 54 Identity nodes") are dropped; sd-accel's own stay.
+    both = first.stdout + first.stderr
+    assert "Fused " not in both and "Removed " not in both and "opset version" not in both
+    assert "sd-accel: onnxruntime engine built in" in first.stderr
+    second = run(*args, env=env)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "the onnxruntime engine was loaded from the cache" in second.stdout
 
 
 def test_demo_refuses_pickled_checkpoint(tmp_path):

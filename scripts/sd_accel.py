@@ -18,6 +18,7 @@ A1111 runs this file with the extension folder first on sys.path, so `accel` imp
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from typing import Callable
@@ -41,14 +42,16 @@ def _option(name: str, default):
     return shared.opts.data.get(name, default)
 
 
-def original_forward(unet: torch.nn.Module) -> Callable:
-    """The UNet forward A1111 routes to the SdUnet (its class's own forward before A1111 patched it)."""
+@functools.cache
+def original_forward(unet_class: type) -> Callable:
+    """The UNet forward A1111 routes to the SdUnet (the class's own forward before A1111 patched it); looked up once
+    per class, not on every step."""
     from modules import sd_hijack
 
-    sgm = type(unet).__module__.startswith("sgm.")
+    sgm = unet_class.__module__.startswith("sgm.")
     forward = getattr(sd_hijack, "sgm_original_forward" if sgm else "ldm_original_forward", None)
     if forward is None:  # A1111 before 1.7 kept the original next to the class
-        forward = importlib.import_module(type(unet).__module__).copy_of_UNetModel_forward_for_webui
+        forward = importlib.import_module(unet_class.__module__).copy_of_UNetModel_forward_for_webui
     return forward
 
 
@@ -70,7 +73,7 @@ class AccelUnet(sd_unet.SdUnet):
 
     def forward(self, x, timesteps=None, context=None, *args, **kwargs):
         unet = shared.sd_model.model.diffusion_model
-        original = original_forward(unet)
+        original = original_forward(type(unet))
         if self._inner:
             return original(unet, x, timesteps, context, *args, **kwargs)
         backend = _option("sd_accel_backend", "auto")

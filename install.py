@@ -6,21 +6,22 @@ What it installs:
 - the core requirements (requirements.txt) that are missing; A1111 does not read requirements.txt itself;
 - Triton for the fused kernels of the torch path, where torch did not bring it (NVIDIA: triton on Linux,
   triton-windows on Windows; AMD ROCm builds of torch bring their own and a PyPI triton would not run there);
-- only when asked (--with, or SD_ACCEL_INSTALL=onnxruntime,tensorrt): the ONNX Runtime build and TensorRT for this
-  GPU. They are not installed by default: TensorRT is a download of several GB from NVIDIA's index, and ONNX
-  Runtime is not chosen automatically until it is measured faster than the torch path.
+- only when asked (--with onnxruntime, or SD_ACCEL_INSTALL=onnxruntime): the ONNX Runtime build for this GPU. It is
+  not installed by default: ONNX Runtime is not chosen automatically until it is measured faster than the torch path.
+  (A TensorRT path is planned; nothing installs TensorRT until that path exists.)
 
 No installed package is ever changed: every pip call is constrained to the version of every distribution installed
 in this Python (the host's pins: A1111's transformers 4.30.2 and its huggingface_hub, ComfyUI's torch, ...), so pip
 either adds what is missing beside them or refuses, and a package it refuses is skipped with pip's reason. --dry-run
 asks pip the same question without installing.
 
-    python install.py [--dry-run] [--with onnxruntime,tensorrt]
+    python install.py [--dry-run] [--with onnxruntime]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import subprocess
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-EXTRAS = ("onnxruntime", "tensorrt")
+EXTRAS = ("onnxruntime",)
 ENV_EXTRAS = "SD_ACCEL_INSTALL"
 ENV_SKIP = "SD_ACCEL_SKIP_INSTALL"
 
@@ -93,11 +94,6 @@ def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: 
                               "pip uninstall onnxruntime, then run this again.")
         elif not installed.get("onnxruntime"):
             plan.steps.append(Step(ort, "ONNX Runtime path (asked for)"))
-    if "tensorrt" in extras:
-        if vendor != "nvidia":
-            plan.notes.append(f"TensorRT runs only on NVIDIA GPUs; this is {vendor}: not installed.")
-        elif not installed.get("tensorrt"):
-            plan.steps.append(Step(["onnx", "tensorrt"], "TensorRT path (asked for; several GB from pypi.nvidia.com)"))
     return plan
 
 
@@ -110,8 +106,8 @@ def _extras(asked: str | None) -> set[str]:
 
 
 def _installed() -> dict[str, bool]:
-    from accel.device import has_package
-    from accel.policy import probe_packages
+    from sd_accel.accel.plan.device import has_package
+    from sd_accel.accel.plan.policy import probe_packages
 
     found = probe_packages()
     for req in core_requirements():
@@ -163,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         say("torch is not installed in this Python; the host (ComfyUI / A1111) installs it. Nothing installed.")
         return 0
-    sys.path.insert(0, str(HERE))
-    from accel.device import describe, detect
+    spec = importlib.util.spec_from_file_location("sd_accel_root", HERE / "__init__.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # registers the package `sd_accel`
+    from sd_accel.accel.plan.device import describe, detect
 
     gpu = detect()
     say(f"GPU: {describe(gpu)}")

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from . import backends
-from .device import GpuInfo, detect
+from .engine import backends
 from .errors import AccelError, BackendUnavailable
-from .policy import Plan, choose
+from .models.spec import CanonicalUNet
+from .plan.device import GpuInfo, detect
+from .plan.options import Runtime
+from .plan.policy import Plan, choose
 from .progress import NullProgress, Progress
-from .unet import CanonicalUNet
 
 log = logging.getLogger("sd-accel")
 
@@ -83,15 +84,19 @@ class AcceleratedUNet:
                 e.release()
 
 
-def accelerate(model: nn.Module, preference: str | None = None, options: dict | None = None,
-               progress: Progress | None = None, gpu: GpuInfo | None = None) -> AcceleratedUNet:
+def accelerate(model: nn.Module, preference: str | None = None, options: Mapping[str, Any] | None = None,
+               progress: Progress | None = None, gpu: GpuInfo | None = None, cache_root: str | None = None,
+               profile: dict | None = None) -> AcceleratedUNet:
     """Wrap a diffusers or ldm-style UNet in the best available engine for this GPU.
 
+    options: names of accel/plan/options.py (BadInput for one no backend takes). cache_root: the host's engine
+    cache folder; profile: the shape profile the host asked for (both only matter to paths that build files).
     Raises UnsupportedModel for a module that is not a UNet (the host then keeps its plain model)."""
     progress = progress or NullProgress()
     unet = model if isinstance(model, CanonicalUNet) else CanonicalUNet(model)
     gpu = gpu or detect()
     plan = choose(gpu, preference, options=options)
+    runtime = Runtime(gpu=gpu, cache_root=cache_root, profile=profile)
     dtype_name = str(unet.dtype).replace("torch.", "")
     if plan.backend != "off" and dtype_name not in gpu.dtypes:
         log.warning("sd-accel: %s cannot run %s on %s; the plain model runs. Load the model in one of: %s.",
@@ -102,13 +107,13 @@ def accelerate(model: nn.Module, preference: str | None = None, options: dict | 
     start = time.perf_counter()
     fallback = None
     try:
-        engine = backends.load(plan.backend).build(unet, dict(plan.options), progress)
+        engine = backends.load(plan.backend).build(unet, plan.options, runtime, progress)
     except (AccelError, ImportError, RuntimeError) as e:
         if plan.backend == "torch":
             log.warning("sd-accel: building the torch path failed (%s); the plain model runs.", e)
             return AcceleratedUNet(unet, plan, gpu)
         log.warning("sd-accel: building the %s path failed (%s); the torch path runs instead.", plan.backend, e)
-        engine = backends.load("torch").build(unet, {}, progress)
+        engine = backends.load("torch").build(unet, plan.torch, runtime, progress)
     if engine.backend != "torch":
-        fallback = backends.load("torch").build(unet, {}, NullProgress())
+        fallback = backends.load("torch").build(unet, plan.torch, runtime, NullProgress())
     return AcceleratedUNet(unet, plan, gpu, engine, fallback, time.perf_counter() - start)

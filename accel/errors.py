@@ -1,24 +1,17 @@
-"""Errors that reach users: each names the problem and what to do about it."""
+"""Errors that reach users: each names the problem and what to do about it.
+
+The base classes are the kernels' own (kernels/ depends on nothing of ours), so a kernel's bad-input error is the
+engine's BadInput too.
+"""
 
 from __future__ import annotations
 
+from ..kernels.errors import BadInput
+from ..kernels.errors import Error as AccelError
+from ..kernels.errors import Unavailable as BackendUnavailable
 
-class AccelError(Exception):
-    """A problem the user can act on. `fix` says what to do."""
-
-    def __init__(self, problem: str, fix: str = "") -> None:
-        self.problem = problem
-        self.fix = fix
-        super().__init__(f"{problem} {fix}".strip())
+__all__ = ["AccelError", "BackendUnavailable", "BadInput", "UnsupportedModel"]
 
 
 class UnsupportedModel(AccelError):
-    pass
-
-
-class BadInput(AccelError):
-    pass
-
-
-class BackendUnavailable(AccelError):
     pass

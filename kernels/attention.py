@@ -16,9 +16,8 @@ from typing import Optional
 
 import torch
 
-from accel.errors import BadInput
-
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tl
+from .errors import BadInput
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -106,10 +105,10 @@ def covers(q: torch.Tensor, k: torch.Tensor) -> bool:
 def config(head_dim: int, keys: int) -> Optional[dict]:
     """Tiles for a head size and key count, or None where cuDNN's attention was measured the faster.
 
-    On an H100 (per call in a CUDA graph, batch 2, q/k/v as projection views), against cuDNN through SDPA:
-    cross-attention over the 77 text tokens with 64-wide heads, SDXL's 1024 queries x 20 heads 8.5 against 12.1 us
-    and 4096 x 10 heads 14.0 against 16.9 us. Not where keys are many (self-attention: 1024 tokens even, 4096 tokens
-    13% slower) nor for other head sizes (SD1.5's 40 padded to 64: 19.4 against 14.8 us)."""
+    Timed per call in a CUDA graph against cuDNN through SDPA (docs/perf-notes.md, Attention), the kernel wins for
+    cross-attention over the text tokens with 64-wide heads (SDXL, SD2.x). Not where keys are many (self-attention:
+    even or slower), nor for head sizes it must pad to a power of two (SD1.5's 40 to 64). The tiles were the best of
+    18 configurations at SDXL's shapes."""
     if head_dim != 64 or keys > SHORT_KEYS:
         return None
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from accel.errors import BackendUnavailable, BadInput
+from .errors import BadInput
+from .errors import Unavailable as BackendUnavailable
 
 try:
     import triton

@@ -22,9 +22,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from accel.errors import BadInput
-
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
+from .errors import BadInput
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -32,25 +31,22 @@ except Exception:  # no Triton, or one older than tensor descriptors (3.3): the 
     TensorDescriptor = None
 
 MAX_BLOCK_D = 1024
-# Loaded elements per thread: 32 (half the warps of the other kernels' 16) moved 22-25% more bytes per second on an
-# H100 at SD1.5 and SDXL widths (per call, in a CUDA graph).
+# Loaded elements per thread: 32 (half the warps of the other kernels' 16) moved more bytes per second than 16 or 64
+# at SD1.5 and SDXL widths (per call, in a CUDA graph).
 ELEMS_PER_THREAD = 32
 
 
-# geglu_linear without TMA: inputs up to this width (K), and its tiles (each of hidden and gate columns). Per call in
-# a CUDA graph on an H100, against cuBLAS + the GEGLU kernel: 8192 x 320 -> 2 x 1280 (SD1.5's first level) 62.6 ->
-# 49.1 us; at K = 640 even (8192 tokens: 138.6 -> 140.1 us) or slower (2048: 37.2 -> 41.7), at 1280 slower.
+# geglu_linear without TMA: inputs up to this width (K), and its tiles (each of hidden and gate columns). This GEMM is
+# slower than cuBLAS's, so the fusion pays only where the GEMM is short next to the GEGLU pass it saves: at SD1.5's
+# first level (K = 320) it beats cuBLAS + the GEGLU kernel; from K = 640 it is even or slower.
 LINEAR_MAX_K = 320
 LINEAR_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-# With TMA: from this many rows, any width. Per call in a CUDA graph on an H100 (tl.erf GELU), against cuBLAS + the
-# GEGLU kernel: 8192 x 320 -> 2 x 1280 43.0 against 62.6 us; 2048 x 640 -> 2 x 2560 34.8 / 36.8; 8192 x 640 ->
-# 2 x 2560 119.5 / 136.0; 2048 x 1280 -> 2 x 5120 94.6 / 101.8 (128 x 128 tiles); 512 x 1280 -> 2 x 5120 lost.
-# 128 x 64 tiles (x 2) with 4 warps and 3 stages fit two programs in an SM. From 2^33 multiply-adds per half (rows x K
-# x D: SDXL's 70 calls, not SD1.5's) the persistent kernel: 2048 x 1280 -> 2 x 5120 85.8-88.5 us (programs that each
-# own a 128 x 128 tile: 94.1-96.0; cuBLAS's GEMM alone 80), 8192 x 640 -> 2 x 2560 103.7-108.0 (116.1-118.5). SDXL's
-# UNet step was 0.14-0.56 ms faster in five A/Bs with its 60 calls at 2048 rows (inside the step the kernel measures
-# 98-102 us a call); adding the 10 at 8192 rows moved the step within its noise. At SD1.5's shapes it was faster per
-# call too, but the step was 0.03-0.10 ms slower.
+# With TMA: from this many rows, any width, faster than cuBLAS + the GEGLU kernel at every SD shape from 2048 rows
+# (with fewer rows, e.g. 512 x 1280 -> 2 x 5120, it lost). 128 x 64 tiles (x 2) with 4 warps and 3 stages fit two
+# programs in an SM, so one's GELU epilogue overlaps the other's main loop. From 2^33 multiply-adds per half (rows x K
+# x D: SDXL's 70 calls, not SD1.5's) the persistent kernel, whose flattened tile loop issues the next tile's loads
+# during this tile's epilogue: faster per call, and SDXL's step faster in every A/B. At SD1.5's shapes it was faster
+# per call too but the step was slower, hence the threshold. Figures: docs/perf-notes.md, GEGLU.
 LINEAR_TMA_MIN_ROWS = 2048
 LINEAR_TMA_TILES = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, STAGES=3, num_warps=4)
 LINEAR_TMA_PERSISTENT_WORK = 1 << 33

@@ -21,14 +21,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from accel.errors import BadInput
-
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
+from .errors import BadInput
 
 # A chunk reduced by one stats program holds at least this many elements (fewer only when the group is smaller).
 MIN_CHUNK = 4096
-# Programs to aim for: two per SM of a large GPU for the stats pass, whose programs each end in one reduction (on an
-# H100, 264 beat 512 and 1024 at most UNet shapes, in a CUDA graph), many more for the apply pass.
+# Programs to aim for: two per SM of a large GPU for the stats pass, whose programs each end in one reduction (more
+# programs, hence more partials to merge, were slower at most UNet shapes), many more for the apply pass.
 STATS_PROGRAMS = 264
 APPLY_PROGRAMS = 4096
 # Partials one finalize program holds (all of a group's, for as many groups as fit): more, smaller programs finish
@@ -38,22 +37,19 @@ FINALIZE_TILE = 1024
 # per group (chunks x channels of a group), which the finalize kernel loads as one tile.
 MAX_BLOCK_C = 64
 MAX_GROUP_ENTRIES = 512
-# Loads the channels_last passes keep in flight (Triton's loop pipelining): on an H100, per call in a CUDA graph,
-# 4 stages for the statistics and 2 for the normalization took up to 10% less than none and were slower at no UNet
-# or VAE size measured (2x960x128x128 86.8 -> 80.0 us, 1x128x1024x1024 320.6 -> 301.7, 2x2560x32x32 19.1 -> 19.1).
+# Loads the channels_last passes keep in flight (Triton's loop pipelining): 4 stages for the statistics and 2 for the
+# normalization were faster than none at most UNet and VAE sizes and slower at none (per call, in a CUDA graph).
 STATS_STAGES = 4
 APPLY_STAGES = 2
-# Elements per thread in the channels_last passes' tiles: 32 (4 warps for a 4096-element tile) against 16, on an H100
-# per call in a CUDA graph, took 1.7-3.3 us less at every UNet size measured (2x320x64x64 13.7 -> 11.9 us, 2x2560x32x32
-# 19.0 -> 16.4, 2x320x128x128 29.4 -> 26.2) and was even or better at the VAE's (1x128x1024x1024 301.9 -> 300.6,
-# 1x512x256x256 84.2 -> 82.4).
+# Elements per thread in the channels_last passes' tiles: 32 (4 warps for a 4096-element tile) rather than 16: faster
+# at every UNet size measured and even or better at the VAE's (per call, in a CUDA graph).
 NHWC_ELEMS_PER_THREAD = 32
 # Under the CPU interpreter every program costs Python time: few, large programs.
 INTERPRET_PROGRAMS = 1
 # Groups of at most WHOLE_GROUP_ELEMENTS (pixels x channels of the group) are normalized by one program each, in one
-# launch, if their tile (both counts padded to powers of two) fits WHOLE_GROUP_MAX. On an H100, per call in a CUDA
-# graph: 2x640x32x32 (20480 per group) 11.6 -> 8.5 us, 2x2560x16x16 (20480) 12.6 -> 7.7, 2x1280x8x8 7.3 -> 2.6;
-# 2x960x32x32 (30720) 12.7 -> 16.6, slower: one program's share of the bandwidth is the limit there.
+# launch, if their tile (both counts padded to powers of two) fits WHOLE_GROUP_MAX. Up to that size one launch beats
+# the split passes' three, whose launch costs outweigh the data a small group moves; above it (30720 per group and
+# more) one program's share of the bandwidth is the limit and the split passes win.
 WHOLE_GROUP_ELEMENTS = 20480
 WHOLE_GROUP_MAX = 32768
 

@@ -2,9 +2,8 @@
 and the two together in the sub-pixel form.
 
 PyTorch's channels_last nearest kernel (`upsample_nearest2d_nhwc_out_frame`) computes a source index per output
-element and reached about a tenth of the copy bandwidth on an H100 at SDXL's 2x1280x32x32 (102 us for 26 MB
-moved). Here each program reads a tile of input pixels once, with whole rows of channels, and writes it to the
-four output pixels it covers.
+element and reaches only about a tenth of the copy bandwidth at SD's shapes. Here each program reads a tile of input
+pixels once, with whole rows of channels, and writes it to the four output pixels it covers.
 
 A 3x3 convolution of the upsampled image repeats work: each output pixel of row parity a and column parity b
 sees only a 2x2 window of the input, its taps sums of the 3x3 taps. So the pair is one 2x2 convolution (cuDNN)
@@ -20,9 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from accel.errors import BadInput
-
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
+from .errors import BadInput
 
 MAX_BLOCK_C = 1024
 SUBPIXEL_MIN_PIXELS = 512
@@ -138,11 +136,9 @@ def upsample_nearest2x_ref(x: torch.Tensor) -> torch.Tensor:
 
 def conv_covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether upsample_conv3x3 pays for x: the 2x2 weights, made at every call, cost a pass over the weights
-    (C_in x C_out x 25 values), and the convolution saves 5/9 of N x 4HW x C_in x C_out x 9 products. On an H100
-    (2 x 2-D 2x-upsamplings before a 3x3 convolution, per call in a CUDA graph): SDXL's 1280 channels at 32x32
-    340 -> 177 us for the convolution alone, 640 at 64x64 339 -> 164, SD1.5's 640 at 32x32 103 -> 53, while at
-    1280 channels and 8x8 (37 -> 33 us) the weights' 27 us lose, and at 16x16 the whole sub-pixel path still wins
-    (92.0 against 102.5 us). Covered from 512 input pixels over the batch."""
+    (C_in x C_out x 25 values), and the convolution saves 5/9 of N x 4HW x C_in x C_out x 9 products. At SD's
+    channel counts the saving outweighs making the weights from 512 input pixels over the batch (SD1.5's 16x16
+    upsampler with batch 2); at 8x8 it does not (docs/perf-notes.md, Convolutions)."""
     return (supported(x) and x.dim() == 4 and x.shape[0] * x.shape[2] * x.shape[3] >= SUBPIXEL_MIN_PIXELS
             and weight.dim() == 4 and tuple(weight.shape[2:]) == (3, 3) and weight.shape[1] == x.shape[1]
             and weight.dtype == x.dtype and weight.device == x.device)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from accel.errors import AccelError, BadInput
-from accel.host_support import EngineSlot, SlotStatus, shape_profile, transformer_patches
-from accel.unet import inspect_unet
-
+from ..accel.errors import AccelError, BadInput
+from ..accel.hosts.support import EngineSlot, SlotStatus, shape_profile, transformer_patches
+from ..accel.models.spec import inspect_unet
 from .comfy_ui import CATEGORY, cache_root, node_progress, publish, say
 
 KEY = "sd-accel"
-BACKENDS = ["auto", "torch", "onnxruntime", "tensorrt"]
+BACKENDS = ["auto", "torch", "onnxruntime"]
 FAMILIES = ("sd1", "sd2", "sdxl")
 
 
@@ -41,7 +40,7 @@ class AcceleratedUNetNode:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
     DESCRIPTION = ("Runs the UNet of an SD1.x, SD2.x or SDXL model through the fastest path for this GPU (fused "
-                   "torch with CUDA graphs, ONNX Runtime or TensorRT), built on the first sampling step and "
+                   "torch with CUDA graphs, or ONNX Runtime), built on the first sampling step and "
                    "cached. LoRA, ControlNet and other nodes' patches keep working: calls an engine cannot serve "
                    "run on the torch path or the plain model, and the node says why.")
 
@@ -86,9 +85,8 @@ class AcceleratedUNetNode:
             asked = [r for r in plan.reasons if r.startswith(f"{backend} was asked for")]
             say(unique_id, " ".join(asked) or f"the {backend} path cannot run here; the {plan.backend} path runs.")
         notes.append(plan.summary())
-        slot = EngineSlot(_preference(backend), {**options, "cache_root": cache_root()}, profile,
-                          progress=lambda: node_progress(unique_id),
-                          on_change=lambda status: publish(unique_id, status_payload(status)))
+        slot = EngineSlot(_preference(backend), options, profile, progress=lambda: node_progress(unique_id),
+                          on_change=lambda status: publish(unique_id, status_payload(status)), cache_root=cache_root())
         out = model.clone()
         attach(out, Session(slot, unique_id))
         publish(unique_id, {"kind": "planned", "backend": plan.backend, "text": "\n".join(notes)})
@@ -100,13 +98,13 @@ def _result(model, notes: list[str]) -> dict:
 
 
 def _preference(backend: str) -> str | None:
-    """auto leaves the choice to accel.policy, which honours SD_ACCEL_BACKEND (e.g. =off to disable the pack)."""
+    """auto leaves the choice to accel/plan/policy.py, which honours SD_ACCEL_BACKEND (e.g. =off to disable the pack)."""
     return None if backend == "auto" else backend
 
 
 def _plan(backend: str, options: dict):
-    from accel.device import detect
-    from accel.policy import choose
+    from ..accel.plan.device import detect
+    from ..accel.plan.policy import choose
 
     return choose(detect(), _preference(backend), options=dict(options))
 

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from accel.progress import CallbackProgress
+from ..accel.progress import CallbackProgress
 
 log = logging.getLogger("sd-accel")
 
@@ -48,7 +48,7 @@ def node_progress(node_id: str | None, what: str = "build") -> CallbackProgress:
 
 def cache_root() -> str:
     """The engine cache folder: SD_ACCEL_CACHE, else ComfyUI's models/accel (DESIGN.md)."""
-    from accel.cache import default_root
+    from ..accel.build.cache import default_root
 
     try:
         import folder_paths

@@ -10,7 +10,7 @@ from .comfy_ui import CATEGORY, cache_root
 def cache_state(root: str) -> str:
     from pathlib import Path
 
-    from accel.cache import EngineCache, human_bytes
+    from ..accel.build.cache import EngineCache, human_bytes
 
     if not Path(root).is_dir():
         return f"engine cache: {root} (empty: nothing built yet)"
@@ -23,20 +23,20 @@ def cache_state(root: str) -> str:
     for e in entries[:10]:
         lines.append(f"- {e.key[:12]} {e.summary()} {human_bytes(e.size)}" + (f" ({e.problem})" if e.problem else ""))
     if len(entries) > 10:
-        lines.append(f"- ... and {len(entries) - 10} more (python -m accel cache ls)")
+        lines.append(f"- ... and {len(entries) - 10} more (python -m sd_accel cache ls)")
     return "\n".join(lines)
 
 
 def report(backend: str = "auto", model=None) -> str:
-    from accel.device import describe, detect
-    from accel.errors import AccelError
-    from accel.policy import choose, probe_packages
+    from ..accel.errors import AccelError
+    from ..accel.plan.device import describe, detect
+    from ..accel.plan.policy import choose, probe_packages
 
     gpu = detect()
     installed = probe_packages()
     lines = [f"GPU: {describe(gpu)}"]
     lines += [f"- {n}" for n in gpu.notes]
-    names = ("triton", "onnxruntime", "onnxruntime_gpu", "tensorrt", "flash_attn")
+    names = ("triton", "onnxruntime", "onnxruntime_gpu", "flash_attn")
     lines.append("packages: " + ", ".join(f"{k} {'yes' if installed.get(k) else 'no'}" for k in names))
     session = session_of(model) if model is not None else None
     if session is None or not session.slot.status.plan:  # a connected model's own plan is shown with it below

@@ -1,30 +1,21 @@
-"""Tiled VAE Decode and Encode: LATENT + VAE -> IMAGE and back, through accel.vae_tiled, whose tiles share
+"""Tiled VAE Decode and Encode: LATENT + VAE -> IMAGE and back, through accel/vae, whose tiles share
 GroupNorm statistics over the whole image, so the result matches the untiled one without seams.
 
-A VAE accel.vae_tiled does not take (video and audio VAEs, TAESD) runs through ComfyUI's own tiled code, and
+A VAE accel/vae does not take (video and audio VAEs, TAESD) runs through ComfyUI's own tiled code, and
 the node says so once.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 
-from accel.errors import AccelError
-
+from ..accel.errors import AccelError
+from ..accel import vae as accel_vae
 from .comfy_ui import CATEGORY, node_progress, say
 
 log = logging.getLogger("sd-accel")
 
 _told: set[str] = set()
-
-
-def _tiled():
-    """accel.vae_tiled (tile and overlap in image pixels, like these nodes), or None where it is missing."""
-    try:
-        return importlib.import_module("accel.vae_tiled")
-    except ImportError:
-        return None
 
 
 def _tile_inputs() -> dict:
@@ -53,12 +44,10 @@ def _latent_units(vae, pixels: int) -> int | None:
 
 
 def _why_not(vae, rank: int) -> str | None:
-    """Why accel.vae_tiled cannot take this VAE, or None."""
-    if _tiled() is None:
-        return "accel.vae_tiled is not installed in this copy of sd-accel"
+    """Why accel/vae cannot take this VAE, or None."""
     model = vae.first_stage_model
     if rank != 4 or getattr(vae, "latent_dim", 2) != 2:
-        return f"this is a {rank - 2}-D VAE (video or audio); accel.vae_tiled takes image VAEs"
+        return f"this is a {rank - 2}-D VAE (video or audio); accel/vae takes image VAEs"
     if not (hasattr(model, "decoder") and hasattr(model, "encoder")):
         return f"{type(model).__name__} is not an SD-style KL autoencoder"
     return None
@@ -91,9 +80,9 @@ class TiledVAEDecode:
         if why is None:
             try:
                 mm.load_models_gpu([vae.patcher])
-                out = _tiled().decode(vae.first_stage_model, z.to(vae.device, vae.vae_dtype),
-                                      tile=tile_size or None, overlap=overlap or None,
-                                      progress=node_progress(unique_id, "vae"), memory_gb=_limit(memory_gb))
+                out = accel_vae.decode(vae.first_stage_model, z.to(vae.device, vae.vae_dtype),
+                                       tile=tile_size or None, overlap=overlap or None,
+                                       progress=node_progress(unique_id, "vae"), memory_gb=_limit(memory_gb))
                 images = vae.process_output(out.to(vae.output_device).float())
                 return (images.movedim(1, -1),)
             except AccelError as e:
@@ -129,9 +118,9 @@ class TiledVAEEncode:
             try:
                 mm.load_models_gpu([vae.patcher])
                 x = vae.process_input(vae.vae_encode_crop_pixels(pixels)[..., :3].movedim(-1, 1))
-                z = _tiled().encode(vae.first_stage_model, x.to(vae.device, vae.vae_dtype),
-                                    tile=tile_size or None, overlap=overlap or None,
-                                    progress=node_progress(unique_id, "vae"), memory_gb=_limit(memory_gb))
+                z = accel_vae.encode(vae.first_stage_model, x.to(vae.device, vae.vae_dtype),
+                                     tile=tile_size or None, overlap=overlap or None,
+                                     progress=node_progress(unique_id, "vae"), memory_gb=_limit(memory_gb))
                 return ({"samples": z.to(mm.intermediate_device()).float()},)
             except AccelError as e:
                 why = str(e)

@@ -4,7 +4,7 @@ A1111: an "sd-accel" choice under Settings > Stable Diffusion > SD Unet, the set
 tiled VAE decode, and GET /sd-accel/status.
 
 Forge routes nothing to an SdUnet (the choice would do nothing, so it is not offered): every generation's
-forge_objects.unet is cloned with a model function wrapper (accel/host_forge.py), as Forge's own extensions patch it,
+forge_objects.unet is cloned with a model function wrapper (accel/hosts/forge.py), as Forge's own extensions patch it,
 unless Settings > sd-accel > backend is off.
 
 A1111 (1.7 and later) routes UNetModel.forward, at class level, to the active SdUnet's forward. The engine calls
@@ -13,7 +13,8 @@ Nothing is set on the module instance: an instance `forward` would shadow the ro
 run (the earlier version's bug, seen on 1.6). A1111 before 1.7 kept the original forward beside the class
 (copy_of_UNetModel_forward_for_webui); that name is looked up too, though only 1.10.1 is tested.
 
-A1111 runs this file with the extension folder first on sys.path, so `accel` imports from the checkout.
+A1111 loads this file by path; the pack's root __init__.py loads the rest as the package `sd_accel` (sys.path is left
+as it is).
 """
 
 from __future__ import annotations
@@ -21,15 +22,24 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from pathlib import Path
 from typing import Callable
 
 import torch
 from modules import devices, patches, script_callbacks, scripts, sd_unet, shared
 
-from accel.cache import default_root
-from accel.host_a1111 import LoraSync
-from accel.host_support import EngineSlot
-from accel.progress import CallbackProgress
+
+def _load_pack() -> None:
+    spec = importlib.util.spec_from_file_location("sd_accel_root", Path(__file__).resolve().parents[1] / "__init__.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # registers the package `sd_accel`
+
+
+_load_pack()
+
+from sd_accel.accel.build.cache import default_root  # noqa: E402
+from sd_accel.accel.hosts.a1111 import LoraSync  # noqa: E402
+from sd_accel.accel.hosts.support import EngineSlot  # noqa: E402
+from sd_accel.accel.progress import CallbackProgress  # noqa: E402
 
 BACKENDS = ["auto", "torch", "onnxruntime", "off"]
 TILED_VAE = ["auto", "always", "off"]
@@ -120,8 +130,8 @@ class AccelUnet(sd_unet.SdUnet):
 
 
 def _slot(backend: str) -> EngineSlot:
-    return EngineSlot(None if backend == "auto" else backend, {"cache_root": str(default_root(_models_dir()))},
-                      progress=lambda: CallbackProgress(_show_progress))
+    return EngineSlot(None if backend == "auto" else backend, progress=lambda: CallbackProgress(_show_progress),
+                      cache_root=str(default_root(_models_dir())))
 
 
 def _lowvram() -> bool:
@@ -173,12 +183,12 @@ def _tiled_decode(vae: torch.nn.Module, original: Callable) -> Callable:
                 if "oom" not in told:
                     told.add("oom")
                     print("sd-accel: the VAE decode ran out of GPU memory; decoding in tiles (the same image).")
-        from accel import vae_tiled
-        from accel.errors import AccelError
+        from sd_accel.accel.errors import AccelError
+        from sd_accel.accel import vae as accel_vae
 
         global _tiled_decodes
         try:
-            image = vae_tiled.decode(vae, z, progress=CallbackProgress(_show_progress))
+            image = accel_vae.decode(vae, z, progress=CallbackProgress(_show_progress))
         except AccelError as e:
             if str(e) not in told:
                 told.add(str(e))
@@ -250,7 +260,7 @@ if FORGE:
 
         def process_before_every_sampling(self, p, *args, **kwargs) -> None:
             global _active
-            from accel.host_forge import ForgeSession
+            from sd_accel.accel.hosts.forge import ForgeSession
 
             backend = _option("sd_accel_backend", "auto")
             if backend == "off":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from accel.cache import EngineCache, cache_key, cached_build, key_parts  # noqa: E402
+from sd_accel.accel.build.cache import EngineCache, cache_key, cached_build, key_parts  # noqa: E402
 
 PARTS = key_parts("0" * 64, backend="test", dtype="float16", versions={"lib": "1.0"})
 CONTENT = bytes(range(256)) * 64  # 16 KiB

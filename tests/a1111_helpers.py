@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 HOSTS = REPO.parent / "shared" / "hosts"
 HERE = Path(__file__).resolve().parent / "a1111"
 ACCEL_UNET = "sd-accel (fastest path for this GPU)"  # the SD Unet option's label
+EXTENSION = "sd-accel"  # the folder name under extensions/ (a clone of the repository's name): no Python identifier
 REPOSITORIES = ("stable-diffusion-stability-ai", "generative-models", "k-diffusion")
 
 
@@ -104,8 +105,9 @@ def host_env(extra: dict | None = None) -> dict:
     env.update({"HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"})
     # The project's test settings are not A1111's: its own interpreter, and Triton's interpreter mode only where
-    # a test asks for it.
-    for var in ("PYTHONPATH", "TRITON_INTERPRET", "SD_ACCEL_CACHE", "VIRTUAL_ENV"):
+    # a test asks for it. PYTHONPATH goes with the tests' link that makes `sd_accel` importable (tests/conftest.py):
+    # the hosts load the pack from extensions/sd-accel by themselves, as they do for a user.
+    for var in ("PYTHONPATH", "SD_ACCEL_TEST_IMPORT_DIR", "TRITON_INTERPRET", "SD_ACCEL_CACHE", "VIRTUAL_ENV"):
         env.pop(var, None)
     env.update(extra or {})
     return env
@@ -153,7 +155,7 @@ class Server(HostServer):
         self.name = "Forge" if forge else "A1111"
         self.data = data
         (data / "extensions").mkdir(parents=True, exist_ok=True)
-        ext = data / "extensions" / "sd-accel"
+        ext = data / "extensions" / EXTENSION
         if not ext.exists():
             # The checkout without its .git: A1111 reads an extension's git remote and prints a traceback for a
             # repository that has none, as a clone made by hand has not.

@@ -122,7 +122,7 @@ def tiny_model(seed: int = 0, xl: bool = False):
     import comfy.model_patcher
     import comfy.supported_models
 
-    from accel import configs
+    from sd_accel.accel.models import configs
 
     config = comfy.supported_models.SDXL(dict(TINY_SDXL)) if xl else comfy.supported_models.SD15(dict(TINY_SD15))
     config.unet_config.update(TINY_SDXL if xl else TINY_SD15)  # the classes add their own head counts
@@ -139,7 +139,7 @@ def tiny_vae(seed: int = 0):
     import comfy.ldm.models.autoencoder
     import comfy.sd
 
-    from accel import configs
+    from sd_accel.accel.models import configs
 
     module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=TINY_VAE, embed_dim=4)
     configs.seed_parameters(module, seed)
@@ -168,7 +168,7 @@ def tiny_controlnet(seed: int = 0, xl: bool = False):
     import comfy.model_management as mm
     import comfy.ops
 
-    from accel import configs
+    from sd_accel.accel.models import configs
 
     unet_only = ("out_channels", "transformer_depth_output", "use_temporal_attention", "use_temporal_resblock")
     config = {k: v for k, v in (TINY_SDXL if xl else TINY_SD15).items() if k not in unet_only}

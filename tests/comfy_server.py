@@ -14,6 +14,18 @@ from comfy_helpers import PACK_NAME, REPO, comfy_root, torchvision_stub
 from host_server import HostServer
 
 
+def server_env(base: Path) -> dict:
+    """The server's environment: this process's, less the tests' link that makes `sd_accel` importable
+    (tests/conftest.py), so ComfyUI loads the pack from custom_nodes/sd-accel by itself, as it does for a user."""
+    env = dict(os.environ)
+    own = env.pop("SD_ACCEL_TEST_IMPORT_DIR", None)
+    paths = [str(torchvision_stub() or ""), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p and p != own)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing written into the checkout
+    env["SD_ACCEL_CACHE"] = str(base / "models" / "accel")
+    return env
+
+
 class Server(HostServer):
     """ComfyUI's main.py --cpu on a loopback port, with this pack and the test nodes as its only custom nodes."""
 
@@ -27,11 +39,7 @@ class Server(HostServer):
         custom.mkdir(parents=True, exist_ok=True)
         (custom / PACK_NAME).symlink_to(REPO, target_is_directory=True)
         (custom / "sd_accel_test_nodes.py").symlink_to(Path(__file__).resolve().parent / "comfy_helpers.py")
-        env = dict(os.environ)
-        stub = torchvision_stub()
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(stub or ""), env.get("PYTHONPATH", "")) if p)
-        env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing written into the checkout
-        env["SD_ACCEL_CACHE"] = str(base / "models" / "accel")
+        env = server_env(base)
         # The tests talk to the API only: an empty web root stands in for the browser front end, so the server
         # starts without the comfyui-frontend-package wheel (it exits when that is missing and no root is given).
         front_end = base / "front_end"

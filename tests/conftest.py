@@ -7,8 +7,17 @@ import tempfile
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+
+# The checkout is the package `sd_accel` whatever its folder is called (ComfyUI-Manager names it sd-accel): the tests,
+# and the command-line runs they start, import it through a link of that name in a temporary folder, so they test
+# this checkout and never an installed copy. The hosts' servers are started without it (its folder is in
+# SD_ACCEL_TEST_IMPORT_DIR): ComfyUI, A1111 and Forge must load the pack from their own folders unaided.
+IMPORT_DIR = tempfile.mkdtemp(prefix="sd-accel-import-")
+os.symlink(ROOT, os.path.join(IMPORT_DIR, "sd_accel"))
+atexit.register(shutil.rmtree, IMPORT_DIR, ignore_errors=True)
+sys.path.insert(0, IMPORT_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [IMPORT_DIR, os.environ.get("PYTHONPATH")]))
+os.environ["SD_ACCEL_TEST_IMPORT_DIR"] = IMPORT_DIR
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be chosen before triton is first
 # imported. With a GPU they run for real.

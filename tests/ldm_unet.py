@@ -1,6 +1,6 @@
 """A compact re-implementation, for tests only, of the ldm / ComfyUI openaimodel `UNetModel`.
 
-Same module tree and attribute names as ComfyUI's (so state-dict keys and `accel.unet.inspect_unet` see the
+Same module tree and attribute names as ComfyUI's (so state-dict keys and `accel/models/spec.py inspect_unet` see the
 real thing), same forward signature and ControlNet residual handling. Attention is PyTorch SDPA. Unlike ldm,
 no layer is zero-initialised: with random weights every branch must reach the output for the tests to see it.
 """

@@ -15,7 +15,8 @@ import a1111_helpers as a1
 
 
 def _check(python: str, path: list[Path], *args: str) -> dict:
-    env = a1.host_env({"PYTHONPATH": os.pathsep.join(map(str, [a1.REPO, *path])), "TRITON_INTERPRET": "1"})
+    link = os.environ["SD_ACCEL_TEST_IMPORT_DIR"]  # tests/conftest.py: the checkout importable as sd_accel
+    env = a1.host_env({"PYTHONPATH": os.pathsep.join(map(str, [link, *path])), "TRITON_INTERPRET": "1"})
     run = subprocess.run([python, str(a1.HERE / "fusions_check.py"), *args], capture_output=True, text=True,
                          timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from a1111_helpers import a1111_root
-from accel.host_a1111 import KEY_FIELDS, PATCHED_TYPES, LoraSync, lora_extension
+from sd_accel.accel.hosts.a1111 import KEY_FIELDS, PATCHED_TYPES, LoraSync, lora_extension
 from ldm_unet import tiny_ldm_unet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def networks(monkeypatch) -> types.ModuleType:
 
 
 def test_host_module_imports_without_a1111():
-    code = ("import sys, accel.host_a1111; "
+    code = ("import sys, sd_accel.accel.hosts.a1111; "
             "loaded = {'modules', 'ldm', 'networks', 'gradio'} & set(sys.modules); assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -198,8 +198,8 @@ def test_functional_mode_with_networks_runs_the_plain_model(networks):
 def test_torch_path_graphs_and_packed_weights_follow_the_networks_in_place(networks):
     """The bug this fixes: after the first capture the engine kept the weights it started with. With the sync the
     in-place update reaches the replayed graph, its fused kernels and packed projections without a new capture."""
-    from accel.backends import torch_fused
-    from accel.unet import CanonicalUNet
+    from sd_accel.accel.engine.backends import torch_fused
+    from sd_accel.accel.models.spec import CanonicalUNet
 
     unet = named_unet(seed=7).to("cuda", torch.float16)
     canonical = CanonicalUNet(unet)

@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-from accel.accelerate import AcceleratedUNet, accelerate
-from accel.configs import build_unet, example_inputs
-from accel.device import GpuInfo
-from accel.errors import BackendUnavailable, BadInput, UnsupportedModel
-from accel.unet import CanonicalUNet
+from sd_accel.accel.accelerate import AcceleratedUNet, accelerate
+from sd_accel.accel.models.configs import build_unet, example_inputs
+from sd_accel.accel.plan.device import GpuInfo
+from sd_accel.accel.errors import BackendUnavailable, BadInput, UnsupportedModel
+from sd_accel.accel.models.spec import CanonicalUNet
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +27,23 @@ def rel(a, b):
 def test_cpu_gets_torch_path_and_same_output(tiny):
     unet, (x, t, ctx, y) = tiny
     acc = accelerate(unet, preference="auto")
-    assert acc.backend == "torch"
+    assert acc.backend == "torch" and not acc.plan.torch.triton_kernels  # the CPU's own plan: plain torch
     assert rel(acc(x, t, ctx, y), unet(x, t, ctx, y)) <= 1e-5
     assert any("torch path" in r for r in acc.plan.reasons)
+    acc.release()
+
+
+def test_fused_kernels_asked_for_on_the_cpu_give_the_same_output(tiny):
+    """Triton's interpreter (tests/conftest.py) runs the fused kernels on the CPU: the whole entry point, with the
+    kernels a GPU would run, against the plain UNet."""
+    unet, (x, t, ctx, y) = tiny
+    ref = unet(x, t, ctx, y)
+    acc = accelerate(unet, preference="torch", options={"triton_kernels": True})
+    counts = acc.engine.fusion_counts
+    assert all(counts.get(k) for k in ("groupnorm", "geglu", "resnet", "qkv", "skip_layernorm")), counts
+    assert rel(acc(x, t, ctx, y), ref) <= 1e-5
+    acc.release()
+    assert torch.equal(unet(x, t, ctx, y), ref)
 
 
 def test_latent_not_multiple_of_8_runs_plain_and_says_why(tiny, caplog):
@@ -55,11 +69,14 @@ def test_wrong_latent_channels_named(tiny):
         accelerate(unet)(torch.randn(2, 3, 16, 16), t, ctx, y)
 
 
-def test_missing_backend_falls_back_to_torch_with_install_hint(tiny):
+def test_missing_backend_falls_back_to_torch_with_install_hint(tiny, monkeypatch):
+    import sd_accel.accel.plan.policy
+
     unet, (x, t, ctx, y) = tiny
-    acc = accelerate(unet, preference="tensorrt")
+    monkeypatch.setattr(sd_accel.accel.plan.policy, "probe_packages", lambda: {"onnxruntime": False})
+    acc = accelerate(unet, preference="onnxruntime")
     assert acc.backend == "torch"
-    assert any("tensorrt" in r.lower() and "torch path" in r for r in acc.plan.reasons)
+    assert any("onnxruntime was asked for" in r and "pip install onnxruntime" in r for r in acc.plan.reasons)
     assert rel(acc(x, t, ctx, y), unet(x, t, ctx, y)) <= 1e-5
 
 
@@ -72,7 +89,7 @@ def test_off_runs_the_plain_model(tiny, monkeypatch):
 
 
 def test_bad_preference_lists_the_choices(tiny):
-    with pytest.raises(BadInput, match="auto.*torch.*onnxruntime.*tensorrt.*off"):
+    with pytest.raises(BadInput, match="auto.*torch.*onnxruntime.*off"):
         accelerate(tiny[0], preference="fastest")
 
 
@@ -97,8 +114,8 @@ class _Refusing:
 
 
 def test_call_an_engine_cannot_serve_goes_to_torch_once(tiny, caplog):
-    from accel.backends import torch_fused
-    from accel.policy import choose
+    from sd_accel.accel.engine.backends import torch_fused
+    from sd_accel.accel.plan.policy import choose
 
     unet, (x, t, ctx, y) = tiny
     gpu = GpuInfo("cpu", "cpu")
@@ -108,17 +125,3 @@ def test_call_an_engine_cannot_serve_goes_to_torch_once(tiny, caplog):
         acc(x, t, ctx, y)
     assert rel(out, unet(x, t, ctx, y)) <= 1e-5
     assert sum("ControlNet" in r.message for r in caplog.records) == 1
-
-
-def test_tensorrt_plan_without_its_backend_runs_torch_and_says_so(tiny, monkeypatch, caplog):
-    import accel.policy
-
-    unet, (x, t, ctx, y) = tiny
-    monkeypatch.setattr(accel.policy, "probe_packages", lambda: {"tensorrt": True, "triton": False})
-    hopper = GpuInfo("nvidia", "hopper", name="H100", arch="sm_90", device="cpu",
-                     dtypes=("float16", "bfloat16", "float32"))
-    with caplog.at_level(logging.WARNING, logger="sd-accel"):
-        acc = accelerate(unet, gpu=hopper)
-    assert acc.plan.backend == "tensorrt" and acc.backend == "torch"
-    assert any("tensorrt path is not part of this version" in r.message for r in caplog.records)
-    assert rel(acc(x, t, ctx, y), unet(x, t, ctx, y)) <= 1e-5

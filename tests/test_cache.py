@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from accel.cache import (MANIFEST, EngineCache, cache_key, cached_build, default_root, key_parts,
-                         library_versions)
-from accel.device import GpuInfo
-from accel.errors import BadInput
-from accel.fingerprint import weights_fingerprint
+from sd_accel.accel.build.cache import (MANIFEST, EngineCache, cache_key, cached_build, default_root, key_parts,
+                                        library_versions)
+from sd_accel.accel.plan.device import GpuInfo
+from sd_accel.accel.errors import BadInput
+from sd_accel.accel.build.fingerprint import weights_fingerprint
 
 WORKER = Path(__file__).with_name("_cache_worker.py")
 H100 = GpuInfo(vendor="nvidia", family="hopper", name="NVIDIA H100", arch="sm_90", device="cuda:0", driver="580.1")
@@ -75,8 +75,8 @@ def test_key_is_canonical_and_holds_every_part():
 def test_fingerprint_changes_with_lora_and_not_with_reloading(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from accel.configs import build_unet
-    from accel.unet import inspect_unet
+    from sd_accel.accel.models.configs import build_unet
+    from sd_accel.accel.models.spec import inspect_unet
 
     unet = build_unet("tiny-sd15")
     spec = inspect_unet(unet)
@@ -365,7 +365,7 @@ def test_cached_build_builds_loads_and_rebuilds_a_bad_artefact(tmp_path):
 # ------------------------------------------------------------------------------------------------ CLI
 
 def cli(*args: str) -> tuple[int, str]:
-    from accel.cache_cli import main
+    from sd_accel.accel.cli.cache import main
 
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -397,7 +397,7 @@ def test_cli_ls_info_prune_clear(tmp_path, capsys):
     assert rc == 0 and "removed 1 incomplete or corrupt entries and 1 leftover build folders" in out
     assert not broken.exists() and not list(tmp_path.glob(".tmp-*")) and len(cache.ls()) == 2
 
-    from accel.__main__ import main as accel_main
+    from sd_accel.accel.cli.main import main as accel_main
 
     assert accel_main(["cache", "clear", "--root", root]) == 0
     assert "removed 2 entries" in capsys.readouterr().out and cache.ls() == []

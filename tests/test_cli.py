@@ -13,14 +13,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args: str, cwd: str = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env or {}),
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "accel", *args], cwd=cwd, env=env, capture_output=True,
+    env = {**os.environ, **(env or {})}  # PYTHONPATH: the tests' import link (conftest.py), not the checkout
+    return subprocess.run([sys.executable, "-m", "sd_accel", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
 
 def test_doctor_names_device_and_plan():
-    from accel.device import describe, detect
+    from sd_accel.accel.plan.device import describe, detect
 
     r = run("doctor")
     assert r.returncode == 0, r.stderr
@@ -35,8 +34,8 @@ def test_doctor_names_device_and_plan():
 def test_doctor_json_has_what_the_text_shows(tmp_path):
     import torch
 
-    import accel
-    from accel.device import detect
+    import sd_accel.accel
+    from sd_accel.accel.plan.device import detect
 
     r = run("doctor", "--json", env={"SD_ACCEL_BACKEND": "torch", "SD_ACCEL_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr
@@ -48,7 +47,7 @@ def test_doctor_json_has_what_the_text_shows(tmp_path):
         info["plan"]["reasons"]
     assert info["cache"] == str(tmp_path)
     assert info["settings"]["SD_ACCEL_BACKEND"] == "torch" and info["settings"]["SD_ACCEL_CACHE"] == str(tmp_path)
-    assert info["versions"] == {"sd-accel": accel.__version__, "torch": torch.__version__}
+    assert info["versions"] == {"sd-accel": sd_accel.accel.__version__, "torch": torch.__version__}
 
 
 def test_doctor_plan_wording_on_the_cpu():
@@ -87,7 +86,7 @@ def test_bench_vae_prints_a_table(tmp_path):
 
 
 def test_vae_table_leaves_out_columns_without_figures():
-    from accel.vae_bench import table
+    from sd_accel.accel.cli.vae_bench import table
 
     cpu = {"size": 64, "dtype": "float32", "device": "cpu", "untiled_ms": 5.0, "untiled_peak_gb": None,
            "tiled_ms": 9.0, "tiled_peak_gb": None, "tile": 16, "grid": "4x4", "store": "cpu", "capped_ms": None,
@@ -176,7 +175,7 @@ def test_demo_refuses_pickled_checkpoint(tmp_path):
 
 
 def test_profile_classes_sum_to_busy_time_and_top_is_ordered():
-    from accel import profile
+    from sd_accel.accel.cli import profile
 
     kernels = {"sm90_xmma_gemm_f16f16_f16f32": (1.5, 40), "fmha_cutlassF_f16_aligned": (1.0, 16),
                "cudnn::conv2d_fprop_kernel": (2.0, 98), "_group_norm_apply_nhwc": (0.5, 61),

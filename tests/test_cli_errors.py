@@ -16,8 +16,7 @@ SD15_KEY = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to
 
 
 def run(*args: str, cache: str, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, **env, "SD_ACCEL_CACHE": cache,
-            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    full = {**os.environ, **env, "SD_ACCEL_CACHE": cache}  # PYTHONPATH: the tests' import link (conftest.py)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=600)
 
 
@@ -57,7 +56,7 @@ def test_bad_checkpoint_is_one_line_with_the_fix(tmp_path, case):
     path = tmp_path / name
     make(path)
     cache = tmp_path / "cache"
-    line = one_line(run("-m", "accel", "demo", "--checkpoint", str(path), "--out", str(tmp_path / "o.png"),
+    line = one_line(run("-m", "sd_accel", "demo", "--checkpoint", str(path), "--out", str(tmp_path / "o.png"),
                         cache=str(cache)))
     assert line.startswith("sd-accel: ") and name in line and words in line
     assert "pickled" not in line  # only a .ckpt/.pt file that exists is refused for being pickled
@@ -67,7 +66,7 @@ def test_bad_checkpoint_is_one_line_with_the_fix(tmp_path, case):
 
 
 def test_upper_case_suffix_is_read_as_safetensors(tmp_path):
-    from accel.checkpoint import check_checkpoint
+    from sd_accel.accel.models.checkpoint import check_checkpoint
 
     path = tmp_path / "MODEL.SAFETENSORS"
     save_file({SD15_KEY: torch.zeros(320, 768)}, str(path))
@@ -77,13 +76,13 @@ def test_upper_case_suffix_is_read_as_safetensors(tmp_path):
 def test_checkpoint_missing_weights_is_one_line(tmp_path):
     path = tmp_path / "partial.safetensors"
     save_file({SD15_KEY: torch.zeros(320, 768)}, str(path))
-    line = one_line(run("-m", "accel", "demo", "--checkpoint", str(path), "--out", str(tmp_path / "o.png"),
+    line = one_line(run("-m", "sd_accel", "demo", "--checkpoint", str(path), "--out", str(tmp_path / "o.png"),
                         cache=str(tmp_path / "cache")))
     assert "partial.safetensors" in line and "lacks weights" in line and "Use a complete" in line
 
 
 def test_bad_backend_setting_is_reported_before_the_slow_work(tmp_path):
-    code = ("import sys; from accel.__main__ import main; rc = main(['demo', '--out', sys.argv[1]]); "
+    code = ("import sys; from sd_accel.accel.cli.main import main; rc = main(['demo', '--out', sys.argv[1]]); "
             "print('imported diffusers' if 'diffusers' in sys.modules else 'no diffusers', rc)")
     r = run("-c", code, str(tmp_path / "o.png"), cache=str(tmp_path / "cache"), SD_ACCEL_BACKEND="bogus")
     assert r.stdout.strip() == "no diffusers 2", r.stdout + r.stderr
@@ -95,5 +94,5 @@ def test_bad_backend_setting_is_reported_before_the_slow_work(tmp_path):
 @pytest.mark.parametrize("option, value, fix", [("--steps", "1", "Use --steps 2 or more."),
                                                 ("--size", "32", "Use --size 64 or more.")])
 def test_bad_demo_argument_is_one_line(tmp_path, option, value, fix):
-    line = one_line(run("-m", "accel", "demo", option, value, cache=str(tmp_path / "cache")))
+    line = one_line(run("-m", "sd_accel", "demo", option, value, cache=str(tmp_path / "cache")))
     assert f"{option} {value}" in line and fix in line

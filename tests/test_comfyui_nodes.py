@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import comfy_helpers as H
+from sd_accel.nodes import accelerated_unet  # the module ComfyUI runs: the pack loads this same package
 
 pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
 
@@ -50,7 +51,7 @@ def sample(model, positive, negative, steps=2, size=8, seed=1):
 
 
 def status(pack, model):
-    return pack.nodes.accelerated_unet.session_of(model).slot.status
+    return accelerated_unet.session_of(model).slot.status
 
 
 def test_accelerated_equals_plain_and_input_model_is_untouched(pack, tiny):
@@ -63,7 +64,7 @@ def test_accelerated_equals_plain_and_input_model_is_untouched(pack, tiny):
     s = status(pack, acc)
     assert s.backend == "torch" and s.engine_calls == 2 and s.plain_calls == 0
     assert tiny.wrappers == wrappers_before and tiny.patches_uuid == uuid_before
-    assert pack.nodes.accelerated_unet.session_of(tiny) is None
+    assert accelerated_unet.session_of(tiny) is None
 
 
 def test_torch_path_is_kept_between_runs_and_freed_when_comfyui_unloads_the_model(pack, tiny):
@@ -71,7 +72,7 @@ def test_torch_path_is_kept_between_runs_and_freed_when_comfyui_unloads_the_mode
 
     pos, neg = H.tiny_conditioning(2)
     acc, _ = accelerate(pack, tiny)
-    slot = pack.nodes.accelerated_unet.session_of(acc).slot
+    slot = accelerated_unet.session_of(acc).slot
     sample(acc, pos, neg)
     kept = slot.acc
     assert kept is not None and kept.engine.suspended  # module changes undone, graphs kept
@@ -94,7 +95,7 @@ def test_low_vram_mode_frees_the_torch_path_after_each_run(pack, tiny, monkeypat
     acc, _ = accelerate(pack, tiny)
     monkeypatch.setattr(mm, "vram_state", mm.VRAMState.LOW_VRAM)
     assert H.same(sample(acc, pos, neg), sample(tiny, pos, neg))
-    slot = pack.nodes.accelerated_unet.session_of(acc).slot
+    slot = accelerated_unet.session_of(acc).slot
     assert slot.acc is None and slot.status.engine_calls == 2  # served, then freed: no graphs held between runs
 
 
@@ -109,7 +110,7 @@ def test_gpu_next_run_replays_the_kept_graph_and_a_lora_in_between_is_honoured(p
     assert not H.same(plain_lora, plain)
     acc, _ = accelerate(pack, tiny)
     assert H.same(sample(acc, pos, neg), plain)
-    slot = pack.nodes.accelerated_unet.session_of(acc).slot
+    slot = accelerated_unet.session_of(acc).slot
     engine = slot.acc.engine
     captures = engine.graphs.captures
     assert captures >= 1
@@ -123,8 +124,8 @@ def test_gpu_next_run_replays_the_kept_graph_and_a_lora_in_between_is_honoured(p
                                           ("skip_layernorm", "BasicTransformerBlock"),
                                           ("qkv", "CrossAttention")])
 def test_fusions_that_restate_a_comfyui_forward_cover_its_class(tiny, fusion, block):
-    from accel import fusions
-    from accel.fusions import packing
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.engine.fusions import packing
 
     unet = tiny.model.diffusion_model
     device = next(unet.parameters()).device
@@ -146,7 +147,7 @@ def test_fusions_that_restate_a_comfyui_forward_cover_its_class(tiny, fusion, bl
     assert counts[fusion] == n == patched > 0
     assert fusion != "layout" or device.type == "cuda" or out.is_contiguous(memory_format=torch.channels_last)
     if fusion == "skip_layernorm":  # ComfyUI's own Linear class still takes the residual add into its GEMM
-        from accel.fusions.skip_layernorm import _plain_output_linear
+        from sd_accel.accel.engine.fusions.skip_layernorm import _plain_output_linear
 
         ff = next(m for m in unet.modules() if type(m).__name__ == block).ff
         assert _plain_output_linear(ff, x.dtype) is ff.net[2]
@@ -273,19 +274,22 @@ def test_other_model_types_pass_through_unchanged(pack, tiny):
 def test_bad_profile_says_so_and_still_runs_the_torch_path(pack, tiny, changes, words, caplog):
     pos, neg = H.tiny_conditioning(2)
     with caplog.at_level(logging.WARNING, logger="sd-accel"):
-        acc, text = accelerate(pack, tiny, backend="tensorrt", **changes)
+        acc, text = accelerate(pack, tiny, backend="onnxruntime", **changes)
     assert words in text and "torch path runs" in text
     assert words in caplog.text
     assert H.same(sample(acc, pos, neg, ), sample(tiny, pos, neg))
     assert status(pack, acc).backend == "torch"
 
 
-def test_backend_not_installed_falls_back_with_the_reason(pack, tiny, caplog):
+def test_backend_not_installed_falls_back_with_the_reason(pack, tiny, caplog, monkeypatch):
+    import sd_accel.accel.plan.policy
+
+    monkeypatch.setattr(sd_accel.accel.plan.policy, "probe_packages", lambda: {"onnxruntime": False})
     pos, neg = H.tiny_conditioning(2)
     with caplog.at_level(logging.WARNING, logger="sd-accel"):
-        acc, text = accelerate(pack, tiny, backend="tensorrt")
-    assert "tensorrt was asked for but cannot run" in text
-    assert "tensorrt was asked for but cannot run" in caplog.text
+        acc, text = accelerate(pack, tiny, backend="onnxruntime")
+    assert "onnxruntime was asked for, but onnxruntime is not installed" in text
+    assert "onnxruntime was asked for, but onnxruntime is not installed" in caplog.text
     assert H.same(sample(acc, pos, neg, ), sample(tiny, pos, neg))
     assert status(pack, acc).backend == "torch"
 
@@ -301,7 +305,7 @@ def test_sd_accel_backend_off_is_honoured_by_auto(pack, tiny, monkeypatch):
 
 
 def test_failed_build_runs_the_plain_model_and_says_why(pack, tiny, monkeypatch):
-    import accel.backends.torch_fused as torch_fused
+    import sd_accel.accel.engine.backends.torch_fused as torch_fused
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("the build ran out of luck")
@@ -342,18 +346,14 @@ def test_tiled_vae_decode_and_encode(pack):
     (z,) = encode.encode(image, vae, 64, 16, unique_id="6")
     assert z["samples"].shape == (1, 4, 16, 16)
     untiled = vae.decode(latent)
-    if pack.nodes.tiled_vae._tiled() is not None:
-        # global GroupNorm statistics: the tiles add up to the untiled decode (a GPU's TF32 convolutions: 1e-2)
-        tol = 1e-2 if torch.cuda.is_available() else 2e-3
-        assert (image - untiled).abs().max() < tol
-        assert (z["samples"] - vae.encode(image)).abs().max() < tol
-    else:
-        # the seam: ComfyUI's own tiled code runs until accel.vae_tiled exists
-        assert H.same(image, vae.decode_tiled(latent, tile_x=8, tile_y=8, overlap=2))
+    # global GroupNorm statistics: the tiles add up to the untiled decode (a GPU's TF32 convolutions: 1e-2)
+    tol = 1e-2 if torch.cuda.is_available() else 2e-3
+    assert (image - untiled).abs().max() < tol
+    assert (z["samples"] - vae.encode(image)).abs().max() < tol
 
 
 def test_tiled_vae_nodes_pass_the_memory_limit_on(pack, monkeypatch):
-    import accel.vae_tiled as vt
+    import sd_accel.accel.vae as vt
 
     seen = []
     for name in ("decode", "encode"):

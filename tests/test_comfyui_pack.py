@@ -1,6 +1,6 @@
 """The ComfyUI pack without ComfyUI: it imports as ComfyUI imports it, its nodes' declarations match their
 functions, the example workflows agree with the nodes and with themselves, install.py plans per GPU, and the
-host-agnostic engine slot (accel/host_support.py) serves, refits and falls back as the nodes rely on."""
+host-agnostic engine slot (accel/hosts/support.py) serves, refits and falls back as the nodes rely on."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import comfy_helpers as H
-from accel.device import GpuInfo
-from accel.errors import BadInput
-from accel.host_support import EngineSlot, shape_profile
+from sd_accel.accel.plan.device import GpuInfo
+from sd_accel.accel.errors import BadInput
+from sd_accel.accel.hosts.support import EngineSlot, shape_profile
 
 WORKFLOWS = sorted(H.REPO.glob("workflows/*_api.json"))
 assert len(WORKFLOWS) >= 2, "workflows/ has the SD1.5 and SDXL examples"
@@ -103,14 +103,14 @@ def test_shape_profile_checks_order_and_multiples_of_8():
 
 @pytest.fixture(scope="module")
 def unet_and_inputs():
-    from accel.configs import build_unet, example_inputs
+    from sd_accel.accel.models.configs import build_unet, example_inputs
 
     unet = build_unet("tiny-sd15")
     return unet, example_inputs(unet, batch=2, latent=8)
 
 
 def reference(unet, x, t, ctx):
-    from accel.unet import CanonicalUNet
+    from sd_accel.accel.models.spec import CanonicalUNet
 
     with torch.inference_mode():
         return CanonicalUNet(unet)(x, t, ctx)
@@ -145,7 +145,7 @@ def test_slot_builds_on_first_call_serves_and_undoes_at_run_end(unet_and_inputs)
 
 
 def test_slot_runs_plain_when_the_build_or_a_call_fails(unet_and_inputs, monkeypatch, caplog):
-    import accel.backends.torch_fused as torch_fused
+    import sd_accel.accel.engine.backends.torch_fused as torch_fused
 
     unet, (x, t, ctx, _y) = unet_and_inputs
     expected = reference(unet, x, t, ctx)
@@ -190,8 +190,8 @@ def fake_backend(refit: bool) -> types.ModuleType:
     module.builds = []
     module.available = lambda gpu: (True, "")
 
-    def build(unet, options, progress):
-        module.builds.append(options)
+    def build(unet, options, runtime, progress):
+        module.builds.append((options, runtime))
         return FakeEngine(unet)
 
     module.build = build
@@ -205,22 +205,23 @@ def fake_backend(refit: bool) -> types.ModuleType:
 
 @pytest.mark.parametrize("refit", [True, False])
 def test_engine_path_follows_weight_changes_and_sends_other_shapes_to_torch(unet_and_inputs, monkeypatch, refit):
-    import accel.backends
-    import accel.policy
+    import sd_accel.accel.engine.backends
+    import sd_accel.accel.plan.policy
 
     unet, (x, t, ctx, _y) = unet_and_inputs
     backend = fake_backend(refit)
     monkeypatch.setitem(sys.modules, "fake_engine_backend", backend)
-    monkeypatch.setitem(accel.backends.BACKENDS, "onnxruntime", "fake_engine_backend")
-    monkeypatch.setattr(accel.policy, "probe_packages", lambda: {"onnxruntime": True})
+    monkeypatch.setitem(sd_accel.accel.engine.backends.BACKENDS, "onnxruntime", "fake_engine_backend")
+    monkeypatch.setattr(sd_accel.accel.plan.policy, "probe_packages", lambda: {"onnxruntime": True})
     profile = shape_profile((1, 1, 1), (64, 64, 64), (64, 64, 64))
     # planned for a CPU (a GPU's plan would also ask for ORT's GPU provider), where the fake engine serves calls
-    slot = EngineSlot("onnxruntime", {"cache_root": "/nowhere"}, profile, gpu=GpuInfo("cpu", "cpu"))
+    slot = EngineSlot("onnxruntime", None, profile, gpu=GpuInfo("cpu", "cpu"), cache_root="/nowhere")
     plain = lambda: reference(unet, x, t, ctx)  # noqa: E731
 
     assert (slot.call(unet, "lora-a", x, t, ctx, None, None, plain) == 7).all()
-    assert backend.builds[0]["profile"] == {"batch": [1, 2, 2], "height": [64, 64, 64], "width": [64, 64, 64]}
-    assert backend.builds[0]["cache_root"] == "/nowhere"
+    runtime = backend.builds[0][1]
+    assert runtime.profile == {"batch": [1, 2, 2], "height": [64, 64, 64], "width": [64, 64, 64]}
+    assert runtime.cache_root == "/nowhere"
     big = torch.randn(2, 4, 16, 16)
     out = slot.call(unet, "lora-a", big, t, torch.randn(2, 77, 32), None, None, plain)
     assert not (out == 7).all()  # out of profile: served by the torch fallback
@@ -254,13 +255,11 @@ def test_install_plans_per_gpu(installer):
     have = {"diffusers": True, "filelock": True}
     plan = installer.plan_installs("nvidia", "Linux", have, set(), reqs)
     assert [s.packages for s in plan.steps] == [["triton"]]
-    plan = installer.plan_installs("nvidia", "Windows", {"diffusers": True}, {"onnxruntime", "tensorrt"}, reqs)
-    assert [s.packages for s in plan.steps] == [["filelock>=3.12"], ["triton-windows"], ["onnx", "onnxruntime-gpu"],
-                                               ["onnx", "tensorrt"]]
-    plan = installer.plan_installs("amd", "Linux", have, {"onnxruntime", "tensorrt"}, reqs)
+    plan = installer.plan_installs("nvidia", "Windows", {"diffusers": True}, {"onnxruntime"}, reqs)
+    assert [s.packages for s in plan.steps] == [["filelock>=3.12"], ["triton-windows"], ["onnx", "onnxruntime-gpu"]]
+    plan = installer.plan_installs("amd", "Linux", have, {"onnxruntime"}, reqs)
     assert plan.steps == []
     assert any("pytorch-triton-rocm" in n for n in plan.notes) and any("repo.radeon.com" in n for n in plan.notes)
-    assert any("only on NVIDIA" in n for n in plan.notes)
     have_cpu_ort = {**have, "triton": True, "onnxruntime": True}
     plan = installer.plan_installs("nvidia", "Linux", have_cpu_ort, {"onnxruntime"}, reqs)
     assert plan.steps == [] and any("pip uninstall onnxruntime" in n for n in plan.notes)
@@ -271,4 +270,5 @@ def test_install_dry_run_installs_nothing_and_never_fails():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "[sd-accel] GPU: " in out.stdout and "ignoring unknown extra 'bogus'" in out.stdout
+    assert "ignoring unknown extra 'tensorrt'; the extras are: onnxruntime." in out.stdout  # not offered yet
     assert "running: pip" not in out.stdout

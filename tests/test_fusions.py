@@ -3,16 +3,18 @@ undo leaves the modules exactly as they were (the same parameter names, the same
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel import fusions
-from accel.fusions.skip_layernorm import _plain_output_linear
-from accel.configs import build_unet, example_inputs
-from accel.unet import CanonicalUNet
-from kernels import groupnorm
+from sd_accel.accel.engine import fusions
+from sd_accel.accel.engine.fusions.skip_layernorm import _plain_output_linear
+from sd_accel.accel.models.configs import build_unet, example_inputs
+from sd_accel.accel.models.spec import CanonicalUNet
+from sd_accel.kernels import groupnorm
 from ldm_unet import tiny_ldm_unet
 
 pytestmark = pytest.mark.skipif(not groupnorm.supported(torch.zeros(1)) and not torch.cuda.is_available(),
@@ -68,7 +70,7 @@ def test_kernels_load_when_another_package_owns_the_name(monkeypatch):
     import sys
     import types
 
-    from accel.fusions.base import kernel_module
+    from sd_accel.accel.engine.fusions.base import kernel_module
 
     monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))
     gn = kernel_module("groupnorm")
@@ -120,7 +122,7 @@ def test_resnet_bias_fusion_same_function_and_undo_restores(form):
 
 
 def test_resnet_fusion_leaves_what_it_does_not_cover_to_the_block(monkeypatch):
-    from accel.fusions import resnet
+    from sd_accel.accel.engine.fusions import resnet
     from ldm_unet import ResBlock
 
     fused_calls = []
@@ -262,7 +264,7 @@ def _attention_modules(unet: nn.Module) -> list[nn.Module]:
 def test_packed_qkv_same_function_follows_the_hosts_weight_updates_and_unpacks(form, monkeypatch):
     from types import SimpleNamespace
 
-    from accel.fusions import packing
+    from sd_accel.accel.engine.fusions import packing
 
     _, unet, (x, t, ctx, y) = next(m for m in _models() if m[0] == form)
     names = ["sdpa_processor", "qkv"] if form == "diffusers" else ["qkv"]  # diffusers' projections: in its processor
@@ -334,7 +336,8 @@ def test_packed_qkv_same_function_follows_the_hosts_weight_updates_and_unpacks(f
     storages = [p.untyped_storage().data_ptr() for p in module.parameters()]
     assert len(set(storages)) == len(storages)
     assert rel(unet(x, t, ctx, y), doubled) <= 1e-5
-    assert not any(set(vars(m)) & {"forward", "_sd_accel_qkv", "_sd_accel_packs"} for m in module.modules())
+    assert not any("forward" in vars(m) or fusions.base.projections(m) is not None for m in module.modules())
+    assert fusions.base.drop_packs(module) == []
 
 
 def test_packed_weights_save_and_load_as_separate_tensors(tmp_path):
@@ -361,7 +364,7 @@ def test_comfyui_attention_with_a_value_or_mask_keeps_its_function():
     with torch.no_grad():
         refs = [attn(x, ctx), attn(x, ctx, value=value), attn(x, ctx, mask=mask)]
         undo, _ = fusions.apply(module, ["qkv"])
-        assert "_sd_accel_qkv" in vars(attn) and "forward" in vars(attn)
+        assert fusions.base.projections(attn) is not None and "forward" in vars(attn)
         outs = [attn(x, ctx), attn(x, ctx, value=value), attn(x, ctx, mask=mask)]
     undo()
     assert all(rel(o, r) <= 1e-5 for o, r in zip(outs, refs))
@@ -370,7 +373,7 @@ def test_comfyui_attention_with_a_value_or_mask_keeps_its_function():
 def test_geglu_fusion_takes_the_projection_into_the_kernel_where_it_covers_it(monkeypatch):
     from diffusers.models.activations import GEGLU
 
-    from accel.fusions.base import kernel_module
+    from sd_accel.accel.engine.fusions.base import kernel_module
 
     geglu = kernel_module("geglu")
     calls = []
@@ -397,7 +400,7 @@ def test_geglu_fusion_takes_the_projection_into_the_kernel_where_it_covers_it(mo
 
 @pytest.mark.parametrize("way", ["in place", "through host memory"])
 def test_unpack_gives_each_weight_its_own_storage_back(monkeypatch, way):
-    from accel.fusions import packing
+    from sd_accel.accel.engine.fusions import packing
 
     if way == "through host memory":
         monkeypatch.setattr(packing, "UNPACK_IN_PLACE_BYTES", 0)
@@ -411,7 +414,7 @@ def test_unpack_gives_each_weight_its_own_storage_back(monkeypatch, way):
     assert torch.allclose(pack.linear(x, 0, 3), torch.cat([m(x) for m in model], -1))
     del pack
     packing.unpack(model)
-    assert list(model.parameters()) == params and "_sd_accel_packs" not in vars(model)
+    assert list(model.parameters()) == params and fusions.base.drop_packs(model) == []
     assert len({p.untyped_storage().data_ptr() for p in params}) == len(params)
     assert all(torch.equal(p, v) and p.is_contiguous() for p, v in zip(params, values))
 
@@ -432,7 +435,7 @@ def _cross_attention_module(form: str, device: str) -> nn.Module:
 
 @pytest.mark.parametrize("form", ["diffusers", "ldm"])
 def test_cross_attention_fusion_runs_short_key_sets_through_the_kernel(form, monkeypatch):
-    from accel.fusions.base import kernel_module
+    from sd_accel.accel.engine.fusions.base import kernel_module
 
     attention = kernel_module("attention")
     calls = []
@@ -445,19 +448,20 @@ def test_cross_attention_fusion_runs_short_key_sets_through_the_kernel(form, mon
     with torch.no_grad():
         refs = [attn.float()(x.float(), text.float()), attn(x.float(), long_text.float())]
         attn.half()
+        keys = set(vars(attn))
         undo, counts = fusions.apply(nn.Sequential(attn), ["sdpa_processor", "qkv", "cross_attention"])
         assert counts["cross_attention"] == 1
         outs = [attn(x, text), attn(x, long_text)]
         assert [s[1] for s in calls] == [77]  # the long key set went to SDPA
         undo()
-        assert "_sd_accel_short_keys" not in vars(attn)
+        assert set(vars(attn)) == keys
         assert rel(attn(x, text).float(), refs[0]) <= 1e-2 and len(calls) == 1
     assert all(rel(o.float(), r) <= 1e-2 for o, r in zip(outs, refs))
 
 
 def test_cross_attention_fusion_leaves_comfyuis_other_attention_functions_alone(monkeypatch):
     import ldm_unet
-    from accel.fusions.base import kernel_module
+    from sd_accel.accel.engine.fusions.base import kernel_module
 
     attention = kernel_module("attention")
     calls = []
@@ -484,3 +488,92 @@ def test_cross_attention_fusion_leaves_comfyuis_other_attention_functions_alone(
         attn(x, text, transformer_options={})
         assert calls == [1]
         undo()
+
+
+def test_order_runs_every_fusion_after_the_ones_it_names():
+    from sd_accel.accel.engine.fusions import registry
+
+    assert sorted(fusions.ORDER) == sorted(fusions.MODULES) and len(set(fusions.ORDER)) == len(fusions.ORDER)
+    assert fusions.ORDER == tuple(f.name for f in registry.order(registry.declared()))  # deterministic
+    for i, name in enumerate(fusions.ORDER):
+        assert set(fusions.FUSIONS[name].after) <= set(fusions.ORDER[:i]), name
+    assert {"sdpa_processor", "qkv"} <= set(fusions.FUSIONS["cross_attention"].after)
+
+
+def test_registry_rejects_a_cycle_an_unknown_after_and_a_name_declared_twice():
+    from sd_accel.accel.engine.fusions.registry import Fusion, order
+
+    def f(name, *after):
+        return Fusion(name, lambda model, undo: 0, after)
+
+    # with no after between them, the listing decides; otherwise the after does
+    assert [x.name for x in order([f("a"), f("b"), f("c")])] == ["a", "b", "c"]
+    assert [x.name for x in order([f("a", "c"), f("b"), f("c")])] == ["b", "c", "a"]
+    with pytest.raises(ValueError, match="cycle"):
+        order([f("a", "b"), f("b", "a"), f("c")])
+    with pytest.raises(ValueError, match="'nope'"):
+        order([f("a", "nope")])
+    with pytest.raises(ValueError, match="more than once"):
+        order([f("a"), f("a")])
+
+
+def test_named_fusions_run_in_the_registrys_order(monkeypatch):
+    from dataclasses import replace
+
+    ran = []
+    for name in ("qkv", "layout"):
+        entry = fusions.FUSIONS[name]
+        monkeypatch.setitem(fusions.FUSIONS, name, replace(
+            entry, apply=lambda model, undo, name=name, f=entry.apply: ran.append(name) or f(model, undo)))
+    model = tiny_ldm_unet(seed=50)
+    undo, counts = fusions.apply(model, ["qkv", "layout"])
+    assert ran == ["layout", "qkv"] and list(counts) == ["layout", "qkv"]
+    undo()
+    fusions.packing.unpack(model)
+
+
+def test_an_unknown_fusion_name_says_which_names_there_are():
+    from sd_accel.accel.errors import BadInput
+
+    model = tiny_ldm_unet(seed=51)
+    with pytest.raises(BadInput, match="'qvk'") as e:
+        fusions.apply(model, ["layout", "qvk"])
+    assert all(name in str(e.value) for name in fusions.ORDER)
+    assert not any("forward" in vars(m) for m in model.modules())  # nothing applied
+
+
+def test_fusion_modules_import_no_sibling_fusion():
+    """Shared helpers live in base, packing and registry: a fusion module imports only those, so no two fusion
+    modules import each other."""
+    import ast
+    import pathlib
+
+    helpers = {"base", "packing", "registry"}
+    folder = pathlib.Path(fusions.__file__).parent
+    for name in fusions.MODULES:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        siblings = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                siblings |= {node.module} if node.module else {a.name for a in node.names}
+        assert siblings <= helpers, (name, siblings - helpers)
+
+
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+def test_apply_and_undo_leave_no_attribute_on_any_module(form):
+    """The fusions keep their state outside the modules: the only attributes they add are the patched methods
+    themselves, and undo takes those away too."""
+    unet, (x, t, ctx, y), ref = _channels_last_model(form)
+    keys = {id(m): set(vars(m)) for m in unet.unet.modules()}
+    undo, counts = fusions.apply(unet.unet)
+    assert list(counts) == list(fusions.ORDER) and counts["qkv"] > 0
+    assert rel(unet(x, t, ctx, y), ref) <= 1e-5
+    for m in unet.unet.modules():
+        if id(m) not in keys:  # a parameterless child put in (groupnorm's SiLU): the model's own again after undo
+            continue
+        added = set(vars(m)) - keys[id(m)]
+        assert all(isinstance(vars(m)[k], types.MethodType) for k in added), (type(m).__name__, added)
+    undo()
+    fusions.packing.unpack(unet.unet)
+    assert {id(m): set(vars(m)) for m in unet.unet.modules()} == keys
+    assert torch.equal(unet(x, t, ctx, y), ref)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from accel.host_forge import ForgeSession
-from accel.host_support import EngineSlot
+from sd_accel.accel.hosts.forge import ForgeSession
+from sd_accel.accel.hosts.support import EngineSlot
 
 
 def test_a_forge_clone_of_the_patcher_shares_the_session_and_its_engine():

@@ -1,13 +1,13 @@
 """The ldm-style test UNet: it runs like ComfyUI's UNetModel, applies ControlNet residuals the same way, and
-accel.unet recognises it."""
+accel/models/spec.py recognises it."""
 
 from __future__ import annotations
 
 import torch
 import pytest
 
-from accel.errors import BadInput
-from accel.unet import CanonicalUNet, inspect_unet
+from sd_accel.accel.errors import BadInput
+from sd_accel.accel.models.spec import CanonicalUNet, inspect_unet
 from ldm_unet import UNetModel, sd15_kwargs, sdxl_kwargs, tiny_ldm_unet
 
 
@@ -134,7 +134,7 @@ def test_full_configs_have_the_published_structure(kwargs, family, context_dim, 
 
 @pytest.mark.parametrize("sdxl,name", [(False, "tiny-sd15"), (True, "tiny-sdxl")])
 def test_tiny_matches_the_tiny_diffusers_config(sdxl, name):
-    from accel.configs import build_unet
+    from sd_accel.accel.models.configs import build_unet
 
     ldm, diffusers = tiny_ldm_unet(sdxl), build_unet(name)
     assert sum(p.numel() for p in ldm.parameters()) == sum(p.numel() for p in diffusers.parameters())

@@ -13,15 +13,16 @@ from torch import nn
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from accel import export  # noqa: E402
-from accel.backends import onnxruntime as ortb  # noqa: E402
-from accel.configs import build_unet, example_inputs  # noqa: E402
-from accel.device import GpuInfo, cpu_info  # noqa: E402
-from accel.errors import BackendUnavailable  # noqa: E402
-from accel.unet import CanonicalUNet  # noqa: E402
+from sd_accel.accel.build import export  # noqa: E402
+from sd_accel.accel.engine.backends import onnxruntime as ortb  # noqa: E402
+from sd_accel.accel.models.configs import build_unet, example_inputs  # noqa: E402
+from sd_accel.accel.plan.device import GpuInfo, cpu_info  # noqa: E402
+from sd_accel.accel.errors import BackendUnavailable  # noqa: E402
+from sd_accel.accel.models.spec import CanonicalUNet  # noqa: E402
+from sd_accel.accel.plan.options import OrtOptions, Runtime  # noqa: E402
 from ldm_unet import tiny_ldm_unet  # noqa: E402
 
-CPU = {"gpu": cpu_info()}
+CPU = Runtime(gpu=cpu_info())
 NVIDIA = GpuInfo("nvidia", "hopper", name="H100", device="cuda:0")
 AMD = GpuInfo("amd", "cdna3", name="MI300X", device="cuda:0")
 
@@ -82,7 +83,7 @@ def sd15(tmp_path_factory):
     unet = CanonicalUNet(build_unet("tiny-sd15", seed=0))
     processors = dict(unet.unet.attn_processors)
     stages = Stages()
-    engine = ortb.build(unet, {**CPU, "folder": tmp_path_factory.mktemp("sd15"), "control": True}, stages)
+    engine = ortb.build(unet, OrtOptions(control=True), Runtime(gpu=cpu_info(), folder=tmp_path_factory.mktemp("sd15")), stages)
     yield unet, engine, processors, stages.names
     engine.release()
 
@@ -110,7 +111,7 @@ def test_sd15_matches_torch_fp32_at_any_shape(sd15):
 
 def test_sdxl_matches_torch_fp32(sdxl):
     unet, _, cpu, _, _ = sdxl
-    engine = ortb.load(cpu, CPU)
+    engine = ortb.load(cpu, None, CPU)
     x, t, ctx, y = example_inputs(unet.unet, batch=2, latent=16, tokens=77, seed=1)
     assert rel(engine(x, t, ctx, y), unet(x, t, ctx, y)) <= 1e-4
     with pytest.raises(BackendUnavailable, match="y was not given"):
@@ -202,7 +203,7 @@ def test_fp16_model_keeps_the_timestep_embedding_in_fp32(sdxl):
 
 def test_cuda_model_on_the_cpu_names_the_cause(sdxl):
     with pytest.raises(BackendUnavailable, match="optimized for another provider"):
-        ortb.load(sdxl[3], CPU)
+        ortb.load(sdxl[3], None, CPU)
 
 
 def test_static_shapes_fold_the_shape_subgraphs(sd15):
@@ -211,8 +212,8 @@ def test_static_shapes_fold_the_shape_subgraphs(sd15):
     unet, engine, _, _ = sd15
     x, t, ctx, _ = example_inputs(unet.unet, batch=2, latent=16, seed=3)
     ref = unet(x, t, ctx)
-    dynamic = ortb.load(engine.base_path, {**CPU, "inspect": True})
-    static = ortb.load(engine.base_path, {**CPU, "inspect": True, "static_shapes": True, "max_sessions": 1})
+    dynamic = ortb.load(engine.base_path, OrtOptions(inspect=True), CPU)
+    static = ortb.load(engine.base_path, OrtOptions(inspect=True, static_shapes=True, max_sessions=1), CPU)
     assert rel(dynamic(x, t, ctx), ref) <= 1e-4 and rel(static(x, t, ctx), ref) <= 1e-4
     assert rel(static(x[:1], t[:1], ctx[:1]), unet(x[:1], t[:1], ctx[:1])) <= 1e-4  # a second shape: new session
     (dyn,) = dynamic.host_nodes.values()
@@ -237,7 +238,7 @@ def test_control_residuals_are_inputs(sd15, sdxl):
         "output": [torch.zeros(skips[0])] + control["output"][1:], "middle": [torch.zeros(mid)]})) <= 1e-4
     with pytest.raises(BackendUnavailable, match="skip residuals"):
         engine(x, t, ctx, None, {"output": control["output"][1:], "middle": control["middle"]})
-    plain = ortb.load(sdxl[2], CPU)
+    plain = ortb.load(sdxl[2], None, CPU)
     xs, ts, cs, ys = example_inputs(sdxl[0].unet, batch=2, latent=16, seed=1)
     with pytest.raises(BackendUnavailable, match="exported without control inputs.*control=True"):
         plain(xs, ts, cs, ys, {"middle": [torch.zeros(2, 64, 8, 8)]})
@@ -256,7 +257,7 @@ def test_ldm_unet_exports_with_fused_attention(tmp_path):
     assert torch.nn.functional.scaled_dot_product_attention is sdpa
     path = export.optimize(raw, tmp_path / "cpu.onnx", fp16=False, provider="cpu")
     assert export.fused_operator_counts(path)["MultiHeadAttention"] == structure(unet.unet)["blocks"]
-    engine = ortb.load(path, CPU)
+    engine = ortb.load(path, None, CPU)
     assert rel(engine(x, t, ctx), unet(x, t, ctx)) <= 1e-4
     engine.release()
 
@@ -292,7 +293,7 @@ def test_engine_refuses_what_it_cannot_serve(sd15):
     with pytest.raises(BackendUnavailable, match="transformer_options"):
         engine(x, t, ctx, transformer_options={})
     assert ortb.update_weights(engine, CanonicalUNet(build_unet("tiny-sd15", seed=0))) is False
-    other = ortb.load(engine.base_path, CPU)
+    other = ortb.load(engine.base_path, None, CPU)
     other.release()
     with pytest.raises(BackendUnavailable, match="released"):
         other(x, t, ctx)
@@ -305,7 +306,7 @@ def test_external_data_above_the_protobuf_limit(sd15, tmp_path):
     data = tmp_path / "big.onnx.data"
     assert data.stat().st_size > 10 * path.stat().st_size
     x, t, ctx, _ = example_inputs(unet.unet, batch=2, latent=16, seed=1)
-    reloaded = ortb.load(path, {**CPU, "refit": False})
+    reloaded = ortb.load(path, OrtOptions(refit=False), CPU)
     assert rel(reloaded(x, t, ctx), unet(x, t, ctx)) <= 1e-4
     with pytest.raises(BackendUnavailable, match="without a weight map"):
         ortb.update_weights(reloaded, unet)
@@ -337,10 +338,10 @@ def test_providers_per_gpu():
         "DmlExecutionProvider"
     with pytest.raises(BackendUnavailable, match="pip install onnxruntime-migraphx"):
         ortb.choose_provider(AMD, ["CPUExecutionProvider"], "Linux")
-    opts = ortb.provider_options("CUDAExecutionProvider", NVIDIA, {**ortb.DEFAULTS, "cuda_graph": True}, stream=1234)
+    opts = ortb.provider_options("CUDAExecutionProvider", NVIDIA, OrtOptions(cuda_graph=True), stream=1234)
     assert opts["enable_cuda_graph"] == "1" and opts["user_compute_stream"] == "1234" and opts["device_id"] == "0"
     assert opts["fuse_conv_bias"] == "1" and "prefer_nhwc" not in opts
-    off = ortb.provider_options("CUDAExecutionProvider", NVIDIA, {**ortb.DEFAULTS, "fuse_conv_bias": False})
+    off = ortb.provider_options("CUDAExecutionProvider", NVIDIA, OrtOptions(fuse_conv_bias=False))
     assert "fuse_conv_bias" not in off and "user_compute_stream" not in off
 
 
@@ -388,12 +389,12 @@ gpu_ort = pytest.mark.skipif(
 
 @gpu_ort
 def test_cuda_fp16_engine_with_cuda_graph(tmp_path):
-    from accel.device import detect
+    from sd_accel.accel.plan.device import detect
 
     unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda"))
     x, t, ctx, _ = example_inputs(unet.unet, latent=32, device="cuda")
     ref = unet(x, t, ctx)
-    engine = ortb.build(unet, {"gpu": detect(), "folder": tmp_path, "cuda_graph": True, "inspect": True})
+    engine = ortb.build(unet, OrtOptions(cuda_graph=True, inspect=True), Runtime(gpu=detect(), folder=tmp_path))
     for _ in range(3):  # plain run, capture, replay
         out = engine(x, t, ctx)
     assert out.device == x.device and rel(out, ref) <= 2e-2
@@ -410,17 +411,17 @@ def test_engine_cache_builds_once_then_loads(tmp_path, monkeypatch):
     unet = CanonicalUNet(build_unet("tiny-sd15", seed=4))
     x, t, ctx, _ = example_inputs(unet.unet, latent=16, seed=5)
     start = time.perf_counter()
-    first = ortb.build(unet, dict(CPU))
+    first = ortb.build(unet, None, CPU)
     build_s = time.perf_counter() - start
     start = time.perf_counter()
-    second = ortb.build(unet, dict(CPU))
+    second = ortb.build(unet, None, CPU)
     load_s = time.perf_counter() - start
     assert not first.cache_result.hit and second.cache_result.hit
     assert load_s < build_s / 3
     assert rel(second(x, t, ctx), unet(x, t, ctx)) <= 1e-4
     with torch.no_grad():
         unet.unet.conv_in.weight.add_(0.01 * torch.randn_like(unet.unet.conv_in.weight))
-    third = ortb.build(unet, dict(CPU))
+    third = ortb.build(unet, None, CPU)
     assert not third.cache_result.hit
     for engine in (first, second, third):
         engine.release()

@@ -1,5 +1,6 @@
-"""The torch path computes the same function as the plain UNet (CPU, fp32) and, on a GPU, keeps its
-graphs honest: recaptured when weights are swapped, bounded in number and memory, freed on release."""
+"""The torch path computes the same function as the plain UNet (CPU, fp32, its fused Triton kernels run by Triton's
+interpreter) and, on a GPU, keeps its graphs honest: recaptured when weights are swapped, bounded in number and
+memory, freed on release."""
 
 from __future__ import annotations
 
@@ -8,26 +9,40 @@ import types
 import pytest
 import torch
 
-from accel.backends import torch_fused
-from accel.configs import build_unet, example_inputs
-from accel.unet import CanonicalUNet
+from sd_accel.accel.engine.backends import torch_fused
+from sd_accel.accel.models.configs import build_unet, example_inputs
+from sd_accel.accel.models.spec import CanonicalUNet
+from sd_accel.accel.plan.options import TorchOptions
 from ldm_unet import tiny_ldm_unet
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+
+
+# On the CPU the kernels run in Triton's interpreter (tests/conftest.py): the engine then takes the same fusions as on
+# a GPU, so a wrong kernel or a dropped residual shows here.
+FUSED = TorchOptions(triton_kernels=True)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def assert_fused_same_function(unet: CanonicalUNet, x, t, ctx, y) -> None:
+    """The torch path with its fused kernels computes the plain UNet's function, and release() gives the plain UNet
+    back. The comparison means nothing unless the main fusions took modules, so that is checked first."""
+    ref = unet(x, t, ctx, y)
+    engine = torch_fused.build(unet, FUSED)
+    counts = engine.fusion_counts or {}
+    assert all(counts.get(k) for k in ("groupnorm", "geglu", "resnet", "qkv")), counts
+    assert rel(engine(x, t, ctx, y), ref) <= 1e-5
+    engine.release()
+    assert torch.equal(unet(x, t, ctx, y), ref)
+
+
 @pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl"])
 def test_diffusers_unet_same_function_on_cpu(name):
     unet = CanonicalUNet(build_unet(name, seed=3))
-    x, t, ctx, y = example_inputs(unet.unet, latent=16, seed=4)
-    ref = unet(x, t, ctx, y)
-    engine = torch_fused.build(unet)
-    assert rel(engine(x, t, ctx, y), ref) <= 1e-5
-    engine.release()
+    assert_fused_same_function(unet, *example_inputs(unet.unet, latent=16, seed=4))
 
 
 @pytest.mark.parametrize("sdxl", [False, True])
@@ -37,9 +52,7 @@ def test_ldm_unet_same_function_on_cpu(sdxl):
     x = torch.randn(2, 4, 16, 16, generator=g)
     ctx = torch.randn(2, 77, unet.spec.context_dim, generator=g)
     y = torch.randn(2, unet.spec.adm_channels, generator=g) if sdxl else None
-    t = torch.tensor([900.0, 20.0])
-    engine = torch_fused.build(unet)
-    assert rel(engine(x, t, ctx, y), unet(x, t, ctx, y)) <= 1e-5
+    assert_fused_same_function(unet, x, torch.tensor([900.0, 20.0]), ctx, y)
 
 
 def _down_residual_shapes(unet: torch.nn.Module, x, t, ctx):
@@ -97,7 +110,7 @@ def test_graph_recaptures_when_a_parameter_is_replaced():
 
 @gpu
 def test_a_signature_captured_again_warms_up_once_and_replays_right(monkeypatch):
-    from accel import graphs
+    from sd_accel.accel.engine import graphs
 
     monkeypatch.setattr(graphs, "_captured", set())
     unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
@@ -116,7 +129,7 @@ def test_a_signature_captured_again_warms_up_once_and_replays_right(monkeypatch)
 
 
 def test_restride_keeps_addresses_and_values_and_goes_back():
-    from accel.backends.torch_fused import restride, restride_tensors
+    from sd_accel.accel.engine.backends.torch_fused import restride, restride_tensors
 
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(4, 4),
                               torch.nn.Conv2d(8, 8, 1))
@@ -146,7 +159,7 @@ def _changed_modules(module: torch.nn.Module) -> list[str]:
     """Modules carrying an instance-level method or an attention processor of ours (the fusions' patches), or
     a 4-D weight not in contiguous layout."""
     out = [n for n, m in module.named_modules() if any(isinstance(v, types.MethodType) for v in vars(m).values())
-           or type(getattr(m, "processor", None)).__module__.startswith("accel.")]
+           or type(getattr(m, "processor", None)).__module__.startswith("sd_accel.")]
     return out + [n for n, p in module.named_parameters() if p.dim() == 4 and not p.is_contiguous()]
 
 
@@ -197,7 +210,7 @@ def test_graph_memory_stays_bounded_over_20_shapes():
     ctx = torch.randn(3, 77, 32, device="cuda", dtype=torch.float16)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    engine = torch_fused.build(unet, {"max_graphs": 4})
+    engine = torch_fused.build(unet, TorchOptions(max_graphs=4))
     sizes = [(b, s) for b in (1, 2, 3) for s in range(16, 72, 8)][:20]
     sizes.sort(key=lambda bs: -bs[0] * bs[1] ** 2)  # the largest first: they set the bound
     with torch.inference_mode():

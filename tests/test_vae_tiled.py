@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel import vae_tiled
-from accel.configs import build_vae
-from accel.errors import BadInput, UnsupportedModel
-from accel.vae_bench import bench_vae
-from accel.vae_tiled import decode, encode, naive_tiled_decode, tile_plan
+from sd_accel.accel.cli.vae_bench import bench_vae
+from sd_accel.accel.errors import BadInput, UnsupportedModel
+from sd_accel.accel.models.configs import build_vae
+from sd_accel.accel.vae import attention, forms, memory, plan as planner
+from sd_accel.accel.vae import decode, encode, naive_tiled_decode, release_host_memory, tile_plan
 
 TOL = 1e-3
 
@@ -119,45 +119,45 @@ def test_attention_in_query_chunks_is_exact(rows, chunk):
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 1, rows, 8, generator=g) for _ in range(3))
     full = F.scaled_dot_product_attention(q, k, v, scale=0.3)
-    assert torch.allclose(vae_tiled._sdpa(q, k, v, 0.3, chunk=chunk), full, atol=1e-6)
+    assert torch.allclose(attention._sdpa(q, k, v, 0.3, chunk=chunk), full, atol=1e-6)
 
 
 def test_wide_heads_take_the_gemm_path_exactly(monkeypatch):
     # The SD VAE's 512-wide head is past what the fused kernels take; that path is forced here on the CPU.
-    monkeypatch.setattr(vae_tiled, "FUSED_HEAD_DIM", 4)
+    monkeypatch.setattr(attention, "FUSED_HEAD_DIM", 4)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 1, 70, 8, generator=g) for _ in range(3))
     full = F.scaled_dot_product_attention(q, k, v, scale=0.3)
-    monkeypatch.setattr(vae_tiled, "SCORE_BYTES", 70 * 4 * 16)  # 16 query rows of scores at a time
-    assert torch.allclose(vae_tiled._sdpa(q, k, v, 0.3), full, atol=1e-6)
+    monkeypatch.setattr(attention, "SCORE_BYTES", 70 * 4 * 16)  # 16 query rows of scores at a time
+    assert torch.allclose(attention._sdpa(q, k, v, 0.3), full, atol=1e-6)
 
 
 def test_plan_follows_free_memory(vae, monkeypatch):
     z = torch.empty(1, 4, 64, 64)
     off_gpu = tile_plan(vae, z)
-    assert (off_gpu.tile, off_gpu.store) == (vae_tiled.DEFAULT_TILE, "cpu")  # no free-memory figure: the default
+    assert (off_gpu.tile, off_gpu.store) == (planner.DEFAULT_TILE, "cpu")  # no free-memory figure: the default
     sd = build_vae("sd", device="meta")  # the real SD VAE's layout, without weights: nothing is computed
-    prog = vae_tiled._decode_program(vae_tiled._parts(sd), (4, 512, 512))  # a 4096 px image
+    prog = forms._decode_program(forms._parts(sd), (4, 512, 512))  # a 4096 px image
 
     def plan(gib, offload=None, memory_gb=None):
-        monkeypatch.setattr(vae_tiled, "_free_bytes", lambda device: gib << 30)
-        return vae_tiled._plan(prog, (4096, 4096), 1, torch.device("cuda", 0), torch.float16, None, offload,
-                               memory_gb)
+        monkeypatch.setattr(planner, "_free_bytes", lambda device: gib << 30)
+        return planner._plan(prog, (4096, 4096), 1, torch.device("cuda", 0), torch.float16, None, offload,
+                             memory_gb)
 
-    steps = vae_tiled._step_bytes(prog, 1, 2)
+    steps = planner._step_bytes(prog, 1, 2)
     # Activations kept between passes, fp16: input, hidden state and skip of the first full-resolution block.
     assert 12e9 < max(s for s, _, _, _ in steps) < 13e9
     roomy = plan(64)
-    assert (roomy.store, roomy.tile, roomy.grid, roomy.bands) == ("cuda:0", vae_tiled.TILE_CAP, (4, 4), False)
+    assert (roomy.store, roomy.tile, roomy.grid, roomy.bands) == ("cuda:0", planner.TILE_CAP, (4, 4), False)
     assert plan(64, offload=True).store == "cpu"
     # The activations do not fit: host memory, in bands of whole rows, the tallest that fits beside the weights.
-    budget = vae_tiled.MEMORY_USE * (4 << 30)
-    for tight in (plan(4), plan(64, memory_gb=budget / vae_tiled.MEMORY_USE / 1e9)):
+    budget = planner.MEMORY_USE * (4 << 30)
+    for tight in (plan(4), plan(64, memory_gb=budget / planner.MEMORY_USE / 1e9)):
         assert tight.store == "cpu" and tight.bands and tight.grid == (-(-4096 // tight.tile), 1)
-        assert vae_tiled._peak(steps, (tight.tile, 4096), (4096, 4096), False) <= budget
-        assert vae_tiled._peak(steps, (tight.tile + 8, 4096), (4096, 4096), False) > budget or \
-            (tight.tile + 8) * 4096 > vae_tiled.TILE_CAP ** 2
+        assert planner._peak(steps, (tight.tile, 4096), (4096, 4096), False) <= budget
+        assert planner._peak(steps, (tight.tile + 8, 4096), (4096, 4096), False) > budget or \
+            (tight.tile + 8) * 4096 > planner.TILE_CAP ** 2
 
 
 @pytest.mark.parametrize("call,problem", [
@@ -205,15 +205,15 @@ def test_cuda_offload_matches_untiled(monkeypatch):
     ref = v.decode(z).sample
     for offload in (True, False):
         assert float((decode(v, z, tile=16, offload=offload) - ref).abs().max()) <= TOL
-    vae_tiled.release_host_memory()
+    release_host_memory()
     # Bands through page-locked host memory on two streams; the buffers are kept for the next run, then freed.
     assert float((decode(v, z, memory_gb=0.001) - ref).abs().max()) <= TOL
-    kept = list(vae_tiled._POOL)
-    assert kept and all(b.data_ptr() in vae_tiled._PINNED for b in kept)
+    kept = list(memory._POOL)
+    assert kept and all(b.data_ptr() in memory._PINNED for b in kept)
     assert float((decode(v, z, memory_gb=0.001) - ref).abs().max()) <= TOL
-    assert {b.data_ptr() for b in vae_tiled._POOL} == {b.data_ptr() for b in kept}  # reused, none added
-    vae_tiled.release_host_memory()
-    assert not vae_tiled._POOL and not vae_tiled._PINNED
+    assert {b.data_ptr() for b in memory._POOL} == {b.data_ptr() for b in kept}  # reused, none added
+    release_host_memory()
+    assert not memory._POOL and not memory._PINNED
 
 
 # ----- ldm / ComfyUI form: a small model with the structure of comfy.ldm.modules.diffusionmodules.model

@@ -9,9 +9,8 @@ const UNET = "SDAccelAcceleratedUNet";
 const INFO = "SDAccelInfo";
 const TEXT_NODES = [UNET, INFO, "SDAccelTiledVAEDecode", "SDAccelTiledVAEEncode"];
 
-// Title colours by path: the engine paths, the torch path, and the plain model (nothing accelerated).
+// Title colours by path: the engine path, the torch path, and the plain model (nothing accelerated).
 const PATH_COLOURS = {
-  tensorrt: "#2a5d3a",
   onnxruntime: "#2a4a6d",
   torch: "#3d4f2a",
   plain: "#6d4a2a",

@@ -1,6 +1,6 @@
 """The torch path's fusions on A1111's own UNet classes (ldm for SD1.x/SD2.x, sgm for SDXL) or Forge's
 (backend.nn.unet), against the same module unfused. Run with the Python of an A1111 (or Forge) environment, its
-repositories (or Forge's folder) and this repository on PYTHONPATH; without a GPU, with TRITON_INTERPRET=1 (the
+repositories (or Forge's folder) and a folder holding this checkout as `sd_accel` on PYTHONPATH; without a GPU, with TRITON_INTERPRET=1 (the
 kernels then run in Triton's interpreter). Prints one JSON line per model found: fused-vs-unfused relative error,
 fusion counts, and whether undo restored the forward exactly.
 """
@@ -12,9 +12,8 @@ import sys
 
 import torch
 
-from accel import fusions
-from accel.backends.torch_fused import DEFAULTS
-from accel.unet import CanonicalUNet
+from sd_accel.accel.engine import fusions
+from sd_accel.accel.models.spec import CanonicalUNet
 
 TINY = dict(in_channels=4, out_channels=4, model_channels=32, attention_resolutions=[2, 1], num_res_blocks=1,
             channel_mult=[1, 2], num_heads=2, use_spatial_transformer=True, transformer_depth=1,
@@ -79,7 +78,7 @@ def check(name: str, unet: torch.nn.Module, context_dim: int, adm: int | None) -
     y = torch.randn(2, adm, generator=g) if adm else None
     with torch.no_grad():
         ref = canonical(x, t, ctx, y)
-        undo, counts = fusions.apply(unet, list(DEFAULTS["fusions"]))
+        undo, counts = fusions.apply(unet)  # every fusion, in the registry's order, as the torch path runs them
         out = canonical(x, t, ctx, y)
         undo()
         again = canonical(x, t, ctx, y)

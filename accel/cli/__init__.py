@@ -1,0 +1,1 @@
+"""python -m sd_accel: doctor, demo, bench (UNet, VAE, kernels, profile), cache (main.py routes them)."""

@@ -1,0 +1,265 @@
+"""`python -m sd_accel bench`: SD1.5 and SDXL UNets from their published configs with seeded random weights,
+timed against stock-PyTorch baselines in the same run.
+
+Rows: eager (diffusers' way: fp16, PyTorch SDPA), eager + channels_last + CUDA graph, torch.compile default
+and "reduce-overhead" (with compile times), and each available sd-accel path. Per row: ms per UNet step
+(batch 2 = classifier-free guidance), speed-up over eager, peak memory and relative L2 error against an
+fp32 reference of the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from ..models.configs import SHAPES, build_host_unet, build_unet, example_inputs, ldm_example_inputs
+from ..models.spec import CanonicalUNet
+from ..progress import StageLog
+
+
+@dataclass
+class Row:
+    model: str
+    variant: str
+    ms: float | None = None
+    speedup: float | None = None
+    peak_gb: float | None = None
+    rel_err: float | None = None
+    setup_s: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds per call, after warm-up (CUDA events on the GPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _peak_reset(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def _graphed(fn: Callable, args: tuple) -> Callable[[], torch.Tensor]:
+    """Stock CUDA-graph capture of fn(*args), the way a user would do it by hand."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.device(args[0].device):  # as GraphCache captures (host constants made on device)
+        out = fn(*args)
+
+    def replay() -> torch.Tensor:
+        g.replay()
+        return out
+    return replay
+
+
+def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, compile_modes: list[str],
+               paths: list[str], log: Callable[[str], None] = print, profile: bool = False,
+               host: tuple[str, str] | None = None) -> list[Row]:
+    """Rows for one UNet: diffusers' model, or with `host` ("comfyui" | "a1111" | "forge", folder) that host's own
+    UNet class (models/configs.py build_host_unet)."""
+    rows: list[Row] = []
+    tokens, latent = SHAPES[name]
+    t0 = time.perf_counter()
+    if host:
+        ref_model = build_host_unet(name, *host, seed=0, device=device, dtype=torch.float32)
+        x, t, ctx, y = (None if a is None else a.to(device) for a in ldm_example_inputs(name))
+        name = f"{name}/{'comfy' if host[0] == 'comfyui' else host[0]}"
+    else:
+        ref_model = build_unet(name, seed=0, device=device, dtype=torch.float32)
+        x, t, ctx, y = example_inputs(ref_model, batch=2, latent=latent, tokens=tokens, device=device)
+    with torch.inference_mode():
+        ref = CanonicalUNet(ref_model)(x, t, ctx, y)
+    model = copy.deepcopy(ref_model).to(dtype)
+    del ref_model
+    build_s = time.perf_counter() - t0
+    log(f"[{name}] built from config in {build_s:.1f}s")
+    # A1111 runs its half-precision UNet under autocast (ldm's GroupNorm32 computes in float32 with the weights as
+    # loaded); every variant of its classes runs so, sd-accel's too, as inside A1111.
+    amp = (lambda: torch.autocast(device.type, dtype)) if host and host[0] == "a1111" and dtype != torch.float32 \
+        else contextlib.nullcontext
+    xh, ch = x.to(dtype), ctx.to(dtype)
+    yh = None if y is None else y.to(dtype)
+    args = (xh, t, ch, yh)
+    canon = CanonicalUNet(model)
+
+    def add(variant: str, fn: Callable[[], torch.Tensor], setup_s: float | None = None, note: str = "", **extra) -> None:
+        _peak_reset(device)
+        with torch.inference_mode(), amp():
+            out = fn()
+            ms = time_ms(fn, device, iters)
+        err = rel_l2(out, ref)
+        base = rows[0].ms if rows else ms
+        rows.append(Row(name, variant, ms, base / ms, _peak_gb(device), err, setup_s, note, extra))
+        log(f"[{name}] {variant}: {ms:.2f} ms/step, x{base / ms:.2f}, err {err:.2e}")
+
+    add("eager (SDPA)", lambda: canon(*args))
+    if profile and device.type == "cuda":
+        _profile(rows[-1], lambda: canon(*args), log)
+    if device.type == "cuda":
+        model.to(memory_format=torch.channels_last)
+        xl = xh.contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode(), amp():
+            replay = _graphed(canon, (xl, t, ch, yh))
+        add("eager + channels_last + CUDA graph", replay)
+        del replay
+        model.to(memory_format=torch.contiguous_format)
+    for mode in compile_modes:
+        torch._dynamo.reset()
+        compiled = torch.compile(canon, mode=None if mode == "default" else mode)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            compiled(*args)
+            compiled(*args)
+        _sync(device)
+        add(f"torch.compile {mode}", lambda: compiled(*args), setup_s=time.perf_counter() - start)
+        del compiled
+        torch._dynamo.reset()
+    for path in paths:
+        rows.extend(_bench_path(name, path, canon, args, ref, device, iters, rows[0].ms, log, profile, amp))
+    del model, canon
+    _peak_reset(device)
+    return rows
+
+
+def _profile(row: Row, fn: Callable[[], object], log: Callable[[str], None]) -> None:
+    """Kernel time of one step by operator class and its top kernels, into row.extra and the log."""
+    from . import profile
+
+    with torch.inference_mode():
+        kernels = profile.kernel_times(fn)
+    row.extra["profile_ms"] = {k: round(v, 3) for k, v in profile.by_class(kernels).items()}
+    row.extra["top_kernels"] = profile.top(kernels)
+    log(f"[{row.model}] {row.variant} profile (ms/step): {row.extra['profile_ms']}")
+    for name, ms, n in row.extra["top_kernels"]:
+        log(f"[{row.model}]     {ms:7.3f} ms  x{n:<5g} {name}")
+
+
+# Path variants of --paths ("<backend>-<variant>"): the options they build with, and their label.
+VARIANTS = {"compile": ({"compile": True}, " + regional compile"),
+            "graph": ({"cuda_graph": True}, " + CUDA graph")}
+
+
+def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profile=False,
+                amp=contextlib.nullcontext) -> list[Row]:
+    from ..accelerate import accelerate
+
+    _peak_reset(device)
+    start = time.perf_counter()
+    backend, _, variant = path.partition("-")
+    options, label = VARIANTS.get(variant, (None, ""))
+    acc = accelerate(canon, preference=backend, options=options,
+                     progress=StageLog(log, f"[{name}] sd-accel {path} build stage "))
+    if acc.backend != backend:
+        log(f"[{name}] sd-accel {path}: not available here ({' '.join(acc.plan.reasons)})")
+        acc.release()
+        return [Row(name, f"sd-accel {path}", note="not available: " + " ".join(acc.plan.reasons))]
+    with torch.inference_mode(), amp():
+        out = acc(*args)
+        _sync(device)
+        first_s = time.perf_counter() - start
+        # Another shape, then the first again: the first must be served from what was built, not rebuilt.
+        x2 = args[0][..., : args[0].shape[-2] // 2, :].contiguous()
+        acc(x2, *args[1:])
+        _sync(device)
+        again = time.perf_counter()
+        acc(*args)
+        _sync(device)
+        seen_s = time.perf_counter() - again
+        ms = time_ms(lambda: acc(*args), device, iters)
+    err = rel_l2(out, ref)
+    note = "setup = build + first call at a new shape"
+    if acc.fallback_calls:  # the figures are then not the path's own
+        note = f"{acc.fallback_calls} calls fell back to the torch path: {acc.fallback_reason}"
+        log(f"[{name}] sd-accel {path}: {note}")
+    row = Row(name, f"sd-accel {backend}{label}", ms, base_ms / ms, _peak_gb(device), err, first_s,
+              note, {"seen_shape_s": seen_s, "reasons": acc.plan.reasons})
+    log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step, x{base_ms / ms:.2f}, err {err:.2e}, "
+        f"first call {first_s:.1f}s, seen shape {seen_s * 1e3:.0f} ms")
+    if profile and device.type == "cuda":
+        _profile(row, lambda: acc(*args), log)
+    acc.release()
+    return [row]
+
+
+def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], paths: list[str],
+        log: Callable[[str], None] = print, profile: bool = False, host: tuple[str, str] | None = None) -> list[Row]:
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    names = [("tiny-" + name) if tiny else name for name in models]
+    known = [n for n in SHAPES if n.startswith("tiny-") == tiny]
+    for name in names:
+        if name not in known:
+            raise ValueError(f"no {name!r} UNet to time; choose from {', '.join(known)} (names given without 'tiny-').")
+    rows: list[Row] = []
+    for name in names:
+        rows += bench_unet(name, device, dtype, iters, compile_modes, paths, log, profile, host)
+    return rows
+
+
+# "seen shape" is in the progress lines and the JSON (extra.seen_shape_s), not in a column of the table.
+LEGEND = ("setup s = build + first call at a new shape; seen shape = a call at a shape already captured, made after "
+          "a call at another shape (nothing rebuilt).")
+
+
+def table(rows: list[Row]) -> str:
+    head = f"{'model':<10} {'variant':<36} {'ms/step':>8} {'speedup':>8} {'peak GB':>8} {'rel err':>9} {'setup s':>8}"
+    lines = [head, "-" * len(head)]
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    for r in rows:
+        lines.append(f"{r.model:<10} {r.variant:<36} {fmt(r.ms, '8.2f')} {fmt(r.speedup, '8.2f')} "
+                     f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
+        if r.note.startswith("not available") or "fell back" in r.note:
+            lines.append(f"{'':<10} {r.note}")
+    lines.append(LEGEND)
+    return "\n".join(lines)
+
+
+def as_dicts(rows: list[Row]) -> list[dict]:
+    return [asdict(r) for r in rows]

@@ -1,0 +1,189 @@
+"""Command line: `python -m sd_accel {doctor,demo,bench,cache}`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+
+
+def _doctor_info(backend: str | None) -> dict:
+    """What `doctor` reports, as data: the text and the --json form are both made from it."""
+    from dataclasses import asdict
+
+    import torch
+
+    from .. import __version__
+    from ..build.cache import default_root
+    from ..plan.device import describe, detect
+    from ..plan.policy import choose, probe_packages
+
+    gpu = detect()
+    installed = probe_packages()
+    plan = choose(gpu, backend, installed)
+    return {
+        "gpu": {"description": describe(gpu), **asdict(gpu)},
+        "family": gpu.family,
+        "packages": installed,
+        "plan": {**asdict(plan), "summary": plan.summary()},
+        "cache": str(default_root()),
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")},
+        "versions": {"sd-accel": __version__, "torch": torch.__version__},
+    }
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    info = _doctor_info(args.backend)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    print(info["gpu"]["description"])
+    for note in info["gpu"]["notes"]:
+        print(f"  note: {note}")
+    print("packages: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["packages"].items()))
+    print(info["plan"]["summary"])
+    print(f"cache: {info['cache']}")
+    settings = info["settings"]
+    print("settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings
+                          else "no SD_ACCEL_* variable set; defaults in force"))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    return 0
+
+
+def _host(args: argparse.Namespace) -> tuple[str, str] | None:
+    """--comfyui / --a1111 / --forge DIR: whose UNet class the bench builds."""
+    return next(((host, getattr(args, host)) for host in ("comfyui", "a1111", "forge") if getattr(args, host)), None)
+
+
+def _host_process(args: argparse.Namespace) -> int | None:
+    """With --comfyui/--a1111/--forge, the host's modules import by their own top-level names (comfy, ldm, backend),
+    as the host's start-up arranges: when its folders are not on this process's import path, the bench runs again in
+    a process started with them on PYTHONPATH, and that process's exit code is returned. None: run here."""
+    host = _host(args)
+    if host is None or (args.kernels or args.vae) and not args.unet:
+        return None
+    from ..models.configs import host_import_paths
+
+    missing = [str(p) for p in host_import_paths(*host) if str(p) not in sys.path]
+    if not missing:
+        return None
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*missing, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.call([sys.executable, "-m", "sd_accel", *args.argv], env=env)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        rerun = _host_process(args)
+    except ValueError as e:  # a folder that is not the host's checkout
+        print(f"sd-accel bench: {e}", file=sys.stderr)
+        return 2
+    if rerun is not None:
+        return rerun
+    out: dict = {}
+    # With --json, stdout is the JSON alone (for a pipe); the tables go to stderr.
+    say = sys.stderr if args.json else sys.stdout
+    if args.kernels:
+        from .kernel_bench import bench_kernels
+
+        out["kernels"] = bench_kernels()
+        for r in out["kernels"]:
+            print(r, file=say)
+    if args.vae:
+        from .vae_bench import bench_vae
+        from .vae_bench import table as vae_table
+
+        sizes = tuple(int(v) for v in args.vae_sizes.split(",") if v) if args.vae_sizes else None
+        out["vae"] = bench_vae(tiny=args.tiny, sizes=sizes, memory_gb=args.vae_memory_gb)
+        print(vae_table(out["vae"]), file=say)
+    if not (args.kernels or args.vae) or args.unet:
+        from . import bench
+
+        modes = [] if args.no_compile or args.tiny else ["default", "reduce-overhead"]
+        paths = [p for p in args.paths.split(",") if p and not (p.endswith("-compile") and (args.no_compile or args.tiny))]
+        try:
+            rows = bench.run([m for m in args.models.split(",") if m], args.tiny, args.iters, modes, paths,
+                             log=(lambda s: print(s, file=sys.stderr)), profile=args.profile, host=_host(args))
+        except ValueError as e:  # an unknown model name or a folder that is not the host's checkout
+            print(f"sd-accel bench: {e}", file=sys.stderr)
+            return 2
+        out["unet"] = bench.as_dicts(rows)
+        print(bench.table(rows), file=say)
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    if args.json:
+        print(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import main
+
+    return main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sd_accel", description="sd-accel: fast Stable Diffusion UNet and VAE.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("doctor", help="the GPU, its family, the installed backends, the chosen plan and why, the "
+                                      "cache folder, the SD_ACCEL_* settings and the versions")
+    d.add_argument("--backend", default=None, help="auto|torch|onnxruntime|off (default: SD_ACCEL_BACKEND or auto)")
+    d.add_argument("--json", action="store_true", help="print the same information as JSON")
+    d.set_defaults(fn=_doctor)
+    b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD1.5 and SDXL UNets")
+    b.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sd21, sdxl (default: sd15,sdxl)")
+    b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
+                   help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
+                        "onnxruntime-graph: ONNX Runtime with its CUDA graph)")
+    b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")
+    b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
+    b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
+    b.add_argument("--kernels", action="store_true",
+                   help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM and attention ones)")
+    b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
+    b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
+    b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",
+                   help="with --vae: also time the tiled decode limited to this much GPU memory (default 4)")
+    b.add_argument("--unet", action="store_true", help="with --kernels/--vae: time the UNets too")
+    b.add_argument("--profile", action="store_true",
+                   help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")
+    hosts = b.add_mutually_exclusive_group()
+    hosts.add_argument("--comfyui", metavar="DIR",
+                       help="build the UNets with ComfyUI's own UNetModel from this ComfyUI checkout (the ldm form "
+                            "ComfyUI runs; sd15 and sdxl) instead of diffusers'")
+    hosts.add_argument("--a1111", metavar="DIR",
+                       help="build them with A1111's own classes (ldm for sd15, sgm for sdxl) from A1111's "
+                            "repositories folder; the eager baseline's attention is PyTorch SDPA, as A1111's default")
+    hosts.add_argument("--forge", metavar="DIR", help="build them with Forge's own UNet class from this Forge checkout")
+    b.add_argument("--json", action="store_true",
+                   help="print the results as JSON on stdout (the tables and progress go to stderr)")
+    b.add_argument("--json-file", metavar="FILE", help="also write the results as JSON to FILE")
+    b.set_defaults(fn=_bench)
+    m = sub.add_parser("demo", help="detect, plan, build, sample plain and accelerated, compare, save a PNG")
+    m.add_argument("--checkpoint", help="a .safetensors SD1.x/SD2.x/SDXL checkpoint (default: random weights)")
+    m.add_argument("--backend", default=None, help="auto|torch|onnxruntime|off")
+    m.add_argument("--steps", type=int, default=None, help="sampling steps (default 20 on a GPU, 8 on the CPU)")
+    m.add_argument("--size", type=int, default=None, help="image side in pixels (default 512 on a GPU, 128 on the CPU)")
+    m.add_argument("--out", default="sd-accel-demo.png", help="where to save the image")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=_demo)
+    sub.add_parser("cache", help="the engine cache: ls | info KEY | clear | prune [--root DIR]")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cache"]:  # its own parser owns every argument after the word, -h included
+        from .cache import main as cache_main
+
+        return cache_main(argv[1:])
+    args = p.parse_args(argv)
+    args.argv = list(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from ..errors import AccelError
+
+    try:
+        return args.fn(args)
+    except AccelError as e:  # the user's input: say what is wrong and what to do, no stack trace
+        print(f"sd-accel: {e}", file=sys.stderr)
+        return 2
+

@@ -1,0 +1,193 @@
+"""Tiled against untiled VAE decode: time, peak memory above the weights, and PSNR against the untiled image.
+
+The SD VAE is built from its published config with seeded random weights (nothing is downloaded). One size also
+compares `decode` and `naive_tiled_decode` (per-tile GroupNorm, what ComfyUI's VAEDecodeTiled does) at the same tile
+and overlap, by PSNR against the untiled decode.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+from ..errors import BackendUnavailable
+from ..models.configs import build_vae
+from ..vae import decode, naive_tiled_decode, tile_plan
+from ..vae.memory import _OOM
+
+SIZES = (512, 1024, 2048, 4096, 8192)
+TINY_SIZES = (64, 128, 256)
+PSNR_SIZE = 2048
+# The memory limit of the "capped" tiled decode (GB above the weights): the tiled VAE issue's 4096 px target.
+CAPPED_GB = 4.0
+SEED = 0
+
+
+def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """PSNR in dB of x against ref, taking ref's value range as the peak (random-weight VAEs leave [-1, 1])."""
+    x, ref = x.float(), ref.float()
+    mse = float(((x - ref) ** 2).mean())
+    peak = float(ref.max() - ref.min())
+    return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(fn: Callable[[], torch.Tensor], device: torch.device,
+             runs: int | None) -> tuple[float, float | None, torch.Tensor, list[str]]:
+    """(median ms of `runs` runs, peak GB above what was allocated before, last output, warnings) after a warm-up.
+
+    runs=None: 3, or 1 where a run takes seconds. Raises the out-of-memory error when the decode does not fit.
+    """
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        first = time.perf_counter() - t0
+        runs = runs or (1 if first > 5 else 3)
+        times = []
+        for _ in range(runs):
+            out = None
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                out = fn()
+                times.append(1000 * (time.perf_counter() - t0))
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 1e9 if cuda else None
+    notes = sorted({str(w.message) for w in caught})
+    return statistics.median(times), peak, out, notes
+
+
+def _fused_untiled(vae, z: torch.Tensor, ref: torch.Tensor, dev: torch.device, runs: int | None) -> dict:
+    """Untiled decode with the torch path's kernels: Triton GroupNorm(+SiLU) on channels_last."""
+    from ..engine import fusions
+
+    undo, _ = fusions.apply(vae, ["groupnorm"])
+    vae.to(memory_format=torch.channels_last)
+    try:
+        zc = z.contiguous(memory_format=torch.channels_last)
+        ms, peak, out, _ = _measure(lambda: vae.decode(zc).sample, dev, runs)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        return {"fused_untiled_ms": ms, "fused_untiled_peak_gb": peak, "fused_rel_err": err}
+    finally:
+        undo()
+        vae.to(memory_format=torch.contiguous_format)
+
+
+def bench_vae(device: str = "cuda", sizes: tuple[int, ...] | None = None, tiny: bool = False,
+              runs: int | None = None, memory_gb: float | None = CAPPED_GB) -> list[dict]:
+    """One row per image size: untiled and tiled decode time (ms) and peak memory above the weights (GB).
+
+    Full run: the SD VAE in fp16 on `device` at 512..8192 px, the tile chosen from free memory; sizes that do not
+    fit read "OOM". On a GPU the tiled decode is timed again with `memory_gb` as its memory limit ("capped_*":
+    activations in host memory, bands of rows), unless memory_gb is None. tiny=True: the tiny VAE in fp32 on the
+    CPU at small sizes, in 4x4 tiles (no peak memory there).
+    At 2048 px (or the largest size) the row also holds the PSNR against the untiled decode of `decode` and of
+    `naive_tiled_decode` at the same tile and overlap. runs: timed runs per figure (None: 3, 1 for slow ones).
+    """
+    if tiny:
+        dev, dtype, sizes = torch.device("cpu"), torch.float32, sizes or TINY_SIZES
+    else:
+        dev, dtype, sizes = torch.device(device), torch.float16, sizes or SIZES
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable("the VAE benchmark needs a CUDA GPU and none is visible.",
+                                     "Run it on a GPU machine, or pass --tiny for the CPU version.")
+    vae = build_vae("tiny" if tiny else "sd", seed=SEED, device=dev, dtype=dtype)
+    scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    psnr_size = PSNR_SIZE if PSNR_SIZE in sizes else max(sizes)
+    rows = []
+    for size in sizes:
+        g = torch.Generator().manual_seed(SEED)
+        z = torch.randn(1, vae.config.latent_channels, size // scale, size // scale, generator=g).to(dev, dtype)
+        tile = max(scale, size // 4) if tiny else None
+        plan = tile_plan(vae, z, tile=tile)
+        row = dict(size=size, dtype=str(dtype).replace("torch.", ""), device=str(dev), untiled_ms=None,
+                   untiled_peak_gb=None, tiled_ms=None, tiled_peak_gb=None, tile=plan.tile,
+                   grid=f"{plan.grid[0]}x{plan.grid[1]}", store=plan.store, capped_ms=None, capped_peak_gb=None,
+                   capped_plan=None, compare_tile=None,
+                   psnr_tiled_db=None, psnr_naive_db=None, notes="")
+        ref = None
+        try:
+            row["untiled_ms"], row["untiled_peak_gb"], ref, _ = _measure(lambda: vae.decode(z).sample, dev, runs)
+        except _OOM:
+            row["untiled_ms"] = row["untiled_peak_gb"] = "OOM"
+        if ref is not None and dev.type == "cuda" and size <= 2048:
+            row.update(_fused_untiled(vae, z, ref, dev, runs))
+        try:
+            row["tiled_ms"], row["tiled_peak_gb"], _, notes = _measure(lambda: decode(vae, z, tile=tile), dev, runs)
+            row["notes"] = "; ".join(notes)
+        except _OOM:
+            row["tiled_ms"] = row["tiled_peak_gb"] = "OOM"
+        if memory_gb is not None and dev.type == "cuda":
+            capped = tile_plan(vae, z, memory_gb=memory_gb)
+            row["capped_plan"] = f"{capped.tile} px x {capped.grid[0]}x{capped.grid[1]} on {capped.store}"
+            try:
+                row["capped_ms"], row["capped_peak_gb"], _, _ = _measure(
+                    lambda: decode(vae, z, memory_gb=memory_gb), dev, runs)
+            except _OOM:
+                row["capped_ms"] = row["capped_peak_gb"] = "OOM"
+        if size == psnr_size and ref is not None:
+            # ComfyUI's defaults, 512 px tiles with 64 px overlap, at 2048 px; the same proportions elsewhere.
+            side = max(scale * 2, size // 4 // scale * scale)
+            overlap = max(scale, side // 8 // scale * scale)
+            row["compare_tile"] = f"{side}/{overlap}"
+            row["psnr_tiled_db"] = psnr(decode(vae, z, tile=side, overlap=overlap), ref)
+            row["psnr_naive_db"] = psnr(naive_tiled_decode(vae, z, tile=side, overlap=overlap), ref)
+        del ref
+        rows.append(row)
+    return rows
+
+
+# The table's columns: (row key, heading, format); a column no row has a figure for (the GPU-only ones on the CPU)
+# is left out.
+_COLUMNS = (("size", "px", "d"), ("untiled_ms", "untiled ms", ".1f"), ("untiled_peak_gb", "untiled GB", ".2f"),
+            ("fused_untiled_ms", "fused ms", ".1f"), ("tiled_ms", "tiled ms", ".1f"),
+            ("tiled_peak_gb", "tiled GB", ".2f"), ("tile", "tile", "d"), ("grid", "grid", ""), ("store", "store", ""),
+            ("capped_ms", "capped ms", ".1f"), ("capped_peak_gb", "capped GB", ".2f"),
+            ("psnr_tiled_db", "tiled dB", ".1f"), ("psnr_naive_db", "naive dB", ".1f"))
+
+
+def table(rows: list[dict]) -> str:
+    """bench_vae's rows as a table, like the UNet bench's; the plans and notes of a row on lines under it."""
+    if not rows:
+        return ""
+    cols = [c for c in _COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    widths = [max(len(head), 8) for _, head, _ in cols]
+
+    def cell(value: object, spec: str) -> str:
+        if value is None:
+            return "-"
+        return value if isinstance(value, str) else format(value, spec)
+
+    head = " ".join(f"{h:>{w}}" for (_, h, _), w in zip(cols, widths))
+    lines = [f"VAE decode, {rows[0]['dtype']} on {rows[0]['device']}", head, "-" * len(head)]
+    for r in rows:
+        lines.append(" ".join(f"{cell(r.get(k), f):>{w}}" for (k, _, f), w in zip(cols, widths)))
+        if r.get("capped_plan"):
+            lines.append(f"    capped: {r['capped_plan']}")
+        if r.get("compare_tile"):
+            lines.append(f"    PSNR against the untiled decode at tile/overlap {r['compare_tile']} px: tiled dB = "
+                         "sd-accel's tiled decode, naive dB = per-tile GroupNorm (ComfyUI's VAEDecodeTiled)")
+        if r.get("notes"):
+            lines.append(f"    {r['notes']}")
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""What every fusion shares: patching an instance's forward or a child module, with a way back; what the fusions
+keep about a module; the helpers more than one fusion calls."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import types
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def kernel_module(name: str) -> types.ModuleType:
+    """kernels/<name>.py, imported when a fusion first needs it: Triton is slow to import and optional."""
+    return importlib.import_module(f"....kernels.{name}", __package__)
+
+
+class Undo:
+    """Changes made to modules, undone in reverse order."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], None]] = []
+
+    def add(self, step: Callable[[], None]) -> None:
+        self._steps.append(step)
+
+    def __call__(self) -> None:
+        while self._steps:
+            self._steps.pop()()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+
+def patch_method(module: nn.Module, name: str, fn: Callable, undo: Undo) -> None:
+    """Give one instance its own method; deleting the instance attribute brings back its class's (or the instance's
+    own, where the host had given it one)."""
+    had, before = name in module.__dict__, module.__dict__.get(name)
+    setattr(module, name, types.MethodType(fn, module))
+    undo.add(lambda: module.__dict__.__setitem__(name, before) if had else module.__dict__.pop(name, None))
+
+
+def patch_forward(module: nn.Module, forward: Callable, undo: Undo) -> None:
+    patch_method(module, "forward", forward, undo)
+
+
+# What the fusions know about a module is kept here, keyed by the module, and never in its __dict__: that belongs to
+# the host, which copies modules (a deep copy would carry entries that point at the original's weights) and reads
+# their attributes, and undo would have to find every key again. A module the host drops takes its entries with it.
+_PACKS: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+_PROJECTIONS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_SHORT_KEYS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def packs(model: nn.Module) -> list[Any]:
+    """The packs made for the model's layers (packing.py), a list to update in place."""
+    return _PACKS.setdefault(model, [])
+
+
+def drop_packs(model: nn.Module) -> list[Any]:
+    """Forget the model's packs; returns them."""
+    return _PACKS.pop(model, [])
+
+
+def projections(m: nn.Module) -> Any | None:
+    """Where an attention module's projections read their packed weights (the qkv fusion's entry), if anywhere."""
+    return _PROJECTIONS.get(m)
+
+
+def set_projections(m: nn.Module, entry: Any, undo: Undo) -> None:
+    _PROJECTIONS[m] = entry
+    undo.add(lambda: _PROJECTIONS.pop(m, None))
+
+
+def mark_short_keys(m: nn.Module, undo: Undo) -> None:
+    """Let `attend` run the attention kernel for this module's calls."""
+    _SHORT_KEYS.add(m)
+    undo.add(lambda: _SHORT_KEYS.discard(m))
+
+
+def replace_child(parent: nn.Module, name: str, new: nn.Module, undo: Undo) -> None:
+    old = parent._modules[name]
+    parent._modules[name] = new
+    undo.add(lambda: parent._modules.__setitem__(name, old))
+
+
+def plain_weights(m: nn.Module) -> bool:
+    """A layer whose forward uses its own weight and bias as stored: not ComfyUI's cast-on-the-fly or lowvram
+    weight functions, which its forward applies and a fused kernel reading the weight directly would skip."""
+    return (not getattr(m, "comfy_cast_weights", False) and not getattr(m, "weight_function", None)
+            and not getattr(m, "bias_function", None))
+
+
+def forward_takes(m: nn.Module, *params: str) -> bool:
+    """Whether the forward of m's class takes exactly these parameters (after self): the form a fusion restates."""
+    return list(inspect.signature(type(m).forward).parameters) == ["self", *params]
+
+
+def comfy_forward(m: nn.Module) -> bool:
+    """A ComfyUI transformer module whose forward is (x, context, transformer_options), the form the fusions
+    restate."""
+    return forward_takes(m, "x", "context", "transformer_options")
+
+
+def forge_plain(m: nn.Module) -> bool:
+    """Forge's layer classes (backend.operations) when their forward is the plain op on their own weight and bias:
+    no per-layer cast or streaming, no online LoRA, no fp8 scale."""
+    return (hasattr(m, "parameters_manual_cast") and not m.parameters_manual_cast
+            and not getattr(m, "forge_online_loras", None) and getattr(m, "scale_weight", None) is None
+            and isinstance(getattr(m, "weight", None), torch.Tensor))
+
+
+def plain_linear(m: nn.Module) -> bool:
+    """nn.Linear, or ComfyUI's or Forge's Linear without cast or weight functions: a forward that is F.linear of its
+    own weight and bias. Any other subclass (a LoRA layer adds its own terms) is left to its forward."""
+    return (type(m) is nn.Linear or (isinstance(m, nn.Linear) and hasattr(m, "comfy_cast_weights") and plain_weights(m))
+            or (type(m).__name__ == "Linear" and hasattr(m, "in_features") and forge_plain(m)))
+
+
+def plain_conv(conv: nn.Module) -> bool:
+    """A Conv2d whose forward is F.conv2d of its own weight and bias."""
+    return (isinstance(conv, nn.Conv2d) and conv.bias is not None and conv.padding_mode == "zeros"
+            and plain_weights(conv))
+
+
+def own_conv(conv: nn.Module) -> bool:
+    """torch's or ComfyUI's Conv2d computing F.conv2d of its own weight and bias: a subclass that restates forward
+    (a LoRA-compatible layer) is not."""
+    return ((type(conv) is nn.Conv2d or (isinstance(conv, nn.Conv2d) and hasattr(conv, "comfy_cast_weights"))
+             or (isinstance(conv, nn.Conv2d) and forge_plain(conv))) and plain_conv(conv))
+
+
+def conv_without_bias(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    return F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+
+def add_bias_residual_nchw(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None,
+                           bias2: torch.Tensor | None = None) -> torch.Tensor:
+    """h + bias (+ bias2, per channel) (+ residual) for channels_last (N, C, H, W) tensors, in one pass of the
+    Triton kernel."""
+    # channels_last (N, C, H, W) is (N, H, W, C) in memory: the bias runs along the last dimension of that view.
+    nhwc = (0, 2, 3, 1)
+    layernorm = kernel_module("layernorm")
+    r = None if residual is None else residual.permute(nhwc)
+    return layernorm.add_bias_residual(h.permute(nhwc), bias, r, bias2).permute(0, 3, 1, 2)
+
+
+def bias_pass_runs(conv: nn.Module, x: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether conv(x)'s bias can be added in the bias kernel's pass over t, a channels_last tensor of its output's
+    layout (the output itself, or the residual added to it)."""
+    return (plain_conv(conv) and t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+            and not t.is_contiguous() and conv.weight.dtype == x.dtype and kernel_module("layernorm").supported(t))
+
+
+def conv_add(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """conv(x) + residual, with the conv's bias added in the residual's pass where the kernel runs on them."""
+    if bias_pass_runs(conv, x, residual):
+        return add_bias_residual_nchw(conv_without_bias(conv, x), conv.bias, residual)
+    return conv(x) + residual
+
+
+class SiLUForEmbeddings(nn.Module):
+    """diffusers' ResnetBlock2D applies one `nonlinearity` to both norms' outputs (4-D) and to the time embedding
+    (2-D). Where the groupnorm fusion put the SiLU into the norms, this takes the nonlinearity's place: the time
+    embedding still needs it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.dim() == 4 else F.silu(x)
+
+
+def attend(m: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """softmax(q k^T / sqrt(d)) v for (B, tokens, heads * d) q, k and v, as (B, Lq, heads * d), through the attention
+    kernel; None where the cross_attention fusion did not mark the module or the kernel does not cover the call."""
+    if m not in _SHORT_KEYS or q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        return None
+    (B, Lq, C), Lk = q.shape, k.shape[1]
+    if C % heads or k.shape[2] != C or k.shape[0] != B or q.stride(-1) != 1 or k.stride(-1) != 1 \
+            or v.stride(-1) != 1:
+        return None
+    d = C // heads
+    qh, kh, vh = q.view(B, Lq, heads, d), k.view(B, Lk, heads, d), v.view(B, Lk, heads, d)
+    attention = kernel_module("attention")
+    if not attention.covers(qh, kh):
+        return None
+    return attention.attention(qh, kh, vh).view(B, Lq, C)
+
+
+def comfy_pytorch_attention(m: nn.Module, transformer_options: dict) -> bool:
+    """Whether a ComfyUI CrossAttention call would go to ComfyUI's PyTorch attention (the default on NVIDIA and
+    AMD GPUs), with no attention override from a model patch."""
+    module = sys.modules.get(type(m).__module__)
+    pytorch = getattr(module, "attention_pytorch", None)
+    return (pytorch is not None and getattr(module, "optimized_attention", None) is pytorch
+            and "optimized_attention_override" not in (transformer_options or {}))

@@ -1,0 +1,32 @@
+"""Attention over a short key set (a cross-attention's text context, 77 tokens) through the Triton kernel of
+kernels/attention.py, where it was measured faster than cuDNN's (`attention.config` says where: 64-wide heads).
+
+The fusion marks the attention modules it covers (diffusers' Attention with the sdpa_processor fusion's processor,
+ComfyUI's CrossAttention with the qkv fusion's forward); those two call `base.attend` in place of SDPA and get None
+back wherever the kernel does not cover the call (other head sizes, long key sets, fp32), which then runs as before.
+In ComfyUI only calls that would have gone to its PyTorch attention are taken: another attention function chosen by
+the user (sage, xformers, ...) or a model patch's attention override keeps its call.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import Undo, mark_short_keys, projections
+from .registry import fusion
+
+
+def _covered(m: nn.Module) -> bool:
+    name = type(m).__name__
+    return (name == "Attention" and type(getattr(m, "processor", None)).__name__ == "PlainSDPAProcessor") or \
+        (name == "CrossAttention" and "forward" in m.__dict__ and projections(m) is not None)
+
+
+# A module is marked only where the forward another fusion gave it calls `attend`: sdpa_processor's processor, or
+# qkv's ComfyUI forward (with the entry qkv keeps for a module whose projections it packed).
+@fusion("cross_attention", after=("sdpa_processor", "qkv"))
+def apply(model: nn.Module, undo: Undo) -> int:
+    marked = [m for m in model.modules() if _covered(m)]
+    for m in marked:
+        mark_short_keys(m, undo)
+    return len(marked)

@@ -1,0 +1,89 @@
+"""Packed QKV: a self-attention's three projections as one GEMM, and the K and V of every cross-attention as one
+GEMM per UNet call.
+
+The weights are packed (packing.py: each Linear's weight becomes a view of its rows in one buffer, so the host's
+weight patching keeps working): a self-attention's q, k and v in a buffer of its own, and the k and v of all the
+model's cross-attentions that read the same context width in one shared buffer. Every cross-attention of a UNet
+call reads the same text context, so the first one projects it through the whole shared buffer and the others
+take their slices (SD1.5: 16 K/V GEMMs become one, SDXL: 140). A call with another context (a host's per-block
+conditioning) gets a K/V GEMM of its own module's rows.
+
+The packed projections (packing.project) are used by the diffusers processor of sdpa_processor and by ComfyUI's
+CrossAttention, whose forward is restated here (the same calls: ComfyUI's optimized_attention of the module's own
+namespace); a call with a separate value tensor, or a module whose weights are not plain (lowvram casts, LoRA
+layers), runs as it did.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from . import packing
+from .base import (Undo, attend, comfy_pytorch_attention, forward_takes, patch_forward, plain_linear, projections,
+                   set_projections)
+from .registry import fusion
+
+
+def _projections(m: nn.Module) -> list[nn.Module] | None:
+    layers = [getattr(m, name, None) for name in ("to_q", "to_k", "to_v")]
+    return layers if all(plain_linear(layer) for layer in layers) and layers[0].bias is None else None
+
+
+def _pack(model: nn.Module, undo: Undo) -> int:
+    """Pack the projections of every attention module (again where the host replaced a weight since): a
+    self-attention's q, k and v (they read the same width) in a pack of its own, the k and v of the
+    cross-attentions in one pack per context width. Returns how many modules read packed weights."""
+    own, cross = [], {}
+    for m in model.modules():
+        layers = _projections(m)
+        if layers is None:
+            continue
+        if packing.packable(layers):
+            own.append(m)
+        elif packing.packable(layers[1:]):
+            w = m.to_k.weight
+            cross.setdefault((m.to_k.in_features, w.dtype, w.device), []).append(m)
+    for m in own:
+        set_projections(m, packing.Projections(packing.pack(model, [m.to_q, m.to_k, m.to_v]), 0), undo)
+    shared = []
+    for modules in cross.values():
+        shared.append(packing.SharedInput(packing.pack(model, [l for m in modules for l in (m.to_k, m.to_v)])))
+        for i, m in enumerate(modules):
+            set_projections(m, packing.Projections(shared[-1], 2 * i), undo)
+    packing.track_calls(model, shared, undo)
+    return len(own) + sum(map(len, cross.values()))
+
+
+def _comfy_forward(self, x, context=None, value=None, mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
+    if value is not None or projections(self) is None:
+        return type(self).forward(self, x, context, value, mask, transformer_options)
+    q, k, v = packing.project(self, x, x if context is None else context)
+    # ComfyUI's attention functions, looked up at call time in the module's namespace as its own forward does.
+    attention = sys.modules[type(self).__module__]
+    if mask is not None:
+        out = attention.optimized_attention_masked(q, k, v, self.heads, mask, attn_precision=self.attn_precision,
+                                                   transformer_options=transformer_options)
+    else:
+        out = attend(self, q, k, v, self.heads) if comfy_pytorch_attention(self, transformer_options) else None
+        if out is None:
+            out = attention.optimized_attention(q, k, v, self.heads, attn_precision=self.attn_precision,
+                                                transformer_options=transformer_options)
+    return self.to_out(out)
+
+
+def _comfy_attention(m: nn.Module) -> bool:
+    """ComfyUI's CrossAttention in the form restated above."""
+    module = sys.modules.get(type(m).__module__)
+    return (type(m).__name__ == "CrossAttention" and hasattr(m, "to_out") and hasattr(m, "attn_precision")
+            and hasattr(module, "optimized_attention") and hasattr(module, "optimized_attention_masked")
+            and forward_takes(m, "x", "context", "value", "mask", "transformer_options"))
+
+
+@fusion("qkv")
+def apply(model: nn.Module, undo: Undo) -> int:
+    for m in model.modules():
+        if _comfy_attention(m):
+            patch_forward(m, _comfy_forward, undo)
+    return _pack(model, undo)

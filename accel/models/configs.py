@@ -1,0 +1,291 @@
+"""Published architecture configs (SD1.5, SD2.1, SDXL UNets, the SD VAE) and tiny ones for the CPU.
+
+Models are built from these with seeded random weights: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+UNET_CONFIGS: dict[str, dict] = {
+    # runwayml/stable-diffusion-v1-5 unet/config.json
+    "sd15": dict(
+        sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+        block_out_channels=(320, 640, 1280, 1280),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32),
+    # stabilityai/stable-diffusion-2-1 unet/config.json
+    "sd21": dict(
+        sample_size=96, in_channels=4, out_channels=4, layers_per_block=2,
+        block_out_channels=(320, 640, 1280, 1280),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=1024, attention_head_dim=(5, 10, 20, 20), use_linear_projection=True, norm_num_groups=32),
+    # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
+    "sdxl": dict(
+        sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+        block_out_channels=(320, 640, 1280),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=2816, norm_num_groups=32),
+    # Small versions with the same block types, for the CPU and for tests.
+    "tiny-sd15": dict(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8),
+    "tiny-sdxl": dict(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2), attention_head_dim=(4, 8), cross_attention_dim=48,
+        use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=32 + 6 * 8, norm_num_groups=8),
+}
+
+VAE_CONFIGS: dict[str, dict] = {
+    # runwayml/stable-diffusion-v1-5 vae/config.json (the SD1.x/SD2.x VAE; SDXL's has the same architecture)
+    "sd": dict(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        norm_num_groups=32, sample_size=512, scaling_factor=0.18215),
+    "tiny": dict(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=8, sample_size=32, scaling_factor=0.18215),
+}
+
+# The same UNets in ldm form, as ComfyUI's model detection configures its UNetModel for those checkpoints.
+_LDM_SD15 = dict(image_size=32, in_channels=4, out_channels=4, model_channels=320, num_res_blocks=[2, 2, 2, 2],
+                 channel_mult=[1, 2, 4, 4], transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0],
+                 transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0], transformer_depth_middle=1,
+                 context_dim=768, use_linear_in_transformer=False, adm_in_channels=None, use_temporal_attention=False,
+                 use_temporal_resblock=False, use_spatial_transformer=True, num_heads=8, num_head_channels=-1,
+                 legacy=False, use_checkpoint=False)
+_LDM_SDXL = {**_LDM_SD15, "num_res_blocks": [2, 2, 2], "channel_mult": [1, 2, 4],
+             "transformer_depth": [0, 0, 2, 2, 10, 10], "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+             "transformer_depth_middle": 10, "context_dim": 2048, "adm_in_channels": 2816,
+             "use_linear_in_transformer": True, "num_classes": "sequential", "num_head_channels": 64, "num_heads": -1}
+LDM_UNET_CONFIGS: dict[str, dict] = {
+    "sd15": _LDM_SD15, "sdxl": _LDM_SDXL,
+    "tiny-sd15": {**_LDM_SD15, "model_channels": 32, "num_res_blocks": [1, 1], "channel_mult": [1, 2],
+                  "transformer_depth": [1, 1], "transformer_depth_output": [1, 1, 1, 1], "num_heads": 2},
+    "tiny-sdxl": {**_LDM_SDXL, "model_channels": 32, "num_res_blocks": [1, 1], "channel_mult": [1, 2],
+                  "transformer_depth": [0, 1], "transformer_depth_output": [0, 0, 1, 1], "transformer_depth_middle": 1,
+                  "num_head_channels": 16},
+}
+
+# Token count and context width of each UNet's text conditioning, and the latent side at its native resolution.
+SHAPES = {"sd15": (77, 64), "sd21": (77, 96), "sdxl": (77, 128), "tiny-sd15": (77, 16), "tiny-sdxl": (77, 16)}
+
+
+def _seeded(build, seed: int, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    from diffusers.utils import logging
+
+    logging.set_verbosity_error()  # its warning about casting with .to() concerns pretrained checkpoints
+    torch.manual_seed(seed)
+    with torch.device(device):
+        m = build()
+    return m.to(dtype=dtype).eval().requires_grad_(False)
+
+
+def build_unet(name: str, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A diffusers UNet2DConditionModel of a published architecture with seeded random weights."""
+    from diffusers import UNet2DConditionModel
+
+    if name not in UNET_CONFIGS:
+        raise ValueError(f"unknown UNet config {name!r}; choose one of {', '.join(UNET_CONFIGS)}")
+    return _seeded(lambda: UNet2DConditionModel(**UNET_CONFIGS[name]), seed, device, dtype)
+
+
+def build_vae(name: str = "sd", seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A diffusers AutoencoderKL of a published architecture with seeded random weights."""
+    from diffusers import AutoencoderKL
+
+    if name not in VAE_CONFIGS:
+        raise ValueError(f"unknown VAE config {name!r}; choose one of {', '.join(VAE_CONFIGS)}")
+    return _seeded(lambda: AutoencoderKL(**VAE_CONFIGS[name]), seed, device, dtype)
+
+
+def seed_parameters(module: nn.Module, seed: int) -> nn.Module:
+    """Seeded weights with sane activations, for modules whose own init is skipped (ComfyUI builds its layers
+    uninitialised): norm scales near 1, biases small, matrices scaled by 1/sqrt(fan_in)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.dim() == 1:
+                r = 1 + 0.1 * r if name.endswith("weight") and "norm" in name else 0.1 * r
+            else:
+                r = r / p[0].numel() ** 0.5
+            p.copy_(r)
+    return module
+
+
+def build_comfy_unet(name: str, comfyui_root: str | Path, seed: int = 0, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> nn.Module:
+    """ComfyUI's own UNetModel (from the checkout at comfyui_root) of a published architecture, seeded weights."""
+    if name not in LDM_UNET_CONFIGS:
+        raise ValueError(f"no ComfyUI config for {name!r}; choose one of {', '.join(LDM_UNET_CONFIGS)}")
+    _require_importable(host_import_paths("comfyui", comfyui_root))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
+    import comfy.ops
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    unet = UNetModel(**LDM_UNET_CONFIGS[name], dtype=torch.float32, device="cpu",
+                     operations=comfy.ops.disable_weight_init)
+    return seed_parameters(unet, seed).to(device, dtype).eval().requires_grad_(False)
+
+
+# The same UNets as A1111 configures its own classes for them (configs/v1-inference.yaml: ldm; sd_xl_base.yaml: sgm).
+_A1111_CONFIGS = {
+    "sd15": ("ldm", dict(image_size=32, in_channels=4, out_channels=4, model_channels=320,
+                         attention_resolutions=[4, 2, 1], num_res_blocks=2, channel_mult=[1, 2, 4, 4], num_heads=8,
+                         use_spatial_transformer=True, transformer_depth=1, context_dim=768, use_checkpoint=False,
+                         legacy=False)),
+    "sdxl": ("sgm", dict(adm_in_channels=2816, num_classes="sequential", use_checkpoint=False, in_channels=4,
+                         use_spatial_transformer=True,
+                         out_channels=4, model_channels=320, attention_resolutions=[4, 2], num_res_blocks=2,
+                         channel_mult=[1, 2, 4], num_head_channels=64, use_linear_in_transformer=True,
+                         transformer_depth=[1, 2, 10], context_dim=2048, spatial_transformer_attn_type="softmax",
+                         legacy=False)),
+}
+_A1111_TINY = dict(model_channels=32, attention_resolutions=[2, 1], num_res_blocks=1, channel_mult=[1, 2])
+_A1111_CONFIGS["tiny-sd15"] = ("ldm", {**_A1111_CONFIGS["sd15"][1], **_A1111_TINY, "num_heads": 2})
+_A1111_CONFIGS["tiny-sdxl"] = ("sgm", {**_A1111_CONFIGS["sdxl"][1], **_A1111_TINY, "transformer_depth": [1, 1],
+                                       "num_head_channels": 16})
+
+
+def _package_shell(name: str, folder: Path) -> None:
+    """Make `name` importable as a package of `folder` without running its __init__ (sgm's imports its whole
+    training stack: Lightning, open_clip, ...; only the UNet's modules are needed here)."""
+    if name not in sys.modules:
+        shell = types.ModuleType(name)
+        shell.__path__ = [str(folder)]
+        sys.modules[name] = shell
+
+
+def _sdpa_cross_attention(self, x, context=None, mask=None, **kwargs):
+    """ldm's CrossAttention through PyTorch's SDPA: what A1111's default cross-attention optimization ("sdp")
+    runs in place of ldm's einsum attention."""
+    q, k, v = self.to_q(x), self.to_k(x if context is None else context), self.to_v(x if context is None else context)
+    b, h = q.shape[0], self.heads
+    q, k, v = (t.reshape(b, -1, h, t.shape[-1] // h).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return self.to_out(out.transpose(1, 2).reshape(b, -1, h * out.shape[-1]))
+
+
+def host_import_paths(host: str, root: str | Path) -> list[Path]:
+    """The folders whose modules a host's UNet class imports by their top-level names (comfy, ldm, backend): they must
+    be on the import path of the process that builds it (the host's own start-up puts them there). ValueError when
+    `root` is not what `host` needs."""
+    root = Path(root).expanduser().resolve()
+    if host == "comfyui":
+        if not (root / "comfy" / "ldm" / "modules" / "diffusionmodules" / "openaimodel.py").is_file():
+            raise ValueError(f"{root} is not a ComfyUI checkout (no comfy/ldm/modules/diffusionmodules/openaimodel.py);"
+                             " pass the folder that holds ComfyUI's main.py.")
+        return [root]
+    if host == "a1111":
+        ldm = root / "stable-diffusion-stability-ai"
+        if not (ldm / "ldm" / "modules" / "diffusionmodules" / "openaimodel.py").is_file():
+            raise ValueError(f"{ldm} has no ldm/; pass A1111's repositories folder.")
+        if not (root / "generative-models" / "sgm" / "modules" / "diffusionmodules" / "openaimodel.py").is_file():
+            raise ValueError(f"{root / 'generative-models' / 'sgm'} is missing; pass A1111's repositories folder.")
+        return [ldm]  # sgm is loaded from its folder without the path (see build_host_unet)
+    if host == "forge":
+        if not (root / "backend" / "nn" / "unet.py").is_file():
+            raise ValueError(f"{root} is not a Forge checkout (no backend/nn/unet.py).")
+        return [root, root / "packages_3rdparty"]
+    raise ValueError(f"unknown host {host!r}; choose comfyui, a1111 or forge")
+
+
+def _require_importable(folders: list[Path]) -> None:
+    missing = [str(f) for f in folders if str(f) not in sys.path]
+    if missing:
+        raise ImportError(f"the host's folders {', '.join(missing)} are not on the import path; start Python with "
+                          "them on PYTHONPATH (python -m sd_accel bench does).")
+
+
+def build_host_unet(name: str, host: str, root: str | Path, seed: int = 0, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A host's own UNet class of a published architecture, seeded weights: host "comfyui" (root: a ComfyUI
+    checkout), "a1111" (root: A1111's repositories folder, with stable-diffusion-stability-ai and generative-models)
+    or "forge" (root: a Forge checkout)."""
+    root = Path(root).expanduser().resolve()
+    if host == "comfyui":
+        return build_comfy_unet(name, root, seed, device, dtype)
+    _require_importable(host_import_paths(host, root))
+    if host == "a1111":
+        if name not in _A1111_CONFIGS:
+            raise ValueError(f"no A1111 config for {name!r}; choose one of {', '.join(_A1111_CONFIGS)}")
+        form, cfg = _A1111_CONFIGS[name]
+        if form == "ldm":
+            import ldm.modules.attention
+            from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+            ldm.modules.attention.CrossAttention.forward = _sdpa_cross_attention
+        else:
+            folder = root / "generative-models" / "sgm"
+            for package, path in (("sgm", folder), ("sgm.modules", folder / "modules"),
+                                  ("sgm.modules.diffusionmodules", folder / "modules" / "diffusionmodules")):
+                _package_shell(package, path)
+            from sgm.modules.diffusionmodules.openaimodel import UNetModel
+        unet = UNetModel(**cfg)
+        # A1111 casts the time embedding's sinusoids to the UNet's dtype (its timestep_embedding hijack); the
+        # repositories' own code leaves them in float32.
+        unet.time_embed.register_forward_pre_hook(lambda m, args: (args[0].to(m[0].weight.dtype),))
+    elif host == "forge":
+        from backend.nn.unet import IntegratedUNet2DConditionModel
+        from backend.operations import using_forge_operations
+
+        accepted = inspect.signature(IntegratedUNet2DConditionModel.__init__).parameters
+        cfg = {k: v for k, v in LDM_UNET_CONFIGS[name].items() if k in accepted}
+        # Forge's loader builds the UNet with its own layer classes, whose Linear gets its weight from a state dict.
+        weights = seed_parameters(IntegratedUNet2DConditionModel(**cfg), seed).state_dict()
+        with using_forge_operations():
+            unet = IntegratedUNet2DConditionModel(**cfg)
+        unet.load_state_dict(weights)
+        return unet.to(device, dtype).eval().requires_grad_(False)
+    else:
+        raise ValueError(f"unknown host {host!r}; choose comfyui, a1111 or forge")
+    unet = seed_parameters(unet, seed).to(device, dtype).eval().requires_grad_(False)
+    if isinstance(getattr(unet, "dtype", None), torch.dtype):
+        unet.dtype = dtype  # ldm casts its input to this; A1111 sets it to the dtype it loaded the UNet in
+    return unet
+
+
+def ldm_example_inputs(name: str, batch: int = 2, seed: int = 1):
+    """Seeded (x, timesteps, context, y) for the canonical call of the ldm-form UNet `name` at its native size."""
+    cfg = LDM_UNET_CONFIGS[name]
+    tokens, latent = SHAPES[name]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, cfg["in_channels"], latent, latent, generator=g)
+    context = torch.randn(batch, tokens, cfg["context_dim"], generator=g)
+    y = torch.randn(batch, cfg["adm_in_channels"], generator=g) if cfg["adm_in_channels"] else None
+    return x, torch.full((batch,), 500.0), context, y
+
+
+def example_inputs(unet: nn.Module, batch: int = 2, latent: int | tuple[int, int] | None = None, tokens: int = 77,
+                   seed: int = 1, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """Seeded (x, timesteps, context, y) for the canonical call of a diffusers UNet."""
+    c = unet.config
+    h, w = (latent, latent) if isinstance(latent, int) else (latent or (c["sample_size"], c["sample_size"]))
+    g = torch.Generator().manual_seed(seed)
+    ctx_dim = c["cross_attention_dim"]
+    x = torch.randn(batch, c["in_channels"], h, w, generator=g)
+    t = torch.full((batch,), 500.0)
+    context = torch.randn(batch, tokens, ctx_dim, generator=g)
+    y = None
+    if c.get("addition_embed_type") == "text_time":
+        y = torch.randn(batch, c["projection_class_embeddings_input_dim"], generator=g)
+    move = lambda v: None if v is None else v.to(device=device, dtype=dtype)
+    return move(x), t.to(device), move(context), move(y)

@@ -186,3 +186,15 @@ def test_profile_classes_sum_to_busy_time_and_top_is_ordered():
                        "busy total": 6.0, "launches": 447}
     assert [name for name, _, _ in profile.top(kernels, n=2)] == ["cudnn::conv2d_fprop_kernel",
                                                                    "sm90_xmma_gemm_f16f16_f16f32"]
+
+
+def test_bench_first_call_times_each_size_in_fresh_processes():
+    r = run("bench", "--first-call", "--tiny", "--models", "sd15", "--iters", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["first_call"]
+    processes = ["1: fresh process", "2: after process 1", "3: with cuDNN search"]
+    assert [(row["process"], row["shape"]) for row in rows] == [(p, s) for p in processes for s in ("64x64", "64x96")]
+    assert all(row["first_s"] > 0 and row["second_s"] > 0 and row["steady_ms"] > 0 for row in rows)
+    assert "first s" in r.stderr and "Triton's compilation = process 1 - process 2" in r.stderr
+    bad = run("bench", "--first-call", "--models", "sd99")
+    assert bad.returncode == 2 and "no first-call shapes for 'sd99'" in bad.stderr

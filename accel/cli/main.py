@@ -63,7 +63,7 @@ def _host_process(args: argparse.Namespace) -> int | None:
     as the host's start-up arranges: when its folders are not on this process's import path, the bench runs again in
     a process started with them on PYTHONPATH, and that process's exit code is returned. None: run here."""
     host = _host(args)
-    if host is None or (args.kernels or args.vae) and not args.unet:
+    if host is None or (args.kernels or args.vae or args.first_call) and not args.unet:
         return None
     from ..models.configs import host_import_paths
 
@@ -98,7 +98,19 @@ def _bench(args: argparse.Namespace) -> int:
         sizes = tuple(int(v) for v in args.vae_sizes.split(",") if v) if args.vae_sizes else None
         out["vae"] = bench_vae(tiny=args.tiny, sizes=sizes, memory_gb=args.vae_memory_gb)
         print(vae_table(out["vae"]), file=say)
-    if not (args.kernels or args.vae) or args.unet:
+    if args.first_call:
+        from .first_call import bench_first_call
+        from .first_call import table as first_call_table
+
+        models = [m for m in args.models.split(",") if m]
+        try:
+            out["first_call"] = bench_first_call([f"tiny-{m}" for m in models] if args.tiny else models, args.iters,
+                                                 log=(lambda s: print(s, file=sys.stderr)))
+        except ValueError as e:  # an unknown model name
+            print(f"sd-accel bench: {e}", file=sys.stderr)
+            return 2
+        print(first_call_table(out["first_call"]), file=say)
+    if not (args.kernels or args.vae or args.first_call) or args.unet:
         from . import bench
 
         modes = [] if args.no_compile or args.tiny else ["default", "reduce-overhead"]
@@ -137,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sd21, sdxl (default: sd15,sdxl)")
     b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
-                        "onnxruntime-graph: ONNX Runtime with its CUDA graph)")
+                        "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
+                        "Runtime with its CUDA graph)")
     b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
@@ -147,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
     b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",
                    help="with --vae: also time the tiled decode limited to this much GPU memory (default 4)")
-    b.add_argument("--unet", action="store_true", help="with --kernels/--vae: time the UNets too")
+    b.add_argument("--first-call", action="store_true",
+                   help="the wait for the first output at new image sizes, per stage, in fresh processes (Triton's "
+                        "cache as found, then warm; with cuDNN's exhaustive search for comparison)")
+    b.add_argument("--unet", action="store_true", help="with --kernels/--vae/--first-call: time the UNets too")
     b.add_argument("--profile", action="store_true",
                    help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")
     hosts = b.add_mutually_exclusive_group()

@@ -33,7 +33,7 @@ class TorchOptions:
     fusions: tuple[str, ...] | None = None  # None: every fusion, in the registry's order
     compile: bool = False  # regional torch.compile of the repeated blocks (then no fused kernels)
     max_graphs: int = 4
-    cudnn_benchmark: bool = False  # time every cuDNN convolution algorithm once per shape
+    cudnn_benchmark: bool = False  # time every cuDNN convolution algorithm at each new shape (seconds, once per size)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ MAX_HEAD_DIM = 128
 SHORT_KEYS = 128
 
 
-@jit
+@jit(do_not_specialize=("Lq",))
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qk_scale, Lq, Lk, H,
                       sq_b, sq_l, sq_h, sk_b, sk_l, sk_h, sv_b, sv_l, sv_h, so_b, so_l, so_h,
                       HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

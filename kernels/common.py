@@ -34,8 +34,16 @@ TILE = 4096
 INTERPRET_TILE = 1 << 16
 
 
-def jit(fn: Callable) -> Callable:
-    return triton.jit(fn) if triton is not None else fn
+def jit(fn: Callable | None = None, *, do_not_specialize: tuple[str, ...] = ()) -> Callable:
+    """triton.jit where Triton is installed. do_not_specialize: the integer arguments that follow the image size
+    (pixel and row counts): Triton would compile another variant of the kernel whenever one of them stops being a
+    multiple of 16 or becomes 1, so a new image size would wait for compilation. None of them is a contiguous
+    dimension, so the variants gain nothing."""
+    if fn is None:
+        return lambda f: jit(f, do_not_specialize=do_not_specialize)
+    if triton is None:
+        return fn
+    return triton.jit(fn, do_not_specialize=do_not_specialize) if do_not_specialize else triton.jit(fn)
 
 
 def interpreted(kernel: Callable) -> bool:

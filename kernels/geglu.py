@@ -78,7 +78,7 @@ def _bias_gelu_gate(acc_h, acc_g, b_ptr, rn, D, HAS_BIAS: tl.constexpr):
     return _gelu_gate(acc_h, acc_g)
 
 
-@jit
+@jit(do_not_specialize=("M",))
 def _geglu_linear_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, D, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                              STAGES: tl.constexpr):
@@ -97,7 +97,7 @@ def _geglu_linear_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, D, K, HAS_BIAS: t
     y_desc.store([off_m, off_n], y.to(y_desc.dtype))
 
 
-@jit
+@jit(do_not_specialize=("M",))
 def _geglu_linear_persistent_kernel(x_desc, w_desc, y_desc, b_ptr, M, D, K, HAS_BIAS: tl.constexpr,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                     GROUP_M: tl.constexpr, STAGES: tl.constexpr, PROGRAMS: tl.constexpr):
@@ -117,7 +117,7 @@ def _geglu_linear_persistent_kernel(x_desc, w_desc, y_desc, b_ptr, M, D, K, HAS_
         y_desc.store([off_m, off_n], y.to(y_desc.dtype))
 
 
-@jit
+@jit(do_not_specialize=("M",))
 def _geglu_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, D, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), M, D, BLOCK_M, BLOCK_N, GROUP_M)
@@ -139,7 +139,7 @@ def _geglu_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, D, K, HAS_BIAS: tl.const
              mask=(rm < M)[:, None] & (rn < D)[None, :])
 
 
-@jit
+@jit(do_not_specialize=("M",))
 def _geglu_kernel(h_ptr, b_ptr, y_ptr, M, D, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]

@@ -89,7 +89,7 @@ def _stats_nchw_kernel(x_ptr, part_ptr, NG, group_len, span, P, BLOCK_GRP: tl.co
     tl.store(out + 2, m2_acc, mask=rmask)
 
 
-@jit
+@jit(do_not_specialize=("HW", "rows_per_prog", "P"))
 def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P, sh_stride,
                        HAS_SHIFT: tl.constexpr, SHIFT_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        STAGES: tl.constexpr):
@@ -131,7 +131,7 @@ def _stats_nhwc_kernel(x_ptr, sh_ptr, sb_ptr, part_ptr, HW, C, rows_per_prog, P,
     tl.store(out + 2, tl.maximum(tl.sum(acc_sq, 0) - total * total / rows, 0.0), mask=cmask)
 
 
-@jit
+@jit(do_not_specialize=("NG", "E"))
 def _finalize_kernel(part_ptr, mean_ptr, rstd_ptr, NG, G, E, stride_n, stride_g, stride_p, eps, PER_CHUNK: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     # Merge the E (<= BLOCK_E) partials of each group (sample n, group g) from one load of them: entry e is
@@ -193,7 +193,7 @@ def _apply_nchw_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, HW, G,
         tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
+@jit(do_not_specialize=("HW", "rows_per_prog"))
 def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rstd_ptr, HW, C, G, rows_per_prog,
                        sh_stride, CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
                        SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -232,7 +232,7 @@ def _apply_nhwc_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, mean_ptr, rst
         tl.store(y_ptr + row + tile, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
+@jit(do_not_specialize=("HW",))
 def _group_norm_whole_kernel(x_ptr, y_ptr, w_ptr, b_ptr, sh_ptr, sb_ptr, HW, C, stride_r, stride_c, sh_stride, eps,
                              CG: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SHIFT: tl.constexpr,
                              SHIFT_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr,

@@ -23,7 +23,7 @@ MAX_C = 16384
 LAYER_NORM_ELEMS_PER_THREAD = 32
 
 
-@jit
+@jit(do_not_specialize=("M",))
 def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, sb_ptr, y_ptr, s_ptr, M, C, eps, HAS_RES: tl.constexpr,
                        HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_SB: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_C: tl.constexpr):
@@ -52,7 +52,7 @@ def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, sb_ptr, y_ptr, s_ptr, M, C, e
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@jit
+@jit(do_not_specialize=("M",))
 def _bias_residual_kernel(x_ptr, b_ptr, b2_ptr, r_ptr, y_ptr, M, C, HAS_B2: tl.constexpr, HAS_RES: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]

@@ -26,7 +26,7 @@ MAX_BLOCK_C = 1024
 SUBPIXEL_MIN_PIXELS = 512
 
 
-@jit
+@jit(do_not_specialize=("P", "W"))
 def _nearest2x_nhwc_kernel(x_ptr, y_ptr, P, W, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     # x is (N*H*W, C) pixel rows; input pixel p = (n*H + h)*W + w goes to output rows (n*2H + 2h + i)*2W + 2w + j.
     pix = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]
@@ -82,7 +82,7 @@ def _subpixel_weight_kernel(w_ptr, y_ptr, CO, CI, s_o, s_i, s_k, s_l, BLOCK_I: t
                     tl.store(dst, _taps(r0, r1, r2, b, v).to(y_ptr.dtype.element_ty), mask=m)
 
 
-@jit
+@jit(do_not_specialize=("Q", "H", "W"))
 def _subpixel_interleave_kernel(o_ptr, b_ptr, y_ptr, Q, H, W, C, HAS_B: tl.constexpr, BLOCK_Q: tl.constexpr,
                                 BLOCK_C: tl.constexpr):
     # Output pixel q = (n*2H + y)*2W + x of parity (a, b) = (y % 2, x % 2) is the 2x2 convolution's output pixel

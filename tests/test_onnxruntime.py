@@ -83,7 +83,8 @@ def sd15(tmp_path_factory):
     unet = CanonicalUNet(build_unet("tiny-sd15", seed=0))
     processors = dict(unet.unet.attn_processors)
     stages = Stages()
-    engine = ortb.build(unet, OrtOptions(control=True), Runtime(gpu=cpu_info(), folder=tmp_path_factory.mktemp("sd15")), stages)
+    engine = ortb.build(unet, OrtOptions(control=True), Runtime(gpu=cpu_info(), folder=tmp_path_factory.mktemp("sd15")),
+                        stages)
     yield unet, engine, processors, stages.names
     engine.release()
 
@@ -426,6 +427,27 @@ def test_engine_cache_builds_once_then_loads(tmp_path, monkeypatch):
     for engine in (first, second, third):
         engine.release()
     print(f"ORT tiny-sd15 on the CPU: build {build_s:.2f} s, cache hit {load_s:.2f} s")
+
+
+def test_second_checkpoint_of_an_architecture_builds_from_the_cached_graph(tmp_path, monkeypatch):
+    """Another checkpoint of a model already in the cache takes that entry's optimized graph with its own weights put
+    in (no export, no fusion pass), and computes what a full export of it computes."""
+    monkeypatch.setenv("SD_ACCEL_CACHE", str(tmp_path / "cache"))
+    first = ortb.build(CanonicalUNet(build_unet("tiny-sd15", seed=4)), None, CPU)
+    other = CanonicalUNet(build_unet("tiny-sd15", seed=6))
+    x, t, ctx, _ = example_inputs(other.unet, latent=16, seed=7)
+    stages = Stages()
+    second = ortb.build(other, None, CPU, stages)
+    assert "refit" in stages.names and not {"export", "fusion"} & set(stages.names) and not second.cache_result.hit
+    full = ortb.build(other, None, Runtime(gpu=cpu_info(), folder=tmp_path / "full"))
+    out = second(x, t, ctx)
+    assert rel(out, full(x, t, ctx)) <= 1e-5 and rel(out, other(x, t, ctx)) <= 1e-4
+    assert rel(out, first(x, t, ctx)) > 1e-2  # the other weights, not the first checkpoint's
+    with torch.no_grad():  # its own weight map: a LoRA-style change on top refits from the new weights
+        other.unet.conv_in.weight.add_(0.01 * torch.randn_like(other.unet.conv_in.weight))
+    assert ortb.update_weights(second, other) and rel(second(x, t, ctx), other(x, t, ctx)) <= 1e-4
+    for engine in (first, second, full):
+        engine.release()
 
 
 def test_shape_inference_view_gives_inputs_generic_concrete_sizes(sd15):

@@ -815,14 +815,40 @@ def weight_map(model_or_path, unet: CanonicalUNet) -> WeightMap:
                      {n: _digest(_fp32(p)) for n, p in params.items()}, sorted(set(params) - used))
 
 
-def refreshed_initializers(wmap: WeightMap, unet: CanonicalUNet) -> dict:
+def refitted(model_path: Path, unet: CanonicalUNet, out: Path) -> Path:
+    """The optimized model at `model_path` (with its weight map beside it) carrying `unet`'s weights, saved to `out`
+    with a weight map for those weights: another checkpoint of the same architecture, without exporting and
+    optimizing again. BackendUnavailable where the map cannot place the weights (then export again)."""
+    from onnx import numpy_helper
+
+    wmap = WeightMap.load(weight_map_path(model_path))
+    digests = {n: _digest(_fp32(p)) for n, p in unet.unet.named_parameters()}
+    values = refreshed_initializers(wmap, unet, digests)
+    model = _load(model_path, external=True)
+    for init in model.graph.initializer:
+        if init.name in values:
+            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+    save_model(model, out)
+    wmap.digests = {n: digests[n] for n in wmap.digests}
+    wmap.save(weight_map_path(out))
+    return out
+
+
+def weight_map_path(model_path: Path) -> Path:
+    """Where the weight map of a model file lives: beside it."""
+    return Path(model_path).with_name(Path(model_path).name + ".weights.json")
+
+
+def refreshed_initializers(wmap: WeightMap, unet: CanonicalUNet, digests: dict[str, str] | None = None) -> dict:
     """New values of the initializers made of parameters that changed since the map was made ({} when none
     did). BackendUnavailable when a changed parameter is in no initializer, or an initializer's sources
-    (equal at export) now disagree: then only a new export gives the right graph."""
+    (equal at export) now disagree: then only a new export gives the right graph. digests: the parameters'
+    digests, when the caller has them already."""
     import numpy as np
 
     params = dict(unet.unet.named_parameters())
-    changed = {n for n, p in params.items() if wmap.digests.get(n) != _digest(_fp32(p))}
+    digests = digests if digests is not None else {n: _digest(_fp32(p)) for n, p in params.items()}
+    changed = {n for n in params if wmap.digests.get(n) != digests[n]}
     if not changed:
         return {}
     unknown = sorted(changed & set(wmap.unmapped) | changed - set(wmap.digests))

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from ...build.export import (OnnxUNetInfo, WeightMap, control_input_names, export_model, host_side_nodes, model_info,
-                             optimized_model, refreshed_initializers, save_model, weight_map)
+                             optimized_model, refitted, refreshed_initializers, save_model, weight_map,
+                             weight_map_path)
 from ...errors import BackendUnavailable
 from ...models.spec import CanonicalUNet
 from ...plan.options import OrtOptions, Runtime
@@ -192,10 +193,6 @@ def build_model(unet: CanonicalUNet, folder: Path, options: OrtOptions | None = 
     return out
 
 
-def weight_map_path(model_path: Path) -> Path:
-    return Path(model_path).with_name(Path(model_path).name + ".weights.json")
-
-
 def update_weights(engine: "OrtEngine", unet: CanonicalUNet) -> bool:
     """Serve `unet`'s current weights (e.g. with a LoRA merged) without exporting and fusing again: the
     initializers made of changed parameters are recomputed (see build/export.py weight_map), written into a copy of
@@ -286,6 +283,19 @@ def _build_cached(unet: CanonicalUNet, options: OrtOptions, runtime: Runtime, pr
     cache = EngineCache(default_root(runtime.cache_root))
 
     def build_into(folder: Path, prog: Progress) -> None:
+        donor = _same_graph(cache, parts) if options.refit else None
+        if donor is not None:
+            try:
+                prog.stage("refit", total=1)
+                refitted(donor, unet, folder / donor.name)
+                prog.advance()
+                prog.done()
+                log.info("sd-accel: onnxruntime model of the same architecture found in the cache (%s): its graph "
+                         "takes these weights, no export needed", donor.parent.name[:12])
+                return
+            except (BackendUnavailable, OSError) as e:
+                log.info("sd-accel: the cached graph of %s cannot take these weights (%s); exporting",
+                         donor.parent.name[:12], e)
         build_model(unet, folder, options, prog, provider)
 
     def load_from(folder: Path) -> "OrtEngine":
@@ -298,6 +308,21 @@ def _build_cached(unet: CanonicalUNet, options: OrtOptions, runtime: Runtime, pr
     engine.cache_result = result
     log.info("sd-accel: onnxruntime engine %s", result.describe())
     return engine
+
+
+def _same_graph(cache, parts: dict) -> Path | None:
+    """The model file of a sound cache entry built with everything as `parts` says but the weights (the same
+    architecture, shape profile, options, library versions and GPU), that has a weight map: a second checkpoint of
+    a known model is built from its graph by putting the new weights in (seconds), not by exporting and optimizing
+    again (minutes)."""
+    same = {k: v for k, v in parts.items() if k != "weights"}
+    for entry in cache.ls():
+        if entry.problem or {k: v for k, v in entry.parts.items() if k != "weights"} != same:
+            continue
+        models = [m for m in sorted(entry.path.glob("unet.*.onnx")) if weight_map_path(m).exists()]
+        if models:
+            return models[0]
+    return None
 
 
 _NUMPY = {torch.float16: "float16", torch.float32: "float32"}

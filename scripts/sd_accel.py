@@ -149,9 +149,10 @@ _tiled_decodes = 0
 
 
 def _show_progress(stage: str, fraction: float, eta: float | None) -> None:
-    # A1111 shows shared.state.textinfo beside its progress bar while a job runs.
+    # A1111 shows shared.state.textinfo beside its progress bar while a job runs; a finished stage leaves it empty
+    # again, so the line does not outlast the wait it explains.
     left = f", {eta:.0f} s left" if eta else ""
-    shared.state.textinfo = f"sd-accel: {stage} {fraction:.0%}{left}"
+    shared.state.textinfo = f"sd-accel: {stage} {fraction:.0%}{left}" if fraction < 1.0 else None
 
 
 class AccelUnetOption(sd_unet.SdUnetOption):

@@ -144,6 +144,25 @@ def test_slot_builds_on_first_call_serves_and_undoes_at_run_end(unet_and_inputs)
     assert slot.acc is kept and not kept.engine.suspended and slot.status.engine_calls == 3
 
 
+def test_first_call_at_each_size_says_why_it_waits(unet_and_inputs):
+    """The first step at a new batch or image size prepares the kernels for it: the host's progress says so once per
+    size (and the build's own stages come first)."""
+    from sd_accel.accel.progress import CallbackProgress
+
+    unet, (x, t, ctx, _y) = unet_and_inputs
+    stages = []
+    slot = EngineSlot("torch", progress=lambda: CallbackProgress(
+        lambda stage, fraction, eta: fraction == 0 and stages.append(stage)))  # each stage as it starts
+    wide = torch.cat([x, x], dim=-1)
+    for inputs in (x, x, wide, x, wide):
+        slot.call(unet, "w", inputs, t, ctx, None, None, lambda: reference(unet, inputs, t, ctx))
+    first = [s for s in stages if s.startswith("first step")]
+    h, w = x.shape[-2] * 8, x.shape[-1] * 8
+    assert first == [f"first step at {w}x{h}, batch {x.shape[0]}: preparing the kernels for this size (once per size)",
+                     f"first step at {2 * w}x{h}, batch {x.shape[0]}: preparing the kernels for this size (once per "
+                     "size)"]
+
+
 def test_slot_runs_plain_when_the_build_or_a_call_fails(unet_and_inputs, monkeypatch, caplog):
     import sd_accel.accel.engine.backends.torch_fused as torch_fused
 

@@ -150,6 +150,7 @@ class EngineSlot:
         self._told: set[str] = set()
         self._failed: str | None = None  # a build that failed for this module: not retried every call
         self._broken = False  # the engine failed on a call: the rest of this run goes to the plain model
+        self._sizes: set[tuple[int, ...]] = set()  # (batch, latent height, latent width) the engine has served
 
     # -- messages
 
@@ -205,7 +206,7 @@ class EngineSlot:
                     f"is outside the engine's profile ({self.profile.describe()}); such calls run on the torch "
                     "path. Widen the profile on the node to cover it."))
                 runner = acc.fallback or acc.unet
-            out = runner(x, timesteps, context, y, control)
+            out = self._first_at_size(x, lambda: runner(x, timesteps, context, y, control))
             self.status.engine_calls += 1
             return out
         except AccelError as e:
@@ -219,6 +220,19 @@ class EngineSlot:
                 "plain model until the next run."), plain)
         finally:
             log.removeHandler(collect)
+
+    def _first_at_size(self, x: torch.Tensor, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """run(); the first call at a batch and image size shows why it waits (kernels prepared for that size)."""
+        size = (x.shape[0], *x.shape[-2:])
+        if size in self._sizes or self.progress is None:
+            return run()
+        self._sizes.add(size)
+        progress = self.progress()
+        progress.stage(f"first step at {size[2] * LATENT_SCALE}x{size[1] * LATENT_SCALE}, batch {size[0]}: "
+                       "preparing the kernels for this size (once per size)")
+        out = run()
+        progress.done()
+        return out
 
     def _engine_for(self, module: torch.nn.Module, weights_key: Any):
         if self._module is not module:
@@ -308,6 +322,7 @@ class EngineSlot:
             self.acc.release()
             self.acc = None
         self._module = None
+        self._sizes.clear()
 
 
 def _source(engine: Any, seconds: float) -> str:

@@ -41,9 +41,7 @@ def jit(fn: Callable | None = None, *, do_not_specialize: tuple[str, ...] = ()) 
     dimension, so the variants gain nothing."""
     if fn is None:
         return lambda f: jit(f, do_not_specialize=do_not_specialize)
-    if triton is None:
-        return fn
-    return triton.jit(fn, do_not_specialize=do_not_specialize) if do_not_specialize else triton.jit(fn)
+    return triton.jit(fn, do_not_specialize=do_not_specialize) if triton is not None else fn
 
 
 def interpreted(kernel: Callable) -> bool:

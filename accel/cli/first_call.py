@@ -17,7 +17,6 @@ Triton's compilation is process 1's first minus process 2's; cuDNN's search is p
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -84,7 +83,7 @@ def bench_first_call(models: list[str], iters: int = 20, log: Callable[[str], No
         for process, what, options in PROCESSES:
             job = json.dumps({"model": name, "shapes": shapes, "options": options, "iters": iters})
             run = subprocess.run([sys.executable, "-m", "sd_accel.accel.cli.first_call", job], capture_output=True,
-                                 text=True, env=os.environ)
+                                 text=True)
             if run.returncode != 0:
                 raise RuntimeError(f"the first-call process for {name} failed:\n{run.stderr[-3000:]}")
             result = json.loads(run.stdout.strip().splitlines()[-1])

@@ -109,6 +109,9 @@ def _bench(args: argparse.Namespace) -> int:
         except ValueError as e:  # an unknown model name
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 2
+        except RuntimeError as e:  # a measuring process failed: its own error output, no stack trace of ours
+            print(f"sd-accel bench: {e}", file=sys.stderr)
+            return 1
         print(first_call_table(out["first_call"]), file=say)
     if not (args.kernels or args.vae or args.first_call) or args.unet:
         from . import bench

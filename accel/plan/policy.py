@@ -207,9 +207,9 @@ def _torch_options(gpu: GpuInfo, installed: dict[str, bool], asked: dict, reason
     given = parse(TorchOptions, asked)
     can = {"channels_last": tuned, "cuda_graphs": tuned and gpu.graphs,
            "triton_kernels": gpu.triton and bool(installed.get("triton")), "cudnn_benchmark": tuned}
-    # cuDNN's exhaustive search is off unless asked for: it cost seconds at every new image size (SDXL 7-9 s on an
-    # H100) and found no faster step than cuDNN's heuristics (BENCHMARKS.md, first call).
-    chosen = {name: able and tuned and name != "cudnn_benchmark" for name, able in can.items()}
+    # On where the GPU is tuned, except cuDNN's exhaustive search: it costs seconds at every new image size and found
+    # no faster step than cuDNN's heuristics (BENCHMARKS.md, first call at a new image size), so only when asked.
+    chosen = {name: able and tuned for name, able in can.items()} | {"cudnn_benchmark": False}
     for name in can:
         if name in asked:
             if given.__dict__[name] and not can[name]:

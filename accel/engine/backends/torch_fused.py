@@ -128,8 +128,7 @@ class TorchEngine:
             self._undo.append(lambda: restride_tensors(converted, torch.contiguous_format))
         progress.advance()
         if options.cudnn_benchmark and self.on_gpu:
-            # Time every cuDNN algorithm, not the first 10 of its heuristic list: that finds faster convolutions for
-            # the UNet's shapes, for a first call at each shape that takes longer once.
+            # Asked for: time every cuDNN algorithm at each new shape, not only the first 10 of its heuristic list.
             previous = torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit
             torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit = True, 0
             self._undo.append(lambda: (setattr(torch.backends.cudnn, "benchmark", previous[0]),

@@ -1,0 +1,145 @@
+"""adaLN: LayerNorm without affine, then the diffusion transformer's modulation `LN(x) * (1 + scale) + shift`, in one
+pass; optionally after the gated residual that precedes it, `s = x + gate * update`, returning (y, s). And the gated
+residual alone, in place (`gated_add_`), where no norm follows in the same block.
+
+In a DiT block (Flux, SD3/MMDiT) the attention output's gated residual feeds the MLP's modulated LayerNorm: one read
+of x and the update gives both the new residual stream and the MLP's input. scale, shift and gate are per sample and
+channel, (B, 1, C) or (B, C) views of the modulation projection's output (any batch stride, channels contiguous).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
+from .errors import BadInput
+
+MAX_C = 16384
+
+
+@jit(do_not_specialize=("M", "L"))
+def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, M, L, C, g_stride, sc_stride, sh_stride, eps,
+                  HAS_UPDATE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_C)[None, :]
+    mask = (rows < M) & (cols < C)
+    off = rows.to(tl.int64) * C + cols
+    batch = rows // L
+    x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_UPDATE:
+        g = tl.load(g_ptr + batch * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        s = (x + g * u).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + off, s, mask=mask)
+        x = s.to(tl.float32)  # normalize the stream as stored, so that (y, s) are consistent
+    mean = tl.sum(x, 1) / C
+    d = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(d * d, 1) / C + eps)
+    scale = tl.load(sc_ptr + batch * sc_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = d * rstd[:, None] * (1.0 + scale)
+    if HAS_SHIFT:
+        y += tl.load(sh_ptr + batch * sh_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@jit(do_not_specialize=("M", "L"))
+def _gated_add_kernel(x_ptr, u_ptr, g_ptr, M, L, C, g_stride, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    mask = (rows < M) & (cols < C)
+    off = rows.to(tl.int64) * C + cols
+    g = tl.load(g_ptr + (rows // L) * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + off, (x + g * u).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def supported(x: torch.Tensor) -> bool:
+    """True when the kernel can run on x (CUDA/ROCm, or CPU under TRITON_INTERPRET=1) and its rows fit."""
+    return supported_tensor(x, _adaln_kernel) and x.dim() == 3 and 0 < x.shape[-1] <= MAX_C
+
+
+def _per_sample(t: Optional[torch.Tensor], name: str, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A (B|1, 1, C) or (B|1, C) modulation tensor as (tensor with contiguous channels, batch stride)."""
+    if t is None:
+        return x, 0
+    B, _, C = x.shape
+    v = t.reshape(t.shape[0], -1) if t.dim() == 3 and t.shape[1] == 1 else t
+    if v.dim() != 2 or v.shape[1] != C or v.shape[0] not in (1, B) or v.device != x.device:
+        raise BadInput(f"adaln: {name} has shape {tuple(t.shape)} on {t.device}; expected (B, 1, {C}) or (B, {C}) "
+                       f"with B 1 or {B}, on {x.device}.", f"Pass the modulation's {name} for each sample.")
+    if v.stride(1) != 1:
+        v = v.contiguous()
+    return v, (v.stride(0) if v.shape[0] > 1 else 0)
+
+
+def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor], eps: float = 1e-6,
+                         update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None
+                         ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """LN(x) * (1 + scale) + shift over the last dim of x (B, L, C) (no shift when None); with `update` and
+    `gate`, s = x + gate * update first and returns (LN(s) * (1 + scale) + shift, s)."""
+    require(x, _adaln_kernel, "modulated_layer_norm")
+    if x.dim() != 3 or not 0 < x.shape[-1] <= MAX_C:
+        raise BadInput(f"modulated_layer_norm: x has shape {tuple(x.shape)}; it takes (batch, tokens, channels) with "
+                       f"up to {MAX_C} channels.", "Use modulated_layer_norm_ref (torch) for this tensor.")
+    if (update is None) != (gate is None):
+        raise BadInput("modulated_layer_norm: update and gate come together.", "Pass both or neither.")
+    if update is not None and (update.shape != x.shape or update.dtype != x.dtype or update.device != x.device):
+        raise BadInput(f"modulated_layer_norm: update {tuple(update.shape)} {update.dtype} does not match x "
+                       f"{tuple(x.shape)} {x.dtype}.", "Pass an update of x's shape, dtype and device.")
+    B, L, C = x.shape
+    sc, sc_stride = _per_sample(scale, "scale", x)
+    sh, sh_stride = _per_sample(shift, "shift", x)
+    g, g_stride = _per_sample(gate, "gate", x)
+    x = x.contiguous()
+    u = update.contiguous() if update is not None else x
+    M = B * L
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if update is not None else y
+    if M:
+        block_c = pow2(C)
+        block_m = min(pow2(M), max(1, tile_for(x) // block_c))
+        with on_device(x):
+            _adaln_kernel[(cdiv(M, block_m),)](
+                x, u, g, sc, sh, y, s, M, L, C, g_stride, sc_stride, sh_stride, eps, HAS_UPDATE=update is not None,
+                HAS_SHIFT=shift is not None, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps(block_m * block_c, 32))
+    return (y, s) if update is not None else y
+
+
+def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """x += gate * update in place, for x and update (B, L, C) and a per-sample gate (B, 1, C) or (B, C): the gated
+    residual, as one vectorized pass (torch's addcmul_ with a broadcast gate takes its slow strided path)."""
+    require(x, _gated_add_kernel, "gated_add_")
+    if x.dim() != 3 or update.shape != x.shape or not x.is_contiguous():
+        raise BadInput(f"gated_add_: x {tuple(x.shape)} (contiguous: {x.is_contiguous()}) and update "
+                       f"{tuple(update.shape)} must be the same contiguous (batch, tokens, channels) tensors.",
+                       "Use x.addcmul_(gate, update) for other layouts.")
+    B, L, C = x.shape
+    g, g_stride = _per_sample(gate, "gate", x)
+    u = update.contiguous()
+    M = B * L
+    if M and C:
+        block_c = min(pow2(C), 1024)
+        block_m = min(pow2(M), max(1, tile_for(x) // block_c))
+        with on_device(x):
+            _gated_add_kernel[(cdiv(M, block_m), cdiv(C, block_c))](
+                x, u, g, M, L, C, g_stride, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps(block_m * block_c))
+    return x
+
+
+def modulated_layer_norm_ref(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor], eps: float = 1e-6,
+                             update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None
+                             ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The torch reference of `modulated_layer_norm` (computed in float32, rounded once)."""
+    view = lambda t: t.reshape(t.shape[0], 1, -1).float()  # noqa: E731
+    s = x if update is None else (x.float() + view(gate) * update.float()).to(x.dtype)
+    y = F.layer_norm(s.float(), (x.shape[-1],), eps=eps) * (1 + view(scale))
+    if shift is not None:
+        y = y + view(shift)
+    return y.to(x.dtype) if update is None else (y.to(x.dtype), s)
+
+
+__all__ = ["modulated_layer_norm", "modulated_layer_norm_ref", "gated_add_", "supported"]

@@ -1,0 +1,135 @@
+"""A DiT's attention inputs from its fused qkv projection in one pass: per-head RMSNorm of q and k (Flux, SD3.5),
+the rotary embedding (Flux), and the (batch, tokens, heads, head_dim) layout that SDPA reads through a transpose,
+written at a token offset so that a joint text+image sequence is assembled without a concatenation.
+
+qkv holds (3, heads, head_dim) per token, as Flux's and MMDiT's projections do (rows may be strided: Flux's single
+blocks project qkv and the MLP input together). The rotary table `pe` is Flux's (B|1, 1, tokens, head_dim / 2, 2, 2)
+float32 rotation matrices over the whole joint sequence. Like the eager code, the normalized q and k are rounded to
+the input dtype before the rotation, which is computed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tl
+from .errors import BadInput
+
+
+@jit(do_not_specialize=("L", "total", "offset", "row_stride", "pe_stride"))
+def _qk_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, total, offset, row_stride, pe_stride, eps,
+                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                    HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr):
+    # Whole rows are loaded and stored (coalesced); the rotation pairs adjacent elements through split and join.
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    tok = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (tok < L) & (d < D)
+    src = qkv_ptr + (b * L + tok).to(tl.int64) * row_stride + h * D + d
+    dst = ((b * total + offset + tok).to(tl.int64) * H + h) * D + d
+    if HAS_PE:
+        # a row holds one 2x2 rotation [[m00, m01], [m10, m11]] per pair of elements
+        c = tl.arange(0, 2 * BLOCK_D)[None, :]
+        pe = tl.load(pe_ptr + b * pe_stride + (offset + tok).to(tl.int64) * (2 * D) + c, mask=(tok < L) & (c < 2 * D),
+                     other=0.0)
+        left, right = tl.split(tl.reshape(pe, (BLOCK_L, BLOCK_D // 2, 2, 2)))
+        m00, m10 = tl.split(left)
+        m01, m11 = tl.split(right)
+    for part in tl.static_range(2):
+        w_ptr = qw_ptr if part == 0 else kw_ptr
+        out_ptr = q_ptr if part == 0 else k_ptr
+        x = tl.load(src + part * H * D, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+            w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            x = (x * rstd * w).to(out_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_PE:
+            e, o = tl.split(tl.reshape(x, (BLOCK_L, BLOCK_D // 2, 2)))
+            x = tl.reshape(tl.join(m00 * e + m01 * o, m10 * e + m11 * o), (BLOCK_L, BLOCK_D))
+        tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + dst, tl.load(src + 2 * H * D, mask=mask, other=0.0), mask=mask)
+
+
+def supported(qkv: torch.Tensor) -> bool:
+    return supported_tensor(qkv, _qk_rope_kernel) and qkv.dim() == 3
+
+
+def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Three (batch, tokens, heads, head_dim) buffers for `qk_norm_rope` to fill."""
+    return tuple(torch.empty(batch, tokens, heads, head_dim, dtype=like.dtype, device=like.device) for _ in range(3))
+
+
+def qk_norm_rope(qkv: torch.Tensor, heads: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], offset: int = 0,
+                 q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 pe: Optional[torch.Tensor] = None) -> None:
+    """Write qkv's (B, L, 3 * heads * head_dim) q, k and v into out[0..2][:, offset:offset + L], each
+    (B, total, heads, head_dim): q and k RMS-normalized per head with q_weight and k_weight (when given), then rotated
+    by pe's rows offset..offset + L (when given)."""
+    require(qkv, _qk_rope_kernel, "qk_norm_rope")
+    if qkv.dim() != 3 or qkv.stride(-1) != 1:
+        raise BadInput(f"qk_norm_rope: qkv has shape {tuple(qkv.shape)}, strides {qkv.stride()}; it takes "
+                       "(batch, tokens, 3 * heads * head_dim) with contiguous channels.", "Pass the qkv projection.")
+    B, L, C3 = qkv.shape
+    if C3 % (3 * heads) or (C3 // (3 * heads)) % 2:
+        raise BadInput(f"qk_norm_rope: {C3} channels are not 3 x {heads} heads of an even head size.",
+                       "Pass the number of heads the projection was made for.")
+    D = C3 // (3 * heads)
+    q, k, v = out
+    total = q.shape[1]
+    for t in out:
+        if t.shape != (B, total, heads, D) or not t.is_contiguous() or t.dtype != qkv.dtype or t.device != qkv.device:
+            raise BadInput(f"qk_norm_rope: an output is {tuple(t.shape)} {t.dtype}; expected contiguous "
+                           f"({B}, {total}, {heads}, {D}) {qkv.dtype}.", "Make the outputs with empty_qkv.")
+    if not 0 <= offset <= total - L:
+        raise BadInput(f"qk_norm_rope: {L} tokens at offset {offset} do not fit {total}.", "Pass a fitting offset.")
+    if (q_weight is None) != (k_weight is None):
+        raise BadInput("qk_norm_rope: q_weight and k_weight come together.", "Pass both or neither.")
+    for w in (q_weight, k_weight):
+        if w is not None and (w.numel() != D or w.device != qkv.device):
+            raise BadInput(f"qk_norm_rope: a norm weight has {w.numel()} elements; heads have {D}.",
+                           "Pass the per-head RMSNorm weights.")
+    pe_stride = 0
+    if pe is not None:
+        if pe.dtype != torch.float32 or pe.shape[-3:] != (D // 2, 2, 2) or pe.shape[-4] != total \
+                or pe.shape[0] not in (1, B) or pe.device != qkv.device:
+            raise BadInput(f"qk_norm_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 "
+                           f"(B|1, 1, {total}, {D // 2}, 2, 2).", "Pass Flux's rotary table for the joint sequence.")
+        pe = pe.contiguous()
+        pe_stride = pe.stride(0) if pe.shape[0] > 1 else 0
+    qw = q_weight.contiguous() if q_weight is not None else qkv
+    kw = k_weight.contiguous() if k_weight is not None else qkv
+    if B * L == 0:
+        return
+    block_d = pow2(D)
+    block_l = max(1, min(pow2(L), 4096 // block_d))
+    with on_device(qkv):
+        _qk_rope_kernel[(cdiv(L, block_l), B, heads)](
+            qkv, qw, kw, pe if pe is not None else qkv, q, k, v, L, total, offset, qkv.stride(1), pe_stride, eps,
+            H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l, HAS_NORM=q_weight is not None,
+            HAS_PE=pe is not None, num_warps=4)
+
+
+def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,
+                     k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, pe: Optional[torch.Tensor] = None,
+                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference: (q, k, v), each (B, L, heads, head_dim), as Flux's eager code computes them."""
+    B, L, _ = qkv.shape
+    q, k, v = qkv.reshape(B, L, 3, heads, -1).unbind(2)
+    if q_weight is not None:
+        q = torch.nn.functional.rms_norm(q, q_weight.shape, q_weight.to(q.dtype), eps)
+        k = torch.nn.functional.rms_norm(k, k_weight.shape, k_weight.to(k.dtype), eps)
+    if pe is not None:
+        rows = pe[:, 0, offset:offset + L].unsqueeze(2)  # (B|1, L, 1, D/2, 2, 2)
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            t2 = t.float().reshape(*t.shape[:-1], -1, 1, 2)
+            return (rows[..., 0] * t2[..., 0] + rows[..., 1] * t2[..., 1]).reshape(t.shape).to(t.dtype)
+
+        q, k = rotate(q), rotate(k)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "empty_qkv", "supported"]

@@ -1,0 +1,140 @@
+"""The DiT kernels (adaLN modulation, q/k RMSNorm with the rotary embedding) against their torch references, at odd
+shapes; on the CPU through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 first)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from sd_accel.accel.errors import BadInput  # noqa: E402
+from sd_accel.kernels import adaln, qk_rope  # noqa: E402
+
+from test_kernels import DEVICE, _close, _randn  # noqa: E402  (the interpreter set-up and tolerances)
+
+if not adaln.supported(torch.zeros(1, 1, 8, device=DEVICE)):
+    pytest.skip("Triton cannot run here (imported before TRITON_INTERPRET=1): run pytest from the repository root.",
+                allow_module_level=True)
+
+
+def _flux_mod(B, C, dtype, seed):
+    """Flux's modulation: chunks of one (B, 1, 6C) projection, so (B, 1, C) views with batch stride 6C."""
+    return _randn(B, 1, 6 * C, dtype=dtype, seed=seed, scale=0.5).chunk(6, dim=-1)
+
+
+@pytest.mark.parametrize("B,L,C,dtype", [(2, 13, 40, torch.float32), (1, 7, 300, torch.bfloat16),
+                                         (3, 5, 64, torch.float16)])
+def test_modulated_layer_norm_is_flux_modulation(B, L, C, dtype):
+    x = _randn(B, L, C, dtype=dtype, offset=2.0)
+    shift, scale, gate, *_ = _flux_mod(B, C, dtype, 1)
+    want = (F.layer_norm(x.float(), (C,), eps=1e-6) * (1 + scale.float()) + shift.float())
+    _close(adaln.modulated_layer_norm(x, scale, shift), want, dtype)
+    _close(adaln.modulated_layer_norm_ref(x, scale, shift), want, dtype)
+    # MMDiT's (B, C) modulation and its scale-only variant (no shift)
+    _close(adaln.modulated_layer_norm(x, scale[:, 0], None), F.layer_norm(x.float(), (C,), eps=1e-6)
+           * (1 + scale.float()), dtype)
+
+
+@pytest.mark.parametrize("B,L,C,dtype", [(2, 11, 48, torch.float32), (1, 9, 200, torch.bfloat16)])
+def test_gated_residual_then_modulated_layer_norm(B, L, C, dtype):
+    x, u = _randn(B, L, C, dtype=dtype), _randn(B, L, C, dtype=dtype, seed=2)
+    shift, scale, gate, *_ = _flux_mod(B, C, dtype, 3)
+    y, s = adaln.modulated_layer_norm(x, scale, shift, update=u, gate=gate)
+    s_want = x.float() + gate.float() * u.float()
+    _close(s, s_want, dtype)
+    _close(y, F.layer_norm(s.float(), (C,), eps=1e-6) * (1 + scale.float()) + shift.float(), dtype)
+    y_ref, s_ref = adaln.modulated_layer_norm_ref(x, scale, shift, update=u, gate=gate)
+    _close(y, y_ref, dtype)
+    _close(s, s_ref, dtype)
+
+
+@pytest.mark.parametrize("B,L,C,dtype", [(2, 11, 48, torch.float32), (1, 9, 1300, torch.bfloat16)])
+def test_gated_add_is_the_gated_residual_in_place(B, L, C, dtype):
+    x, u = _randn(B, L, C, dtype=dtype), _randn(B, L, C, dtype=dtype, seed=2)
+    gate = _flux_mod(B, C, dtype, 4)[2]
+    want = x.float() + gate.float() * u.float()
+    ptr = x.data_ptr()
+    out = adaln.gated_add_(x, gate, u)
+    assert out is x and x.data_ptr() == ptr
+    _close(x, want, dtype)
+    with pytest.raises(BadInput, match="contiguous"):
+        adaln.gated_add_(x[:, ::2], gate, u[:, ::2])
+
+
+def test_modulation_of_one_sample_broadcasts_over_the_batch():
+    x = _randn(3, 4, 24)
+    scale, shift = _randn(1, 24, seed=1), _randn(1, 24, seed=2)
+    _close(adaln.modulated_layer_norm(x, scale, shift), adaln.modulated_layer_norm_ref(x, scale.expand(3, 24),
+                                                                                       shift.expand(3, 24)),
+           torch.float32)
+
+
+def test_modulated_layer_norm_errors_say_what_to_do():
+    x = _randn(2, 3, 8)
+    with pytest.raises(BadInput, match="scale has shape"):
+        adaln.modulated_layer_norm(x, _randn(2, 7), None)
+    with pytest.raises(BadInput, match="update and gate come together"):
+        adaln.modulated_layer_norm(x, _randn(2, 8), None, update=x)
+    with pytest.raises(BadInput, match="batch, tokens, channels"):
+        adaln.modulated_layer_norm(_randn(6, 8), _randn(2, 8), None)
+
+
+def _flux_pe(B, total, D, seed=5):
+    """Flux's rotary table: (B, 1, total, D/2, 2, 2) rotation matrices of random angles."""
+    a = _randn(B, 1, total, D // 2, seed=seed, scale=3.0).float()
+    c, s = torch.cos(a), torch.sin(a)
+    return torch.stack([c, -s, s, c], dim=-1).reshape(B, 1, total, D // 2, 2, 2)
+
+
+@pytest.mark.parametrize("B,L,H,D,dtype", [(2, 9, 3, 16, torch.float32), (1, 5, 2, 24, torch.bfloat16),
+                                           (1, 33, 4, 128, torch.float32)])
+def test_qk_norm_rope_is_flux_attention_input(B, L, H, D, dtype):
+    qkv = _randn(B, L, 3 * H * D, dtype=dtype, scale=2.0)
+    qw, kw = _randn(D, seed=1, offset=1.0, scale=0.1), _randn(D, seed=2, offset=1.0, scale=0.1)
+    pe = _flux_pe(B, L, D)
+    got = qk_rope.empty_qkv(B, L, H, D, qkv)
+    qk_rope.qk_norm_rope(qkv, H, got, q_weight=qw, k_weight=kw, pe=pe)
+    # Flux's own code: view, RMSNorm per head, rotation in float32
+    q, k, v = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+    q, k = (F.rms_norm(t, (D,), w.to(dtype), 1e-6) for t, w in ((q, qw), (k, kw)))
+
+    def rot(t):
+        t2 = t.float().reshape(*t.shape[:-1], -1, 1, 2)
+        return (pe[..., 0] * t2[..., 0] + pe[..., 1] * t2[..., 1]).reshape(t.shape).to(dtype)
+
+    for out, want in zip(got, (rot(q), rot(k), v)):
+        _close(out.transpose(1, 2), want, dtype)
+    for out, want in zip(got, qk_rope.qk_norm_rope_ref(qkv, H, qw, kw, pe=pe)):
+        _close(out, want, dtype)
+
+
+def test_qk_norm_rope_assembles_a_joint_sequence_from_strided_rows():
+    """Text then image tokens written at their offsets; the image's qkv a slice of a wider projection (Flux's single
+    blocks), no norm (SD3 without qk norm) or no rotation (SD3.5)."""
+    B, H, D, Lt, Li = 2, 2, 8, 3, 6
+    wide = _randn(B, Li, 3 * H * D + 20, seed=7)
+    img, txt = wide[..., :3 * H * D], _randn(B, Lt, 3 * H * D, seed=8)
+    pe = _flux_pe(1, Lt + Li, D)
+    got = qk_rope.empty_qkv(B, Lt + Li, H, D, img)
+    qk_rope.qk_norm_rope(txt, H, got, 0, pe=pe)
+    qk_rope.qk_norm_rope(img, H, got, Lt, pe=pe)
+    want = [torch.cat(p, dim=1) for p in zip(qk_rope.qk_norm_rope_ref(txt, H, pe=pe, offset=0),
+                                              qk_rope.qk_norm_rope_ref(img, H, pe=pe, offset=Lt))]
+    for out, w in zip(got, want):
+        _close(out, w, torch.float32)
+    qw, kw = _randn(D, seed=1), _randn(D, seed=2)
+    got = qk_rope.empty_qkv(B, Li, H, D, img)
+    qk_rope.qk_norm_rope(img, H, got, q_weight=qw, k_weight=kw)
+    for out, w in zip(got, qk_rope.qk_norm_rope_ref(img, H, qw, kw)):
+        _close(out, w, torch.float32)
+
+
+def test_qk_norm_rope_errors_say_what_to_do():
+    qkv = _randn(1, 4, 48)
+    out = qk_rope.empty_qkv(1, 4, 2, 8, qkv)
+    with pytest.raises(BadInput, match="not 3 x 5 heads"):
+        qk_rope.qk_norm_rope(qkv, 5, out)
+    with pytest.raises(BadInput, match="do not fit"):
+        qk_rope.qk_norm_rope(qkv, 2, out, offset=2)
+    with pytest.raises(BadInput, match="pe has shape"):
+        qk_rope.qk_norm_rope(qkv, 2, out, pe=_flux_pe(1, 4, 8).half())

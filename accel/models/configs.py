@@ -289,3 +289,148 @@ def example_inputs(unet: nn.Module, batch: int = 2, latent: int | tuple[int, int
         y = torch.randn(batch, c["projection_class_embeddings_input_dim"], generator=g)
     move = lambda v: None if v is None else v.to(device=device, dtype=dtype)
     return move(x), t.to(device), move(context), move(y)
+
+
+# Diffusion transformers. ComfyUI's form: the arguments its model detection gives comfy.ldm.flux.model.Flux and
+# comfy.ldm.modules.diffusionmodules.mmdit.OpenAISignatureMMDITWrapper for the published checkpoints.
+_COMFY_FLUX_DEV = dict(in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096, hidden_size=3072,
+                       mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],
+                       theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
+
+
+def _comfy_mmdit(depth: int, pos_max: int, x_attn_layers: list[int], context: int = 4096, adm: int = 2048) -> dict:
+    # MMDiT's width is 64 x depth and its heads are as many as its blocks
+    return dict(in_channels=16, out_channels=16, patch_size=2, depth=depth, adm_in_channels=adm, input_size=None,
+                context_embedder_config={"target": "torch.nn.Linear",
+                                         "params": {"in_features": context, "out_features": 64 * depth}},
+                pos_embed_max_size=pos_max, num_patches=pos_max * pos_max, pos_embed_scaling_factor=None,
+                qk_norm="rms", x_block_self_attn_layers=x_attn_layers)
+
+
+COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
+    "flux-dev": ("flux", _COMFY_FLUX_DEV),
+    "flux-schnell": ("flux", {**_COMFY_FLUX_DEV, "guidance_embed": False}),
+    "sd35-large": ("sd3", _comfy_mmdit(38, 192, [])),
+    "sd35-medium": ("sd3", _comfy_mmdit(24, 384, list(range(13)))),
+    "tiny-flux": ("flux", {**_COMFY_FLUX_DEV, "vec_in_dim": 24, "context_in_dim": 32, "hidden_size": 64,
+                           "num_heads": 4, "depth": 2, "depth_single_blocks": 2, "axes_dim": [4, 6, 6]}),
+    "tiny-sd3": ("sd3", _comfy_mmdit(2, 16, [0], context=32, adm=24)),
+}
+
+# diffusers' form: the transformer/config.json of black-forest-labs/FLUX.1-dev and stabilityai/stable-diffusion-3.5-*.
+_DIFFUSERS_FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                           num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                           guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+_DIFFUSERS_SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                             num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                             pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")
+DIFFUSERS_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
+    "flux-dev": ("flux", _DIFFUSERS_FLUX_DEV),
+    "flux-schnell": ("flux", {**_DIFFUSERS_FLUX_DEV, "guidance_embeds": False}),
+    "sd35-large": ("sd3", _DIFFUSERS_SD35_LARGE),
+    "sd35-medium": ("sd3", {**_DIFFUSERS_SD35_LARGE, "num_layers": 24, "num_attention_heads": 24,
+                            "caption_projection_dim": 1536, "pos_embed_max_size": 384,
+                            "dual_attention_layers": tuple(range(13))}),
+    "tiny-flux": ("flux", {**_DIFFUSERS_FLUX_DEV, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
+                           "num_attention_heads": 4, "joint_attention_dim": 32, "pooled_projection_dim": 24,
+                           "axes_dims_rope": (4, 6, 6)}),
+    "tiny-sd3": ("sd3", {**_DIFFUSERS_SD35_LARGE, "sample_size": 16, "num_layers": 2, "num_attention_heads": 2,
+                         "caption_projection_dim": 128, "joint_attention_dim": 32, "pooled_projection_dim": 24,
+                         "pos_embed_max_size": 16, "dual_attention_layers": (0,)}),
+}
+DIT_NAMES = tuple(COMFY_DIT_CONFIGS)
+# (text tokens, latent size at 1024x1024) as the bench runs them: T5's 512 tokens for Flux, CLIP-L+G then T5 for SD3.
+DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": (333, 128), "sd35-medium": (333, 128),
+              "tiny-flux": (7, 8), "tiny-sd3": (7, 8)}
+
+# Trained DiTs start each block near the identity: the adaLN modulation and the projections back into the residual
+# stream are small. Drawn like the other matrices, 57 blocks amplify rounding until bf16 and fp32 disagree entirely,
+# and no error figure means anything; these names are scaled down.
+_DIT_QUIET = ("mod.lin", "modulation.lin", "adaLN_modulation", "norm1.linear", "norm1_context.linear", "norm.linear",
+              "attn.proj", "linear2", "img_mlp.2", "txt_mlp.2", "mlp.fc2", "attn2.proj", "to_out", "to_add_out",
+              "proj_mlp", "proj_out", "ff.net.2", "ff_context.net.2", "final_layer.linear")
+
+
+def seed_dit_parameters(module: nn.Module, seed: int, quiet: float = 0.1) -> nn.Module:
+    """Seeded weights drawn on the module's device (a full-size DiT would take minutes and tens of GB on the CPU):
+    matrices N(0, 1/fan_in), norm scales near 1, biases small, the modulation and residual-projection weights (see
+    _DIT_QUIET) scaled by `quiet`. Buffers the host fills from a checkpoint (MMDiT's position table) are drawn too."""
+    device = next(module.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in [*module.named_parameters(), *module.named_buffers()]:
+            if not p.is_floating_point():
+                continue
+            r = torch.randn(p.shape, generator=g, device=device)
+            if p.dim() == 1:
+                r = 1 + 0.1 * r if "norm" in name or name.endswith("scale") else 0.1 * r
+            elif "pos_embed" in name:
+                r = 0.5 * r
+            else:
+                r = r / p[0].numel() ** 0.5
+                if any(q in name for q in _DIT_QUIET):
+                    r = r * quiet
+            p.copy_(r)
+    return module
+
+
+def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32, comfyui_root: str | Path | None = None) -> nn.Module:
+    """A Flux or SD3.5 transformer of a published architecture with seeded, well-conditioned random weights (see
+    seed_dit_parameters), made directly on `device` in `dtype`: form "diffusers" (FluxTransformer2DModel,
+    SD3Transformer2DModel) or "comfy" (ComfyUI's own classes, from the checkout at comfyui_root, whose folder must be
+    on the import path)."""
+    if name not in COMFY_DIT_CONFIGS:
+        raise ValueError(f"unknown DiT config {name!r}; choose one of {', '.join(COMFY_DIT_CONFIGS)}")
+    if form == "diffusers":
+        from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+        from diffusers.utils import logging
+
+        logging.set_verbosity_error()
+        family, cfg = DIFFUSERS_DIT_CONFIGS[name]
+        cls = FluxTransformer2DModel if family == "flux" else SD3Transformer2DModel
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # its position tables are computed at init: built in place, not on meta
+        try:
+            with torch.device(device):
+                model = cls(**cfg)
+        finally:
+            torch.set_default_dtype(previous)
+        return seed_dit_parameters(model, seed).to(dtype).eval().requires_grad_(False)
+    if form != "comfy":
+        raise ValueError(f"unknown form {form!r}; choose diffusers or comfy")
+    if comfyui_root is None:
+        raise ValueError("the comfy form needs comfyui_root (a ComfyUI checkout)")
+    _require_importable(host_import_paths("comfyui", comfyui_root))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
+    import comfy.ops
+
+    family, cfg = COMFY_DIT_CONFIGS[name]
+    if family == "flux":
+        from comfy.ldm.flux.model import Flux as cls
+    else:
+        from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper as cls
+    # ComfyUI's layers skip their init (the checkpoint's weights replace it); every tensor is drawn below.
+    model = cls(**cfg, dtype=dtype, device=device, operations=comfy.ops.disable_weight_init)
+    return seed_dit_parameters(model, seed).eval().requires_grad_(False)
+
+
+def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] | None = None, seed: int = 1,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+    """Seeded canonical-call inputs (x, timesteps, context, y, guidance) for the DiT `name`."""
+    family, cfg = COMFY_DIT_CONFIGS[name]
+    tokens, native = DIT_SHAPES[name]
+    h, w = (latent, latent) if isinstance(latent, int) else (latent or (native, native))
+    g = torch.Generator().manual_seed(seed)
+    ctx_dim = cfg["context_in_dim"] if family == "flux" else cfg["context_embedder_config"]["params"]["in_features"]
+    pooled = cfg["vec_in_dim"] if family == "flux" else cfg["adm_in_channels"]
+    move = lambda v: v.to(device=device, dtype=dtype)  # noqa: E731
+    out = {"x": move(torch.randn(batch, 16, h, w, generator=g)),
+           "timesteps": torch.full((batch,), 0.6 if family == "flux" else 600.0, device=device),
+           "context": move(torch.randn(batch, tokens, ctx_dim, generator=g)),
+           "y": move(torch.randn(batch, pooled, generator=g))}
+    if family == "flux" and cfg["guidance_embed"]:
+        out["guidance"] = torch.full((batch,), 3.5, device=device)
+    return out

@@ -9,12 +9,15 @@ crop conditioning) and `control` is ComfyUI's dict of ControlNet residuals
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..errors import BadInput, UnsupportedModel
+
+if TYPE_CHECKING:
+    from .dit import CanonicalDiT
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,12 @@ def inspect_unet(m: nn.Module) -> UNetSpec:
         "Connect the model output of a checkpoint loader for SD1.x, SD2.x or SDXL; other model types run unaccelerated.")
 
 
-class CanonicalUNet(nn.Module):
-    """Calls a diffusers or ldm UNet through the canonical signature. Holds the module, changes nothing."""
+class Canonical(nn.Module):
+    """What the engines read of a wrapped diffusion model (UNet or DiT): the module as `unet`, its dtype and device."""
 
-    def __init__(self, unet: nn.Module) -> None:
+    def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.spec = inspect_unet(unet)
-        self.unet = unet
+        self.unet = module
 
     @property
     def dtype(self) -> torch.dtype:
@@ -91,6 +93,17 @@ class CanonicalUNet(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.unet.parameters()).device
+
+
+class CanonicalUNet(Canonical):
+    """Calls a diffusers or ldm UNet through the canonical signature. Holds the module, changes nothing."""
+
+    size_multiple = 8  # latent pixels: three 2x downsamplings must divide the size evenly
+
+    def __init__(self, unet: nn.Module) -> None:
+        spec = inspect_unet(unet)
+        super().__init__(unet)
+        self.spec = spec
 
     def check(self, x: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None) -> None:
         s = self.spec
@@ -105,13 +118,27 @@ class CanonicalUNet(nn.Module):
                            "Pass y (ComfyUI and A1111 do this for SDXL checkpoints).")
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                y: torch.Tensor | None = None, control: dict | None = None, **kwargs: Any) -> torch.Tensor:
+                y: torch.Tensor | None = None, control: dict | None = None, guidance: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        if guidance is not None:
+            raise BadInput("a guidance input was given to a UNet; only guidance-distilled transformers (Flux-dev) "
+                           "take one.", "Leave guidance out for SD UNets.")
         if self.spec.form == "ldm":
             extra = {"y": y} if y is not None else {}
             if control is not None:
                 extra["control"] = control
             return self.unet(x, timesteps=timesteps, context=context, **extra, **kwargs)
         return _diffusers_call(self.unet, self.spec, x, timesteps, context, y, control)
+
+
+def canonical(model: nn.Module) -> "CanonicalUNet | CanonicalDiT":
+    """The canonical-call wrapper of a UNet (CanonicalUNet) or a diffusion transformer (CanonicalDiT); a model
+    already wrapped as is. UnsupportedModel for anything else."""
+    from .dit import CanonicalDiT, is_dit
+
+    if isinstance(model, (CanonicalUNet, CanonicalDiT)):
+        return model
+    return CanonicalDiT(model) if is_dit(model) else CanonicalUNet(model)
 
 
 class _IdentityTimeProj(nn.Module):

@@ -1,0 +1,147 @@
+"""Diffusion transformers (Flux.1, SD3/SD3.5 MMDiT) behind the same canonical call as the UNets.
+
+The canonical call is `dit(x, timesteps, context, y=None, control=None, guidance=None)`: x the latent image
+(batch, channels, height, width), timesteps as the host's sampler passes them (Flux: sigma; SD3: 1000 * sigma),
+context the text tokens, y the pooled text embedding, guidance Flux-dev's distilled guidance scale, control ComfyUI's
+ControlNet dict. Two forms: ComfyUI's own classes (comfy.ldm.flux.model.Flux, comfy.ldm.modules.diffusionmodules.
+mmdit.MMDiT) and diffusers' (FluxTransformer2DModel, SD3Transformer2DModel), whose packed-token call the adapter makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import BadInput, UnsupportedModel
+from .spec import Canonical
+
+
+@dataclass(frozen=True)
+class DiTSpec:
+    form: str  # "comfy" | "diffusers"
+    family: str  # "flux" | "sd3"
+    in_channels: int  # latent channels
+    hidden_size: int
+    heads: int
+    depth: int  # joint (double-stream) blocks
+    single_depth: int  # single-stream blocks (Flux)
+    context_dim: int
+    pooled_dim: int
+    guidance: bool  # takes Flux-dev's guidance input
+    patch_size: int
+    num_params: int
+
+    def describe(self) -> str:
+        blocks = f"{self.depth} joint" + (f" + {self.single_depth} single" if self.single_depth else "") + " blocks"
+        return (f"{self.family} DiT ({self.form} form, {self.num_params / 1e9:.2f}B parameters, {blocks}, hidden "
+                f"{self.hidden_size}, {self.heads} heads)")
+
+
+def is_dit(m: nn.Module) -> bool:
+    return _kind(m) is not None
+
+
+def _kind(m: nn.Module) -> tuple[str, str] | None:
+    name = type(m).__name__
+    if name == "Flux" and hasattr(m, "double_blocks") and hasattr(m, "single_blocks") and hasattr(m, "params"):
+        return "comfy", "flux"
+    if hasattr(m, "joint_blocks") and hasattr(m, "x_embedder") and hasattr(m, "context_embedder") \
+            and not hasattr(m, "config"):
+        return "comfy", "sd3"
+    if name == "FluxTransformer2DModel":
+        return "diffusers", "flux"
+    if name == "SD3Transformer2DModel":
+        return "diffusers", "sd3"
+    return None
+
+
+def inspect_dit(m: nn.Module) -> DiTSpec:
+    """The DiTSpec of a Flux or SD3 transformer in ComfyUI's or diffusers' form; UnsupportedModel otherwise."""
+    kind = _kind(m)
+    if kind is None:
+        raise UnsupportedModel(
+            f"{type(m).__name__} is not a supported diffusion transformer (Flux.1 or SD3/SD3.5, in ComfyUI's or "
+            "diffusers' form).", "Other model types run unaccelerated.")
+    n = sum(p.numel() for p in m.parameters())
+    form, family = kind
+    if form == "comfy" and family == "flux":
+        p = m.params
+        return DiTSpec(form, family, p.in_channels, p.hidden_size, p.num_heads, p.depth, p.depth_single_blocks,
+                       p.context_in_dim, p.vec_in_dim, bool(p.guidance_embed), p.patch_size, n)
+    if form == "comfy":
+        hidden = m.x_embedder.proj.out_features if hasattr(m.x_embedder.proj, "out_features") \
+            else m.x_embedder.proj.out_channels
+        heads = m.joint_blocks[0].x_block.attn.num_heads
+        pooled = m.y_embedder.mlp[0].in_features if getattr(m, "y_embedder", None) is not None else 0
+        return DiTSpec(form, family, m.in_channels, hidden, heads, len(m.joint_blocks), 0,
+                       m.context_embedder.in_features, pooled, False, m.patch_size, n)
+    c = m.config
+    heads, hidden = c["num_attention_heads"], c["num_attention_heads"] * c["attention_head_dim"]
+    if family == "flux":
+        return DiTSpec(form, family, c["in_channels"] // 4, hidden, heads, c["num_layers"], c["num_single_layers"],
+                       c["joint_attention_dim"], c["pooled_projection_dim"], bool(c["guidance_embeds"]), 2, n)
+    return DiTSpec(form, family, c["in_channels"], hidden, heads, c["num_layers"], 0, c["joint_attention_dim"],
+                   c["pooled_projection_dim"], False, c["patch_size"], n)
+
+
+class CanonicalDiT(Canonical):
+    """Calls a Flux or SD3 transformer through the canonical signature. Holds the module (as `unet`, the name the
+    engines read for either kind of diffusion model), changes nothing."""
+
+    def __init__(self, module: nn.Module) -> None:
+        spec = inspect_dit(module)
+        super().__init__(module)
+        self.spec = spec
+
+    @property
+    def size_multiple(self) -> int:
+        return self.spec.patch_size
+
+    def check(self, x: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None) -> None:
+        s = self.spec
+        if x.dim() != 4 or x.shape[1] != s.in_channels:
+            raise BadInput(f"latent has shape {tuple(x.shape)}; this {s.family} transformer takes (batch, "
+                           f"{s.in_channels}, height, width).", "Feed it latents made for this model's VAE.")
+        if context.dim() != 3 or context.shape[-1] != s.context_dim:
+            raise BadInput(f"conditioning has shape {tuple(context.shape)}; this {s.family} transformer takes "
+                           f"(batch, tokens, {s.context_dim}).", "Use the text encoders that belong to this model.")
+        if s.pooled_dim and s.form == "diffusers" and (y is None or y.shape[-1] != s.pooled_dim):
+            raise BadInput(f"this {s.family} transformer needs the pooled text embedding y of width {s.pooled_dim}.",
+                           "Pass y (ComfyUI does for Flux and SD3 checkpoints).")
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None = None,
+                control: dict | None = None, guidance: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        s = self.spec
+        if s.form == "comfy" and s.family == "flux":
+            return self.unet(x, timesteps, context, y=y, guidance=guidance, control=control, **kwargs)
+        if s.form == "comfy":
+            # The class's forward: while the ComfyUI node serves an SD3 call, the instance's own is the node's.
+            return type(self.unet).forward(self.unet, x, timesteps, context=context, y=y, control=control, **kwargs)
+        if control:
+            raise BadInput("ControlNet residuals are passed to diffusers' transformers by their own pipelines.",
+                           "Run ControlNet through ComfyUI's form of the model.")
+        if s.family == "sd3":
+            return self.unet(hidden_states=x, encoder_hidden_states=context, pooled_projections=y, timestep=timesteps,
+                             return_dict=False)[0]
+        return _diffusers_flux(self.unet, x, timesteps, context, y, guidance)
+
+
+def _diffusers_flux(model: nn.Module, x, timesteps, context, y, guidance) -> torch.Tensor:
+    """diffusers' Flux call on x's 2x2 patches as tokens (its pipeline's _pack_latents), unpacked after."""
+    B, C, H, W = x.shape
+    h, w = H // 2, W // 2
+    tokens = x.view(B, C, h, 2, w, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, h * w, C * 4)
+    img_ids = torch.zeros(h, w, 3, device=x.device, dtype=x.dtype)
+    img_ids[..., 1] = torch.arange(h, device=x.device, dtype=x.dtype)[:, None]
+    img_ids[..., 2] = torch.arange(w, device=x.device, dtype=x.dtype)[None, :]
+    txt_ids = torch.zeros(context.shape[1], 3, device=x.device, dtype=x.dtype)
+    if guidance is None and model.config["guidance_embeds"]:
+        raise BadInput("this Flux transformer takes a guidance scale (Flux-dev); none was given.",
+                       "Pass guidance (ComfyUI's FluxGuidance node; 3.5 is usual).")
+    out = model(hidden_states=tokens, timestep=timesteps, guidance=guidance, pooled_projections=y,
+                encoder_hidden_states=context, txt_ids=txt_ids, img_ids=img_ids.reshape(h * w, 3),
+                return_dict=False)[0]
+    return out.view(B, h, w, C, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)

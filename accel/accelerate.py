@@ -5,6 +5,7 @@ the user is told once, in words, why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Mapping
@@ -14,7 +15,8 @@ from torch import nn
 
 from .engine import backends
 from .errors import AccelError, BackendUnavailable
-from .models.spec import CanonicalUNet
+from .models.dit import CanonicalDiT
+from .models.spec import CanonicalUNet, canonical
 from .plan.device import GpuInfo, detect
 from .plan.options import Runtime
 from .plan.policy import Plan, choose
@@ -26,7 +28,7 @@ log = logging.getLogger("sd-accel")
 class AcceleratedUNet:
     """Canonical-call UNet that runs through the chosen engine and falls back instead of failing."""
 
-    def __init__(self, unet: CanonicalUNet, plan: Plan, gpu: GpuInfo, engine=None, fallback=None,
+    def __init__(self, unet: CanonicalUNet | CanonicalDiT, plan: Plan, gpu: GpuInfo, engine=None, fallback=None,
                  build_seconds: float = 0.0) -> None:
         self.unet = unet
         self.plan = plan
@@ -48,14 +50,19 @@ class AcceleratedUNet:
             log.warning("sd-accel: %s", message)
 
     def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                 y: torch.Tensor | None = None, control: dict | None = None, **kwargs: Any) -> torch.Tensor:
+                 y: torch.Tensor | None = None, control: dict | None = None, guidance: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
         self.unet.check(x, context, y)
+        if guidance is not None:
+            kwargs["guidance"] = guidance  # only DiTs take it; a UNet says so
         if self.engine is None:
             return self.unet(x, timesteps, context, y, control, **kwargs)
-        if x.shape[-1] % 8 or x.shape[-2] % 8:
-            self.tell_once("multiple-of-8", (
-                f"latent size {x.shape[-2]}x{x.shape[-1]} is not a multiple of 8 (image size not a multiple of 64); "
-                "this call runs on the plain model. Pick a width and height that are multiples of 64 to accelerate."))
+        n = self.unet.size_multiple
+        if x.shape[-1] % n or x.shape[-2] % n:
+            self.tell_once(f"multiple-of-{n}", (
+                f"latent size {x.shape[-2]}x{x.shape[-1]} is not a multiple of {n} (image size not a multiple of "
+                f"{8 * n}); this call runs on the plain model. Pick a width and height that are multiples of "
+                f"{8 * n} to accelerate."))
             return self.unet(x, timesteps, context, y, control, **kwargs)
         try:
             return self.engine(x, timesteps, context, y, control, **kwargs)
@@ -84,18 +91,31 @@ class AcceleratedUNet:
                 e.release()
 
 
+def _transformer_plan(plan: Plan) -> Plan:
+    """A diffusion transformer's plan: the torch path (the ONNX Runtime path builds UNets only), no channels_last (its
+    only 4-D weight is a patch embedding)."""
+    torch_options = dataclasses.replace(plan.torch, channels_last=False)
+    if plan.backend != "onnxruntime":
+        return dataclasses.replace(plan, torch=torch_options)
+    return dataclasses.replace(plan, backend="torch", torch=torch_options, onnxruntime=None, fallback="off", reasons=[
+        *plan.reasons, "the ONNX Runtime path builds UNets only: this diffusion transformer runs on the torch path."])
+
+
 def accelerate(model: nn.Module, preference: str | None = None, options: Mapping[str, Any] | None = None,
                progress: Progress | None = None, gpu: GpuInfo | None = None, cache_root: str | None = None,
                profile: dict | None = None) -> AcceleratedUNet:
-    """Wrap a diffusers or ldm-style UNet in the best available engine for this GPU.
+    """Wrap a diffusers or ldm-style UNet, or a Flux or SD3 transformer (ComfyUI's or diffusers' form), in the best
+    available engine for this GPU.
 
     options: names of accel/plan/options.py (BadInput for one no backend takes). cache_root: the host's engine
     cache folder; profile: the shape profile the host asked for (both only matter to paths that build files).
-    Raises UnsupportedModel for a module that is not a UNet (the host then keeps its plain model)."""
+    Raises UnsupportedModel for a module that is neither (the host then keeps its plain model)."""
     progress = progress or NullProgress()
-    unet = model if isinstance(model, CanonicalUNet) else CanonicalUNet(model)
+    unet = canonical(model)
     gpu = gpu or detect()
     plan = choose(gpu, preference, options=options)
+    if isinstance(unet, CanonicalDiT):
+        plan = _transformer_plan(plan)
     runtime = Runtime(gpu=gpu, cache_root=cache_root, profile=profile)
     dtype_name = str(unet.dtype).replace("torch.", "")
     if plan.backend != "off" and dtype_name not in gpu.dtypes:

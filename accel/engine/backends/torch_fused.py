@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...models.dit import CanonicalDiT
 from ...models.spec import CanonicalUNet
 from ...plan.options import Runtime, TorchOptions
 from ...progress import NullProgress, Progress
@@ -22,16 +23,18 @@ from ..graphs import GraphCache, WeightsWatch
 
 log = logging.getLogger("sd-accel")
 
-# Blocks that repeat through the UNet (diffusers and ldm names): compiling each of them rather than the whole
+# Blocks that repeat through the UNet or DiT (diffusers, ldm and ComfyUI names): compiling each of them rather than the whole
 # model lets one compiled graph serve every instance of the same shape, so compile time is a fraction.
-REPEATED_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D", "ResBlock", "Transformer2DModel", "SpatialTransformer")
+REPEATED_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D", "ResBlock", "Transformer2DModel", "SpatialTransformer",
+                   "DoubleStreamBlock", "SingleStreamBlock", "JointBlock", "FluxTransformerBlock",
+                   "FluxSingleTransformerBlock", "JointTransformerBlock")
 
 
 def available(gpu) -> tuple[bool, str]:
     return True, "PyTorch runs on every device"
 
 
-def build(unet: CanonicalUNet, options: TorchOptions | None = None, runtime: Runtime | None = None,
+def build(unet: "CanonicalUNet | CanonicalDiT", options: TorchOptions | None = None, runtime: Runtime | None = None,
           progress: Progress | None = None) -> "TorchEngine":
     """The torch path on `unet` (changed in place, each change with its undo). The default options change nothing
     but the attention kernel: accel.plan.policy chooses what the GPU supports."""
@@ -92,7 +95,7 @@ def restride(module: torch.nn.Module, memory_format: torch.memory_format) -> lis
 class TorchEngine:
     backend = "torch"
 
-    def __init__(self, unet: CanonicalUNet, options: TorchOptions, progress: Progress) -> None:
+    def __init__(self, unet: "CanonicalUNet | CanonicalDiT", options: TorchOptions, progress: Progress) -> None:
         self.unet = unet
         self.options = options
         module = unet.unet
@@ -114,7 +117,8 @@ class TorchEngine:
     def _apply(self, progress: Progress) -> None:
         """Make every change to the module, each with its undo step in self._undo."""
         options, module = self.options, self.unet.unet
-        if options.attention == "flash_attn" and self.unet.spec.form == "diffusers":
+        if options.attention == "flash_attn" and isinstance(self.unet, CanonicalUNet) \
+                and self.unet.spec.form == "diffusers":
             try:
                 original = dict(module.attn_processors)
                 module.set_attn_processor(FlashAttnProcessor())
@@ -191,34 +195,40 @@ class TorchEngine:
                 b.compile(dynamic=False)
                 self._undo.append(lambda b=b: setattr(b, "_compiled_call_impl", None))
 
-    def _run(self, x, timesteps, context, y=None, control=None, **kwargs) -> torch.Tensor:
+    def _run(self, x, timesteps, context, y=None, control=None, guidance=None, **kwargs) -> torch.Tensor:
         if self.options.channels_last and self.on_gpu:
             x = x.contiguous(memory_format=torch.channels_last)
+        extra = {"guidance": guidance} if guidance is not None else {}
         with torch.inference_mode():
             if not x.is_cuda:  # the SDPA choice is for CUDA/ROCm; other devices keep their own kernels
-                return self._forward(x, timesteps, context, y, control, **kwargs)
+                return self._forward(x, timesteps, context, y, control, **extra, **kwargs)
             with sdpa_kernels(self.options.attention):
-                return self._forward(x, timesteps, context, y, control, **kwargs)
+                return self._forward(x, timesteps, context, y, control, **extra, **kwargs)
 
     def _graph_fn(self, x, timesteps, context, *rest) -> torch.Tensor:
-        has_y = self._layout[0]
-        y = rest[0] if has_y else None
-        control = _unflatten_control(list(rest[1:] if has_y else rest), self._layout[1])
-        return self._run(x, timesteps, context, y, control)
+        has_y, has_guidance, control_layout = self._layout
+        rest = list(rest)
+        y = rest.pop(0) if has_y else None
+        guidance = rest.pop(0) if has_guidance else None
+        return self._run(x, timesteps, context, y, _unflatten_control(rest, control_layout), guidance)
 
     def __call__(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                 y: torch.Tensor | None = None, control: dict | None = None, **kwargs: Any) -> torch.Tensor:
+                 y: torch.Tensor | None = None, control: dict | None = None, guidance: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
         self.resume()
         dtype = self.unet.dtype
         x_in, ctx = x.to(dtype), context.to(dtype)
         y = None if y is None else y.to(dtype)
         if timesteps.dim() == 0:
             timesteps = timesteps.expand(x.shape[0])
+        if guidance is not None and guidance.dim() == 0:
+            guidance = guidance.expand(x.shape[0])
         if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device:
-            return self._run(x_in, timesteps, ctx, y, control, **kwargs).to(x.dtype)
+            return self._run(x_in, timesteps, ctx, y, control, guidance, **kwargs).to(x.dtype)
         ctrl, layout = _flatten_control(control)
-        self._layout = (y is not None, layout)
-        tensors = [x_in, timesteps, ctx] + ([y] if y is not None else []) + [c.to(dtype) for c in ctrl]
+        self._layout = (y is not None, guidance is not None, layout)
+        tensors = ([x_in, timesteps, ctx] + ([y] if y is not None else []) + ([guidance] if guidance is not None else [])
+                   + [c.to(dtype) for c in ctrl])
         # The layout is part of the signature: the same shapes with another control structure is another graph.
         sig_token = (self._weights.token(), self._layout)
         return self.graphs(tensors, sig_token).to(x.dtype)

@@ -23,22 +23,27 @@ from .base import Undo
 # Importing a fusion module declares its fusion. Where no `after` orders two fusions, they run in this listing's
 # order.
 MODULES = ("layout", "groupnorm", "geglu", "resnet", "skip_layernorm", "sdpa_processor", "upsample", "qkv",
-           "cross_attention", "conv_bias")
+           "cross_attention", "conv_bias", "flux", "mmdit")
 for _module in MODULES:
     importlib.import_module(f".{_module}", __name__)
 del _module
 
 FUSIONS: dict[str, registry.Fusion] = {f.name: f for f in registry.order(registry.declared())}
 ORDER: tuple[str, ...] = tuple(FUSIONS)
+# The diffusion transformers' fusions; the others are the UNets' and the VAE's. Unnamed, a model gets its kind's.
+DIT: tuple[str, ...] = ("flux", "mmdit")
 
 __all__ = ["FUSIONS", "ORDER", "Undo", "apply", "base", "packing", "registry"]
 
 
 def apply(model: nn.Module, names: Iterable[str] | None = None) -> tuple[Undo, dict[str, int]]:
-    """Apply the named fusions (None: all of them) in ORDER, whatever order they are named in. Returns the undo
-    record and how many modules each one patched. A fusion that fails leaves the model as it was."""
+    """Apply the named fusions (None: all of its kind, DiT or not) in ORDER, whatever order they are named in. Returns
+    the undo record and how many modules each one patched. A fusion that fails leaves the model as it was."""
     if names is None:
-        chosen = ORDER
+        from ...models.dit import is_dit
+
+        dit = is_dit(model)
+        chosen = tuple(n for n in ORDER if (n in DIT) == dit)
     else:
         if isinstance(names, str):
             raise BadInput(f"The fusions to apply are given as the string {names!r}.",

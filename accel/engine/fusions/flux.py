@@ -1,0 +1,121 @@
+"""Flux.1's blocks (ComfyUI's comfy.ldm.flux.layers) with the DiT kernels.
+
+Per double-stream block, eager Flux makes about 40 passes over the activations; this forward makes the GEMMs,
+the attention and: one adaLN pass per stream into the qkv projection; one pass per stream that writes q, k and v
+RMS-normalized, rotated and in SDPA's layout at their place in the joint text+image sequence (no concatenation, no
+float32 copies); one pass that adds the gated attention output to the stream and normalizes and modulates the sum for
+the MLP; the tanh GELU; one in-place gated residual. A single-stream block splits its input projection in two GEMMs
+(q, k and v; the MLP's input) and its output projection in two GEMMs into one output (attention part, then the MLP
+part accumulated on it) instead of concatenating the attention output and the MLP activation.
+
+A call it does not cover runs the block's own forward: modulation_dims or an attention mask (Kontext and other
+reference-image models), an attention override or another attention than PyTorch's in ComfyUI, Linear layers that
+are not plain (ComfyUI's cast-on-the-fly fp8 weights, lowvram), a tensor the kernels cannot run on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Undo, kernel_module, patch_forward, plain_linear
+from .registry import fusion
+from .transformer import EPS, gated_mlp, gated_residual_, kernels_run_on, pytorch_attention, sdpa
+
+def _double_covered(m: nn.Module) -> bool:
+    layers = (m.img_attn.qkv, m.img_attn.proj, m.txt_attn.qkv, m.txt_attn.proj, m.img_mlp[0], m.img_mlp[2],
+              m.txt_mlp[0], m.txt_mlp[2], m.img_mod.lin, m.txt_mod.lin)
+    return all(plain_linear(layer) for layer in layers) and type(m.img_mlp[1]).__name__ == "GELU" \
+        and m.img_mlp[1].approximate == "tanh"
+
+
+def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
+                    transformer_options={}):  # noqa: B006 (ComfyUI's signature)
+    if (attn_mask is not None or modulation_dims_img is not None or modulation_dims_txt is not None
+            or not pytorch_attention("comfy.ldm.flux.math", transformer_options) or not kernels_run_on(img)
+            or img.dtype != txt.dtype or (pe is not None and pe.dtype != torch.float32)):
+        return type(self).forward(self, img, txt, vec, pe, attn_mask, modulation_dims_img, modulation_dims_txt,
+                                  transformer_options)
+    adaln, rope = kernel_module("adaln"), kernel_module("qk_rope")
+    img_mod1, img_mod2 = self.img_mod(vec)
+    txt_mod1, txt_mod2 = self.txt_mod(vec)
+    (B, Li, C), Lt, H = img.shape, txt.shape[1], self.num_heads
+    qkv = rope.empty_qkv(B, Lt + Li, H, C // H, img)
+    streams = [(txt, txt_mod1, self.txt_attn, 0), (img, img_mod1, self.img_attn, Lt)]
+    if self.flipped_img_txt:
+        streams = [(img, img_mod1, self.img_attn, 0), (txt, txt_mod1, self.txt_attn, Li)]
+    for x, mod, attn, offset in streams:
+        h = adaln.modulated_layer_norm(x, mod.scale, mod.shift, EPS)
+        rope.qk_norm_rope(attn.qkv(h), H, qkv, offset, attn.norm.query_norm.scale, attn.norm.key_norm.scale, EPS, pe)
+    out = sdpa(*qkv)
+    first, second = out[:, :streams[0][0].shape[1]], out[:, streams[0][0].shape[1]:]
+    img_attn, txt_attn = (second, first) if not self.flipped_img_txt else (first, second)
+    y, img = gated_mlp(img, self.img_attn.proj(img_attn), img_mod1.gate, img_mod2.scale, img_mod2.shift,
+                       self.img_mlp[0], self.img_mlp[2])
+    gated_residual_(img, img_mod2.gate, y)
+    y, txt = gated_mlp(txt, self.txt_attn.proj(txt_attn), txt_mod1.gate, txt_mod2.scale, txt_mod2.shift,
+                       self.txt_mlp[0], self.txt_mlp[2])
+    gated_residual_(txt, txt_mod2.gate, y)
+    if txt.dtype == torch.float16:
+        txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
+    return img, txt
+
+
+def _single_covered(m: nn.Module) -> bool:
+    return all(plain_linear(layer) for layer in (m.linear1, m.linear2, m.modulation.lin)) \
+        and type(m.mlp_act).__name__ == "GELU" and m.mlp_act.approximate == "tanh" and m.linear1.bias is not None \
+        and m.linear2.bias is not None
+
+
+def _single_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006
+    if (attn_mask is not None or modulation_dims is not None
+            or not pytorch_attention("comfy.ldm.flux.math", transformer_options) or not kernels_run_on(x)
+            or (pe is not None and pe.dtype != torch.float32)):
+        return type(self).forward(self, x, vec, pe, attn_mask, modulation_dims, transformer_options)
+    adaln, rope = kernel_module("adaln"), kernel_module("qk_rope")
+    mod, _ = self.modulation(vec)
+    (B, L, C), H = x.shape, self.num_heads
+    h = adaln.modulated_layer_norm(x, mod.scale, mod.shift, EPS)
+    # linear1 as two GEMMs (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
+    w, b = self.linear1.weight, self.linear1.bias
+    qkv = rope.empty_qkv(B, L, H, C // H, x)
+    rope.qk_norm_rope(F.linear(h, w[:3 * C], b[:3 * C]), H, qkv, 0, self.norm.query_norm.scale,
+                      self.norm.key_norm.scale, EPS, pe)
+    act = F.gelu(F.linear(h, w[3 * C:], b[3 * C:]), approximate="tanh").reshape(B * L, -1)
+    w, b = self.linear2.weight, self.linear2.bias
+    # linear2(cat(attention, act)) as two GEMMs into one output: the concatenation is never written
+    out = torch.addmm(b, sdpa(*qkv).reshape(B * L, C), w[:, :C].t())
+    out.addmm_(act, w[:, C:].t())
+    gated_residual_(x, mod.gate, out.view(B, L, C))
+    if x.dtype == torch.float16:
+        x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
+    return x
+
+
+def _last_forward(self, x, vec, modulation_dims=None):
+    if modulation_dims is not None or not kernel_module("adaln").supported(x):
+        return type(self).forward(self, x, vec, modulation_dims)
+    shift, scale = self.adaLN_modulation(vec if vec.ndim == 3 else vec[:, None, :]).chunk(2, dim=-1)
+    return self.linear(kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS))
+
+
+def _is(m: nn.Module, name: str, *attrs: str) -> bool:
+    return type(m).__name__ == name and type(m).__module__.startswith("comfy.ldm.flux") \
+        and all(hasattr(m, a) for a in attrs)
+
+
+@fusion("flux")
+def apply(model: nn.Module, undo: Undo) -> int:
+    n = 0
+    for m in model.modules():
+        if _is(m, "DoubleStreamBlock", "img_mod", "txt_mod", "img_mlp") and _double_covered(m):
+            patch_forward(m, _double_forward, undo)
+        elif _is(m, "SingleStreamBlock", "linear1", "linear2", "modulation") and _single_covered(m):
+            patch_forward(m, _single_forward, undo)
+        elif _is(m, "LastLayer", "adaLN_modulation", "norm_final") and plain_linear(m.linear):
+            patch_forward(m, _last_forward, undo)
+        else:
+            continue
+        n += 1
+    return n

@@ -1,0 +1,104 @@
+"""SD3/SD3.5's joint blocks (ComfyUI's comfy.ldm.modules.diffusionmodules.mmdit) with the DiT kernels.
+
+A JointBlock runs its context and image halves as one forward here: one adaLN pass per stream into its qkv
+projection; one pass per stream that writes q, k (RMS-normalized where the model has qk norm, SD3.5) and v at their
+place in the joint sequence (no concatenation); SDPA; per stream one pass that adds the gated attention output and
+normalizes and modulates the sum for the MLP, the tanh GELU, and an in-place gated residual. MMDiT-X blocks (SD3.5
+medium's first 13) add their image-only attention's gated output before that pass. ComfyUI's activation
+checkpointing around the block does nothing at inference and is skipped.
+
+Calls it does not cover run the block's own forward: an attention override or another attention than PyTorch's in
+ComfyUI, Linear layers that are not plain (cast-on-the-fly weights), a tensor the kernels cannot run on. Blocks of
+other layouts (RMSNorm blocks, scale-only modulation, SwiGLU, LayerNorm qk norm) keep their forward.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import Undo, kernel_module, patch_forward, plain_linear
+from .registry import fusion
+from .transformer import EPS, gated_mlp, gated_residual_, kernels_run_on, pytorch_attention, sdpa
+
+MODULE = "comfy.ldm.modules.diffusionmodules.mmdit"
+
+
+def _attention_layers(a: nn.Module) -> list:
+    return [a.qkv] + ([a.proj] if not a.pre_only else [])
+
+
+def _qk_weights(a: nn.Module) -> tuple:
+    if type(a.ln_q).__name__ == "Identity":
+        return None, None
+    return a.ln_q.weight, a.ln_k.weight
+
+
+def _half_covered(b: nn.Module) -> bool:
+    """A DismantledBlock of the layout the fused forward restates."""
+    attns = [b.attn] + ([b.attn2] if b.x_block_self_attn else [])
+    layers = [b.adaLN_modulation[1]] + [layer for a in attns for layer in _attention_layers(a)]
+    if not b.pre_only:
+        if type(b.mlp).__name__ != "Mlp" or getattr(b.mlp.act, "approximate", None) != "tanh":
+            return False
+        layers += [b.mlp.fc1, b.mlp.fc2]
+    norms_ok = all(type(a.ln_q).__name__ == "Identity" or (type(a.ln_q).__name__ == "RMSNorm"
+                                                            and a.ln_q.weight is not None) for a in attns)
+    return (not b.scale_mod_only and isinstance(b.norm1, nn.LayerNorm) and not b.norm1.elementwise_affine
+            and norms_ok and all(plain_linear(layer) for layer in layers))
+
+
+def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_options={}):  # noqa: B006
+    if (not pytorch_attention(MODULE, transformer_options) or not kernels_run_on(x) or context.dtype != x.dtype
+            or context.shape[0] != x.shape[0]):
+        return type(self).forward(self, context, x, c=c, use_checkpoint=use_checkpoint,
+                                  transformer_options=transformer_options)
+    adaln, rope = kernel_module("adaln"), kernel_module("qk_rope")
+    cb, xb = self.context_block, self.x_block
+    (B, Lx, C), Lc, H = x.shape, context.shape[1], xb.attn.num_heads
+    qkv = rope.empty_qkv(B, Lc + Lx, H, C // H, x)
+    cm = cb.adaLN_modulation(c).chunk(2 if cb.pre_only else 6, dim=1)
+    xm = xb.adaLN_modulation(c).chunk(9 if xb.x_block_self_attn else 6, dim=1)
+    for block, stream, mods, offset in ((cb, context, cm, 0), (xb, x, xm, Lc)):
+        h = adaln.modulated_layer_norm(stream, mods[1], mods[0], EPS)
+        rope.qk_norm_rope(block.attn.qkv(h), H, qkv, offset, *_qk_weights(block.attn), EPS)
+    out = sdpa(*qkv)
+    if not cb.pre_only:
+        y, context = gated_mlp(context, cb.attn.proj(out[:, :Lc]), cm[2], cm[4], cm[3], cb.mlp.fc1, cb.mlp.fc2)
+        gated_residual_(context, cm[5], y)
+    else:
+        context = None
+    update = xb.attn.proj(out[:, Lc:])
+    if xb.x_block_self_attn:  # MMDiT-X: a second, image-only attention from the same norm with its own modulation
+        h = adaln.modulated_layer_norm(x, xm[7], xm[6], EPS)
+        own = rope.empty_qkv(B, Lx, H, C // H, x)
+        rope.qk_norm_rope(xb.attn2.qkv(h), H, own, 0, *_qk_weights(xb.attn2), EPS)
+        x = gated_residual_(x.clone(), xm[8], xb.attn2.proj(sdpa(*own)))
+    y, x = gated_mlp(x, update, xm[2], xm[4], xm[3], xb.mlp.fc1, xb.mlp.fc2)
+    gated_residual_(x, xm[5], y)
+    return context, x
+
+
+def _final_forward(self, x, c):
+    if not kernel_module("adaln").supported(x):
+        return type(self).forward(self, x, c)
+    shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+    return self.linear(kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS))
+
+
+def _is(m: nn.Module, name: str) -> bool:
+    return type(m).__name__ == name and type(m).__module__ == MODULE
+
+
+@fusion("mmdit")
+def apply(model: nn.Module, undo: Undo) -> int:
+    n = 0
+    for m in model.modules():
+        if _is(m, "JointBlock") and _half_covered(m.context_block) and _half_covered(m.x_block) \
+                and not m.context_block.x_block_self_attn:
+            patch_forward(m, _joint_forward, undo)
+        elif _is(m, "FinalLayer") and plain_linear(m.linear) and not m.norm_final.elementwise_affine:
+            patch_forward(m, _final_forward, undo)
+        else:
+            continue
+        n += 1
+    return n

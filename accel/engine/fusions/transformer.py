@@ -1,0 +1,50 @@
+"""What the diffusion transformers' fusions (flux, mmdit) share: the call conditions, the attention over the joint
+sequence, and the gated residual / modulated MLP steps of a DiT block."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import kernel_module
+
+EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
+
+
+def pytorch_attention(module_name: str, transformer_options: dict | None) -> bool:
+    """Whether ComfyUI's attention for the blocks of `module_name` is its PyTorch SDPA one, with no override."""
+    module = sys.modules.get(module_name)
+    attention = sys.modules.get("comfy.ldm.modules.attention")
+    return (module is not None and attention is not None
+            and getattr(module, "optimized_attention", None) is getattr(attention, "attention_pytorch", object())
+            and "optimized_attention_override" not in (transformer_options or {}))
+
+
+def kernels_run_on(x: torch.Tensor) -> bool:
+    return kernel_module("adaln").supported(x) and kernel_module("qk_rope").supported(x)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention over (B, L, heads, head_dim) q, k and v, as (B, L, heads * head_dim)."""
+    B, L, H, D = q.shape
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).reshape(B, L, H * D)
+
+
+def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+              shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
+    """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update; the caller adds the MLP's gated
+    output to s."""
+    adaln = kernel_module("adaln")
+    h, x = adaln.modulated_layer_norm(x, scale, shift, EPS, update=update, gate=gate)
+    return fc2(F.gelu(fc1(h), approximate="tanh")), x
+
+
+def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """x += gate * update in place (gate per sample: (B, 1, C) or (B, C))."""
+    if x.is_contiguous() and update.shape == x.shape:
+        return kernel_module("adaln").gated_add_(x, gate, update)
+    return x.addcmul_(gate if gate.dim() == 3 else gate.unsqueeze(1), update)

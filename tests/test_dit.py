@@ -1,0 +1,173 @@
+"""Diffusion transformers (Flux.1, SD3/SD3.5) behind the canonical call, on the torch path, on the CPU: their specs,
+diffusers' packed-token call against its own pipeline's packing, the plan (torch only), and ComfyUI's classes with
+the fused DiT kernels (Triton's interpreter) against their own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import comfy_helpers as H
+from sd_accel.accel.accelerate import accelerate
+from sd_accel.accel.errors import BadInput
+from sd_accel.accel.models import configs
+from sd_accel.accel.models.dit import CanonicalDiT, inspect_dit
+from sd_accel.accel.models.spec import CanonicalUNet, canonical
+from sd_accel.accel.plan.device import GpuInfo
+
+CPU = GpuInfo(vendor="cpu", family="cpu", name="cpu", dtypes=("float32",))
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("name,family,depths", [("tiny-flux", "flux", (2, 2)), ("tiny-sd3", "sd3", (2, 0))])
+def test_diffusers_transformers_are_recognised(name, family, depths):
+    model = configs.build_dit(name, "diffusers")
+    spec = inspect_dit(model)
+    assert (spec.form, spec.family, (spec.depth, spec.single_depth), spec.in_channels) == \
+        ("diffusers", family, depths, 16)
+    assert isinstance(canonical(model), CanonicalDiT) and spec.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_diffusers_flux_call_packs_latents_as_its_pipeline_does():
+    from diffusers import FluxPipeline
+
+    model = configs.build_dit("tiny-flux", "diffusers")
+    inp = configs.dit_example_inputs("tiny-flux", batch=2, latent=(8, 12))
+    x, ctx = inp["x"], inp["context"]
+    B, C, H, W = x.shape
+    with torch.no_grad():
+        out = CanonicalDiT(model)(**inp)
+        packed = FluxPipeline._pack_latents(x, B, C, H, W)
+        ids = FluxPipeline._prepare_latent_image_ids(B, H // 2, W // 2, x.device, x.dtype)
+        want = model(hidden_states=packed, timestep=inp["timesteps"], guidance=inp["guidance"],
+                     pooled_projections=inp["y"], encoder_hidden_states=ctx,
+                     txt_ids=torch.zeros(ctx.shape[1], 3), img_ids=ids, return_dict=False)[0]
+        # the pipeline's unpacking takes pixel sizes (8 pixels per latent)
+        want = FluxPipeline._unpack_latents(want, H * 8, W * 8, 8)
+    assert out.shape == x.shape and torch.equal(out, want)
+
+
+def test_transformer_runs_on_the_torch_path_even_when_onnxruntime_is_asked_for():
+    model = configs.build_dit("tiny-sd3", "diffusers")
+    inp = configs.dit_example_inputs("tiny-sd3", batch=2)
+    with torch.no_grad():
+        ref = CanonicalDiT(model)(**inp)
+    acc = accelerate(model, preference="onnxruntime", gpu=CPU)
+    assert acc.backend == "torch" and any("UNets only" in r for r in acc.plan.reasons)
+    with torch.no_grad():
+        out = acc(inp["x"], inp["timesteps"], inp["context"], inp["y"])
+    assert torch.equal(out, ref)
+    acc.release()
+
+
+def test_odd_latent_size_runs_the_plain_model_and_says_how_to_fix_it(caplog):
+    model = configs.build_dit("tiny-flux", "diffusers")
+    inp = configs.dit_example_inputs("tiny-flux", batch=1, latent=(8, 8))
+    acc = accelerate(model, preference="torch", gpu=CPU)
+    x = torch.randn(1, 16, 8, 7)
+    with torch.no_grad():
+        with pytest.raises(Exception):  # the plain diffusers call cannot take an odd width either
+            acc(x, inp["timesteps"], inp["context"], inp["y"], guidance=inp["guidance"])
+    assert any("multiple of 2" in r.getMessage() for r in caplog.records)
+
+
+def test_a_unet_refuses_a_guidance_input():
+    unet = CanonicalUNet(configs.build_unet("tiny-sd15"))
+    x, t, ctx, y = configs.example_inputs(unet.unet, batch=1)
+    with pytest.raises(BadInput, match="guidance"):
+        unet(x, t, ctx, y, guidance=torch.ones(1))
+
+
+def test_bad_conditioning_names_the_width_it_needs():
+    dit = CanonicalDiT(configs.build_dit("tiny-flux", "diffusers"))
+    with pytest.raises(BadInput, match="takes \\(batch, tokens, 32\\)"):
+        dit.check(torch.zeros(1, 16, 8, 8), torch.zeros(1, 7, 31), torch.zeros(1, 24))
+
+
+@pytest.fixture()
+def comfy_pytorch_attention(monkeypatch):
+    """ComfyUI's PyTorch attention, as on NVIDIA and AMD GPUs (on the CPU ComfyUI picks another)."""
+    if H.comfy_root() is None:
+        pytest.skip("COMFYUI_ROOT is not set to a ComfyUI checkout")
+    H.import_comfy()
+    import comfy.ldm.flux.math
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+
+    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention.attention_pytorch)
+    monkeypatch.setattr(mmdit, "optimized_attention", attention.attention_pytorch)
+
+
+@pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3)])
+def test_comfyuis_transformers_with_fused_kernels_match_their_own_forward(comfy_pytorch_attention, name, fusion,
+                                                                           blocks):
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = configs.build_dit(name, "comfy", comfyui_root=H.comfy_root())
+    inp = configs.dit_example_inputs(name, batch=2, latent=(8, 10))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    canon = CanonicalDiT(model)
+    with torch.no_grad():
+        ref = canon(**inp)
+        undo, counts = fusions.apply(model)
+        assert counts == {"flux": blocks if fusion == "flux" else 0, "mmdit": blocks if fusion == "mmdit" else 0}
+        out = canon(**inp)
+        undo()
+        back = canon(**inp)
+    assert rel(out, ref) <= 1e-5
+    assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_comfy_flux_torch_path_with_kernels_matches_plain_and_honours_a_weight_change(comfy_pytorch_attention):
+    """accelerate() on ComfyUI's Flux with the fused kernels (asked for: the CPU plan leaves them off), and the same
+    engine after the weights change in place (a LoRA merged by ComfyUI)."""
+    pytest.importorskip("triton")
+    model = configs.build_dit("tiny-flux", "comfy", comfyui_root=H.comfy_root())
+    inp = configs.dit_example_inputs("tiny-flux", batch=1)
+    plain = CanonicalDiT(model)
+    acc = accelerate(model, preference="torch", options={"triton_kernels": True})  # the CPU, Triton interpreted
+    args = (inp["x"], inp["timesteps"], inp["context"], inp["y"])
+    with torch.no_grad():
+        out = acc(*args, guidance=inp["guidance"])
+        assert acc.engine.fusion_counts["flux"] == 5
+        acc.suspend()
+        ref = plain(*args, guidance=inp["guidance"])
+        assert rel(out, ref) <= 1e-5
+        model.double_blocks[0].img_attn.qkv.weight.mul_(1.5)
+        ref2 = plain(*args, guidance=inp["guidance"])
+        out2 = acc(*args, guidance=inp["guidance"])
+    assert rel(ref2, ref) > 1e-3 and rel(out2, ref2) <= 1e-5
+    acc.release()
+
+
+def test_fused_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention, monkeypatch):
+    """Flux Kontext-style modulation_dims, and Linear layers that cast their weights on the fly (fp8, lowvram)."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.engine.fusions.base import kernel_module
+
+    model = configs.build_dit("tiny-flux", "comfy", comfyui_root=H.comfy_root())
+    block = model.double_blocks[0]
+    adaln = kernel_module("adaln")
+    calls = []
+    monkeypatch.setattr(adaln, "modulated_layer_norm", lambda *a, f=adaln.modulated_layer_norm, **k:
+                        calls.append(1) or f(*a, **k))
+    img, txt, vec = torch.randn(1, 12, 64), torch.randn(1, 5, 64), torch.randn(1, 64)
+    pe = model.pe_embedder(torch.zeros(1, 17, 3))
+    with torch.no_grad():
+        undo, _ = fusions.apply(model)
+        dims = [(0, 12, 0)]
+        out = block(img.clone(), txt.clone(), vec, pe, modulation_dims_img=dims, modulation_dims_txt=[(0, 5, 0)])
+        assert not calls
+        undo()
+        ref = block(img.clone(), txt.clone(), vec, pe, modulation_dims_img=dims, modulation_dims_txt=[(0, 5, 0)])
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    model.single_blocks[0].linear1.comfy_cast_weights = True
+    undo, counts = fusions.apply(model)
+    assert counts["flux"] == 4  # that block keeps its own forward
+    undo()

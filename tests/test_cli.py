@@ -72,6 +72,23 @@ def test_bench_tiny_writes_rows_with_errors(tmp_path):
     assert legend and "seen shape = a call at a shape already captured" in legend[0]
 
 
+def test_bench_times_diffusion_transformers_with_their_floor(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "--tiny", "--models", "flux,sd3", "--iters", "2", "--paths", "torch,onnxruntime",
+            "--json-file", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["unet"]
+    by = {(row["model"], row["variant"].split(":")[0]): row for row in rows}
+    for model in ("tiny-flux/diffusers", "tiny-sd3/diffusers"):
+        eager, ours = by[(model, "eager (SDPA)")], by[(model, "sd-accel torch")]
+        assert ours["rel_err"] <= 1e-5 and ours["ms"] > 0
+        assert eager["extra"]["tflop"] >= 0 and eager["extra"]["floor_ms"] > 0  # the FLOP count and its floor
+        assert (model, "floor") in by
+        # the ONNX Runtime path builds UNets only: it says so instead of timing the torch path under its name
+        assert "UNets only" in by[(model, "sd-accel onnxruntime")]["note"]
+    assert by[("tiny-flux/diffusers", "eager (SDPA)")]["extra"]["batch"] == 1  # guidance-distilled: no CFG batch
+
+
 def test_bench_vae_prints_a_table(tmp_path):
     out = tmp_path / "bench.json"
     r = run("bench", "--vae", "--tiny", "--vae-sizes", "64", "--json-file", str(out))
@@ -104,7 +121,7 @@ def test_vae_table_leaves_out_columns_without_figures():
 
 def test_bench_says_what_it_cannot_time(tmp_path):
     r = run("bench", "--tiny", "--models", "sd21", "--paths", "torch")
-    assert r.returncode == 2 and "no 'tiny-sd21' UNet to time; choose from tiny-sd15, tiny-sdxl" in r.stderr
+    assert r.returncode == 2 and "no 'tiny-sd21' model to time; choose from tiny-sd15, tiny-sdxl, tiny-flux" in r.stderr
     r = run("bench", "--tiny", "--models", "sd15", "--paths", "torch", "--comfyui", str(tmp_path))
     assert r.returncode == 2 and "is not a ComfyUI checkout" in r.stderr and "Traceback" not in r.stderr
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..models.configs import SHAPES, build_host_unet, build_unet, example_inputs, ldm_example_inputs
+from ..models.configs import DIT_NAMES, SHAPES, build_host_unet, build_unet, example_inputs, ldm_example_inputs
 from ..models.spec import CanonicalUNet
 from ..progress import StageLog
 
@@ -104,7 +104,6 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
                host: tuple[str, str] | None = None) -> list[Row]:
     """Rows for one UNet: diffusers' model, or with `host` ("comfyui" | "a1111" | "forge", folder) that host's own
     UNet class (models/configs.py build_host_unet)."""
-    rows: list[Row] = []
     tokens, latent = SHAPES[name]
     t0 = time.perf_counter()
     if host:
@@ -126,8 +125,21 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
         else contextlib.nullcontext
     xh, ch = x.to(dtype), ctx.to(dtype)
     yh = None if y is None else y.to(dtype)
-    args = (xh, t, ch, yh)
     canon = CanonicalUNet(model)
+    rows = time_variants(name, canon, (xh, t, ch, yh), ref, device, iters, compile_modes, paths, log, profile, amp,
+                         channels_last=True)
+    del model, canon
+    _peak_reset(device)
+    return rows
+
+
+def time_variants(name: str, canon: torch.nn.Module, args: tuple, ref: torch.Tensor, device: torch.device, iters: int,
+                  compile_modes: list[str], paths: list[str], log: Callable[[str], None], profile: bool = False,
+                  amp: Callable = contextlib.nullcontext, channels_last: bool = False) -> list[Row]:
+    """The rows of one model in the same run: eager, eager + CUDA graph (+ channels_last for UNets), each
+    torch.compile mode, each sd-accel path; canon(*args) is the model's canonical call."""
+    rows: list[Row] = []
+    model = canon.unet
 
     def add(variant: str, fn: Callable[[], torch.Tensor], setup_s: float | None = None, note: str = "", **extra) -> None:
         _peak_reset(device)
@@ -143,13 +155,16 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
     if profile and device.type == "cuda":
         _profile(rows[-1], lambda: canon(*args), log)
     if device.type == "cuda":
-        model.to(memory_format=torch.channels_last)
-        xl = xh.contiguous(memory_format=torch.channels_last)
+        graph_args = args
+        if channels_last:
+            model.to(memory_format=torch.channels_last)
+            graph_args = (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
         with torch.inference_mode(), amp():
-            replay = _graphed(canon, (xl, t, ch, yh))
-        add("eager + channels_last + CUDA graph", replay)
+            replay = _graphed(canon, graph_args)
+        add("eager + channels_last + CUDA graph" if channels_last else "eager + CUDA graph", replay)
         del replay
-        model.to(memory_format=torch.contiguous_format)
+        if channels_last:
+            model.to(memory_format=torch.contiguous_format)
     for mode in compile_modes:
         torch._dynamo.reset()
         compiled = torch.compile(canon, mode=None if mode == "default" else mode)
@@ -163,8 +178,6 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
         torch._dynamo.reset()
     for path in paths:
         rows.extend(_bench_path(name, path, canon, args, ref, device, iters, rows[0].ms, log, profile, amp))
-    del model, canon
-    _peak_reset(device)
     return rows
 
 
@@ -208,8 +221,10 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
         acc(*args)  # the second call at a shape captures its graph
         # Another shape, then the first again: the first must be served from what was built, not rebuilt.
         x2 = args[0][..., : args[0].shape[-2] // 2, :].contiguous()
+        new = time.perf_counter()
         acc(x2, *args[1:])
         _sync(device)
+        new_shape_s = time.perf_counter() - new
         again = time.perf_counter()
         acc(*args)
         _sync(device)
@@ -221,9 +236,9 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
         note = f"{acc.fallback_calls} calls fell back to the torch path: {acc.fallback_reason}"
         log(f"[{name}] sd-accel {path}: {note}")
     row = Row(name, f"sd-accel {backend}{label}", ms, base_ms / ms, _peak_gb(device), err, first_s,
-              note, {"seen_shape_s": seen_s, "reasons": acc.plan.reasons})
+              note, {"seen_shape_s": seen_s, "new_shape_s": new_shape_s, "reasons": acc.plan.reasons})
     log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step, x{base_ms / ms:.2f}, err {err:.2e}, "
-        f"first call {first_s:.1f}s, seen shape {seen_s * 1e3:.0f} ms")
+        f"first call {first_s:.1f}s, new shape {new_shape_s:.2f}s, seen shape {seen_s * 1e3:.0f} ms")
     if profile and device.type == "cuda":
         _profile(row, lambda: acc(*args), log)
     acc.release()
@@ -232,33 +247,42 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
 
 def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], paths: list[str],
         log: Callable[[str], None] = print, profile: bool = False, host: tuple[str, str] | None = None) -> list[Row]:
+    """Rows for each named model: UNets (sd15, sd21, sdxl) in fp16, diffusion transformers (flux-dev, flux-schnell,
+    sd35-large, sd35-medium) in bf16 (dit_bench)."""
+    from .dit_bench import bench_dit
+
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     names = [("tiny-" + name) if tiny else name for name in models]
-    known = [n for n in SHAPES if n.startswith("tiny-") == tiny]
+    known = [n for n in (*SHAPES, *DIT_NAMES) if n.startswith("tiny-") == tiny]
     for name in names:
         if name not in known:
-            raise ValueError(f"no {name!r} UNet to time; choose from {', '.join(known)} (names given without 'tiny-').")
+            raise ValueError(f"no {name!r} model to time; choose from {', '.join(known)} (names given without "
+                             "'tiny-').")
     rows: list[Row] = []
     for name in names:
-        rows += bench_unet(name, device, dtype, iters, compile_modes, paths, log, profile, host)
+        if name in DIT_NAMES:
+            rows += bench_dit(name, device, iters, compile_modes, paths, log, profile, host)
+        else:
+            rows += bench_unet(name, device, dtype, iters, compile_modes, paths, log, profile, host)
     return rows
 
 
 # "seen shape" is in the progress lines and the JSON (extra.seen_shape_s), not in a column of the table.
-LEGEND = ("setup s = build + first call at a new shape; seen shape = a call at a shape already captured, made after "
+LEGEND = ("setup s = build + first call at a new shape; new shape (progress lines, JSON) = the first call at a second "
+          "shape (half the height) in the same process; seen shape = a call at a shape already captured, made after "
           "a call at another shape (nothing rebuilt).")
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{'model':<10} {'variant':<36} {'ms/step':>8} {'speedup':>8} {'peak GB':>8} {'rel err':>9} {'setup s':>8}"
+    head = f"{'model':<20} {'variant':<36} {'ms/step':>8} {'speedup':>8} {'peak GB':>8} {'rel err':>9} {'setup s':>8}"
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
-        lines.append(f"{r.model:<10} {r.variant:<36} {fmt(r.ms, '8.2f')} {fmt(r.speedup, '8.2f')} "
+        lines.append(f"{r.model:<20} {r.variant:<36} {fmt(r.ms, '8.2f')} {fmt(r.speedup, '8.2f')} "
                      f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
         if r.note.startswith("not available") or "fell back" in r.note:
-            lines.append(f"{'':<10} {r.note}")
+            lines.append(f"{'':<20} {r.note}")
     lines.append(LEGEND)
     return "\n".join(lines)
 

@@ -141,15 +141,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sd_accel", description="sd-accel: fast Stable Diffusion UNet and VAE.")
+    p = argparse.ArgumentParser(prog="python -m sd_accel", description="sd-accel: fast diffusion models (SD UNets, Flux, SD3.5) and VAE.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="the GPU, its family, the installed backends, the chosen plan and why, the "
                                       "cache folder, the SD_ACCEL_* settings and the versions")
     d.add_argument("--backend", default=None, help="auto|torch|onnxruntime|off (default: SD_ACCEL_BACKEND or auto)")
     d.add_argument("--json", action="store_true", help="print the same information as JSON")
     d.set_defaults(fn=_doctor)
-    b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD1.5 and SDXL UNets")
-    b.add_argument("--models", default="sd15,sdxl", help="comma-separated: sd15, sd21, sdxl (default: sd15,sdxl)")
+    b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD UNets and diffusion transformers")
+    b.add_argument("--models", default="sd15,sdxl",
+                   help="comma-separated: sd15, sd21, sdxl (fp16, batch 2); flux-dev, flux-schnell (bf16, batch 1), "
+                        "sd35-large, sd35-medium (bf16, batch 2), with their FLOP count and floor (default: sd15,sdxl)")
     b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
@@ -171,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")
     hosts = b.add_mutually_exclusive_group()
     hosts.add_argument("--comfyui", metavar="DIR",
-                       help="build the UNets with ComfyUI's own UNetModel from this ComfyUI checkout (the ldm form "
-                            "ComfyUI runs; sd15 and sdxl) instead of diffusers'")
+                       help="build the models with ComfyUI's own classes from this ComfyUI checkout (UNetModel for "
+                            "sd15 and sdxl, Flux and MMDiT for the transformers, whose fused kernels cover this form) "
+                            "instead of diffusers'")
     hosts.add_argument("--a1111", metavar="DIR",
                        help="build them with A1111's own classes (ldm for sd15, sgm for sdxl) from A1111's "
                             "repositories folder; the eager baseline's attention is PyTorch SDPA, as A1111's default")

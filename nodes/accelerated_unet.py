@@ -8,9 +8,10 @@ while this model samples. Two wrappers:
   run: the torch path undoes its in-place module changes, so models that share the UNet see none of them,
   and keeps its CUDA graphs for the next run (freed when ComfyUI unloads the model, an ON_DETACH callback, and
   after every run in ComfyUI's low-VRAM modes).
-- DIFFUSION_MODEL: around the UNet's forward. A call that carries nothing the engine cannot honour goes to
-  the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
-  (patches, inner wrappers and all), and the node says why once.
+- DIFFUSION_MODEL: around the UNet's (or Flux's) forward. A call that carries nothing the engine cannot honour
+  goes to the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
+  (patches, inner wrappers and all), and the node says why once. SD3's MMDiT has no such wrapper point in ComfyUI:
+  an APPLY_MODEL wrapper gives its instance, for that call only, a forward that does the same.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from ..accel.errors import AccelError, BadInput
 from ..accel.hosts.support import EngineSlot, SlotStatus, shape_profile, transformer_patches
+from ..accel.models.dit import inspect_dit, is_dit
 from ..accel.models.spec import inspect_unet
 from .comfy_ui import CATEGORY, cache_root, node_progress, publish, say
 
@@ -39,10 +41,11 @@ class AcceleratedUNetNode:
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
-    DESCRIPTION = ("Runs the UNet of an SD1.x, SD2.x or SDXL model through the fastest path for this GPU (fused "
-                   "torch with CUDA graphs, or ONNX Runtime), built on the first sampling step and "
-                   "cached. LoRA, ControlNet and other nodes' patches keep working: calls an engine cannot serve "
-                   "run on the torch path or the plain model, and the node says why.")
+    DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1 or SD3/SD3.5 (transformer) "
+                   "checkpoint through the fastest path for this GPU (fused torch kernels with CUDA graphs; ONNX "
+                   "Runtime for UNets), built on the first sampling step and cached. LoRA, ControlNet and other "
+                   "nodes' patches keep working: calls an engine cannot serve run on the torch path or the plain "
+                   "model, and the node says why.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
@@ -109,16 +112,31 @@ def _plan(backend: str, options: dict):
     return choose(detect(), _preference(backend), options=dict(options))
 
 
+def _kind(model) -> str:
+    """"unet", "flux" or "sd3": which forward the node's wrappers serve (unsupported() has accepted the model)."""
+    unet = model.model.diffusion_model
+    return inspect_dit(unet).family if is_dit(unet) else "unet"
+
+
 def unsupported(model) -> str | None:
     """Why this MODEL is not accelerated (it then passes through unchanged), or None."""
+    from comfy.ldm.flux.model import Flux
+    from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
 
     base = getattr(model, "model", None)
     unet = getattr(base, "diffusion_model", None)
     what = f"{type(base).__name__} ({type(unet).__name__})"
-    # Subclasses (SVD's VideoUNet) take other inputs than the SD UNet's.
+    # Subclasses (SVD's VideoUNet, Chroma's Flux) take other inputs or have other blocks.
+    if type(unet) in (Flux, OpenAISignatureMMDITWrapper):
+        try:
+            inspect_dit(unet)
+        except AccelError as e:
+            return f"{e} It passes through unaccelerated."
+        return None
     if type(unet) is not UNetModel:
-        return f"{what} is not an SD1.x, SD2.x or SDXL UNet; it passes through unaccelerated."
+        return (f"{what} is not an SD1.x, SD2.x or SDXL UNet or a Flux.1 or SD3 transformer; it passes through "
+                "unaccelerated.")
     try:
         family = inspect_unet(unet).family
     except AccelError as e:
@@ -132,9 +150,12 @@ def attach(model, session: "Session") -> None:
     """Install the session's wrappers on a ModelPatcher, replacing an earlier Accelerated UNet's."""
     from comfy.patcher_extension import CallbacksMP, WrappersMP
 
-    for kind, fn in ((WrappersMP.OUTER_SAMPLE, session.outer_sample),
-                     (WrappersMP.DIFFUSION_MODEL, session.diffusion_model)):
+    serve = {"unet": (WrappersMP.DIFFUSION_MODEL, session.diffusion_model),
+             "flux": (WrappersMP.DIFFUSION_MODEL, session.flux_diffusion_model),
+             "sd3": (WrappersMP.APPLY_MODEL, session.apply_model)}[_kind(model)]
+    for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, KEY)
+    for kind, fn in ((WrappersMP.OUTER_SAMPLE, session.outer_sample), serve):
         model.add_wrapper_with_key(kind, KEY, fn)
     model.remove_callbacks_with_key(CallbacksMP.ON_DETACH, KEY)
     model.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, session.on_detach)
@@ -152,10 +173,11 @@ def session_of(model) -> "Session | None":
     """The Session an Accelerated UNet attached to this model (or to a model it was cloned from)."""
     from comfy.patcher_extension import WrappersMP
 
-    for fn in model.wrappers.get(WrappersMP.DIFFUSION_MODEL, {}).get(KEY, []):
-        owner = getattr(fn, "__self__", None)
-        if isinstance(owner, Session):
-            return owner
+    for kind in (WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
+        for fn in model.wrappers.get(kind, {}).get(KEY, []):
+            owner = getattr(fn, "__self__", None)
+            if isinstance(owner, Session):
+                return owner
     return None
 
 
@@ -202,19 +224,59 @@ class Session:
         def plain():
             return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
 
-        why = self.why_plain(executor, transformer_options, kwargs)
+        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, kwargs,
+                           plain, x, timesteps, context, y, control)
+
+    def flux_diffusion_model(self, executor, x, timesteps=None, context=None, y=None, guidance=None,
+                             ref_latents=None, control=None, transformer_options={}, **kwargs):  # noqa: B006
+        def plain():
+            return executor(x, timesteps, context, y, guidance, ref_latents, control, transformer_options, **kwargs)
+
+        extra = dict(kwargs, **({"ref_latents": ref_latents} if ref_latents is not None else {}))
+        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
+                           plain, x, timesteps, context, y, control, guidance)
+
+    def apply_model(self, executor, *args, **kwargs):
+        """SD3: ComfyUI's MMDiT has no diffusion-model wrapper point, so for this call only its instance gets a
+        forward that serves the call as diffusion_model() does; the instance is left exactly as it was."""
+        from comfy.patcher_extension import WrappersMP
+
+        mmdit = executor.class_obj.diffusion_model
+        had, before = "forward" in mmdit.__dict__, mmdit.__dict__.get("forward")
+        own = mmdit.forward
+
+        def forward(x, timesteps, context=None, y=None, control=None, transformer_options={}, **kw):  # noqa: B006
+            def plain():
+                return own(x, timesteps, context=context, y=y, control=control,
+                           transformer_options=transformer_options, **kw)
+
+            others = [k for k in transformer_options.get("wrappers", {}).get(WrappersMP.DIFFUSION_MODEL, {}) if k != KEY]
+            return self._serve(mmdit, len(others), transformer_options, kw, plain, x, timesteps, context, y, control)
+
+        mmdit.forward = forward
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            if had:
+                mmdit.forward = before
+            else:
+                del mmdit.forward
+
+    def _serve(self, module, inner_wrappers: int, transformer_options: dict, kwargs: dict, plain, x, timesteps,
+               context, y, control, guidance=None):
+        why = self.why_plain(inner_wrappers, transformer_options, kwargs)
         if why is not None:
             if why[0] == "lowvram":  # memory is short: the graphs kept from earlier runs go
                 self.slot.end_run()
             return self.slot.run_plain(why[0], why[1], plain)
-        return self.slot.call(executor.class_obj, self.patcher.patches_uuid, x, timesteps, context, y, control,
-                              plain)
+        return self.slot.call(module, self.patcher.patches_uuid, x, timesteps, context, y, control, plain,
+                              guidance=guidance)
 
-    def why_plain(self, executor, transformer_options: dict, kwargs: dict) -> tuple[str, str] | None:
+    def why_plain(self, inner_wrappers: int, transformer_options: dict, kwargs: dict) -> tuple[str, str] | None:
         """(key, message) when this call must run on ComfyUI's own forward, else None."""
         p = self.patcher
         if p is None:
-            return ("no-sampler", "the UNet was called outside a ComfyUI sampler, where sd-accel cannot see the "
+            return ("no-sampler", "the model was called outside a ComfyUI sampler, where sd-accel cannot see the "
                     "model's patches; such calls run on the plain model.")
         if getattr(p.model, "model_lowvram", False) or getattr(p.model, "lowvram_patch_counter", 0):
             return ("lowvram", "the model is only partly loaded on the GPU (lowvram): its weights are streamed in "
@@ -226,13 +288,12 @@ class Session:
         patches = transformer_patches(transformer_options)
         if transformer_options.get("optimized_attention_override") is not None:
             patches.append("attention override")
-        inner = executor.wrappers[executor.idx + 1:]
-        if inner:
-            patches.append(f"{len(inner)} diffusion-model wrapper(s) added after this node")
+        if inner_wrappers:
+            patches.append(f"{inner_wrappers} diffusion-model wrapper(s) added after this node")
         if kwargs:
             patches.append("extra inputs " + ", ".join(sorted(kwargs)))
         if patches:
             names = ", ".join(patches)
-            return (f"patches:{names}", f"other nodes patch the UNet ({names}); calls that carry these run on "
+            return (f"patches:{names}", f"other nodes patch the model ({names}); calls that carry these run on "
                     "ComfyUI's own forward, which applies them (no engine, no CUDA graph).")
         return None

@@ -132,6 +132,60 @@ def tiny_model(seed: int = 0, xl: bool = False):
                                             offload_device=mm.unet_offload_device())
 
 
+def tiny_dit(family: str = "flux", seed: int = 0):
+    """A ModelPatcher around ComfyUI's own Flux / SD3 model with a tiny transformer of that layout (models/configs.py
+    tiny-flux, tiny-sd3: ComfyUI's own classes, 16 latent channels)."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    from sd_accel.accel.models import configs
+
+    _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
+    config = (comfy.supported_models.Flux if family == "flux" else comfy.supported_models.SD3)(dict(cfg))
+    config.unet_config.update(cfg)
+    model = config.get_model({})
+    configs.seed_dit_parameters(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
+
+
+def tiny_dit_conditioning(family: str = "flux", seed: int = 0, tokens: int = 7):
+    """(positive, negative) CONDITIONING for tiny_dit: text tokens and the pooled embedding (Flux: with guidance)."""
+    import torch
+
+    from sd_accel.accel.models import configs
+
+    _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
+    ctx = cfg["context_in_dim"] if family == "flux" else cfg["context_embedder_config"]["params"]["in_features"]
+    pooled = cfg["vec_in_dim"] if family == "flux" else cfg["adm_in_channels"]
+    g = torch.Generator().manual_seed(seed)
+
+    def cond(scale):
+        extra = {"pooled_output": torch.randn(1, pooled, generator=g) * scale}
+        if family == "flux":
+            extra["guidance"] = 3.5
+        return [[torch.randn(1, tokens, ctx, generator=g) * scale, extra]]
+
+    return cond(1.0), cond(0.5)
+
+
+def tiny_flux_controlnet(seed: int = 0):
+    """A ComfyUI Flux ControlNet (XLabs layout: image hint) whose blocks match tiny_dit("flux"), seeded."""
+    import comfy.controlnet
+    import comfy.ldm.flux.controlnet
+    import comfy.model_management as mm
+    import comfy.ops
+
+    from sd_accel.accel.models import configs
+
+    _, cfg = configs.COMFY_DIT_CONFIGS["tiny-flux"]
+    control = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init,
+                                                       **{**cfg, "depth_single_blocks": 0})
+    configs.seed_dit_parameters(control, seed)
+    return comfy.controlnet.ControlNet(control, load_device=mm.get_torch_device(), extra_conds=["y", "guidance"])
+
+
 def tiny_vae(seed: int = 0):
     """ComfyUI's VAE around a tiny KL autoencoder of the SD layout (8x downscale)."""
     import torch

@@ -182,8 +182,9 @@ class EngineSlot:
 
     def call(self, module: torch.nn.Module, weights_key: Any, x: torch.Tensor, timesteps: torch.Tensor,
              context: torch.Tensor, y: torch.Tensor | None, control: dict | None,
-             plain: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Serve one canonical call through the engine for `module`, or through plain() when it cannot."""
+             plain: Callable[[], torch.Tensor], guidance: torch.Tensor | None = None) -> torch.Tensor:
+        """Serve one canonical call through the engine for `module`, or through plain() when it cannot. guidance:
+        Flux-dev's guidance input (diffusion transformers only)."""
         if self._broken:
             return self.run_plain("broken", "", plain)
         collect = _Collect(self._note)
@@ -206,7 +207,8 @@ class EngineSlot:
                     f"is outside the engine's profile ({self.profile.describe()}); such calls run on the torch "
                     "path. Widen the profile on the node to cover it."))
                 runner = acc.fallback or acc.unet
-            out = self._first_at_size(x, lambda: runner(x, timesteps, context, y, control))
+            extra = {"guidance": guidance} if guidance is not None else {}
+            out = self._first_at_size(x, lambda: runner(x, timesteps, context, y, control, **extra))
             self.status.engine_calls += 1
             return out
         except AccelError as e:

@@ -1,0 +1,169 @@
+"""The Accelerated UNet node on diffusion transformers (Flux.1, SD3/SD3.5) against ComfyUI's real classes
+(ModelPatcher, model_base.Flux / SD3, samplers, LoRA loading), in this process, on tiny seeded models. Skipped unless
+COMFYUI_ROOT names a ComfyUI checkout.
+
+On the CPU the torch path runs the plain model's own kernels unless the fused kernels are asked for (they then run
+under Triton's interpreter): "same" is exact for the routing tests, within 1e-5 for the fused ones.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import comfy_helpers as H
+from sd_accel.nodes import accelerated_unet
+
+pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+
+PROFILE = dict(min_width=64, opt_width=128, max_width=1024, min_height=64, opt_height=128, max_height=1024,
+               min_batch=1, opt_batch=1, max_batch=4)
+FAMILIES = ("flux", "sd3")
+
+
+@pytest.fixture(scope="module")
+def pack():
+    H.import_comfy()
+    return H.load_pack()
+
+
+def accelerate(pack, model):
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+    out = node.apply(model, "torch", True, False, **PROFILE, unique_id="7")
+    return out["result"][0], out["ui"]["text"][0]
+
+
+def sample(model, positive, negative, steps=2, size=8, seed=1, cfg=3.0):
+    import comfy.sample
+
+    noise = torch.randn(1, 16, size, size, generator=torch.Generator().manual_seed(seed))
+    latent = torch.zeros(1, 16, size, size)
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "normal", positive, negative, latent,
+                               disable_pbar=True, seed=seed)
+
+
+def status(model):
+    return accelerated_unet.session_of(model).slot.status
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformer_is_accelerated_and_equals_plain(pack, family):
+    model = H.tiny_dit(family, 0)
+    pos, neg = H.tiny_dit_conditioning(family, 1)
+    wrappers_before = {k: {k1: list(v1) for k1, v1 in v.items()} for k, v in model.wrappers.items()}
+    acc, text = accelerate(pack, model)
+    assert acc is not model and "backend: torch" in text
+    assert H.same(sample(acc, pos, neg), sample(model, pos, neg))
+    s = status(acc)
+    assert s.backend == "torch" and s.engine_calls == 2 and s.plain_calls == 0, s.describe()
+    assert model.wrappers == wrappers_before
+    # SD3's forward is served through a per-call instance attribute: none is left behind
+    assert "forward" not in vars(model.model.diffusion_model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, family, monkeypatch):
+    """The DiT fusions, asked for on the CPU (Triton's interpreter), in a real ComfyUI sampling run: ComfyUI on a GPU
+    uses its PyTorch attention, which the fused blocks require; on the CPU it picks another one unless told."""
+    import comfy.ldm.flux.math
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+
+    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention.attention_pytorch)
+    monkeypatch.setattr(mmdit, "optimized_attention", attention.attention_pytorch)
+    model = H.tiny_dit(family, 2)
+    pos, neg = H.tiny_dit_conditioning(family, 3)
+    plain = sample(model, pos, neg)
+    acc, _ = accelerate(pack, model)
+    slot = accelerated_unet.session_of(acc).slot
+    slot.options["triton_kernels"] = True
+    seen = []
+    original = slot._build
+
+    def build(*a, **k):
+        original(*a, **k)
+        seen.append(dict(slot.acc.engine.fusion_counts or {}))
+
+    monkeypatch.setattr(slot, "_build", build)
+    out = sample(acc, pos, neg)
+    assert seen and seen[0].get(family if family == "flux" else "mmdit", 0) > 0, seen
+    assert ((out - plain).norm() / plain.norm()).item() <= 1e-5
+    assert status(acc).engine_calls == 2
+    # and the blocks are ComfyUI's own again once the run ended
+    assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
+
+
+def test_flux_lora_after_the_node_matches_plain_lora(pack):
+    import comfy.sd
+
+    model = H.tiny_dit("flux", 4)
+    pos, neg = H.tiny_dit_conditioning("flux", 5)
+    g = torch.Generator().manual_seed(6)
+    lora = {}
+    for key, w in model.model.diffusion_model.state_dict().items():
+        if w.ndim == 2 and key.endswith(("qkv.weight", "linear1.weight")):
+            name = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
+            lora[f"{name}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.2
+            lora[f"{name}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.2
+            lora[f"{name}.alpha"] = torch.tensor(4.0)
+
+    def with_lora(m):
+        return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0.0)[0]
+
+    plain = sample(with_lora(model), pos, neg)
+    assert not torch.allclose(plain, sample(model, pos, neg), atol=1e-3)  # the LoRA reaches the transformer
+    after = with_lora(accelerate(pack, model)[0])
+    assert H.same(sample(after, pos, neg), plain)
+    assert status(after).engine_calls == 2
+
+
+def test_flux_controlnet_residuals_reach_the_transformer_on_the_torch_path(pack):
+    model = H.tiny_dit("flux", 10)
+    pos, neg = H.tiny_dit_conditioning("flux", 11)
+    hint = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(4))
+    control = H.tiny_flux_controlnet(12).copy().set_cond_hint(hint, 0.8, (0.0, 1.0))
+    cpos, cneg = ([[c[0][0], {**c[0][1], "control": control, "control_apply_to_uncond": False}]] for c in (pos, neg))
+    plain = sample(model, cpos, cneg)
+    assert not torch.allclose(plain, sample(model, pos, neg), atol=1e-3)  # the ControlNet changes the image
+    acc, _ = accelerate(pack, model)
+    assert H.same(sample(acc, cpos, cneg), plain)
+    s = status(acc)
+    assert s.engine_calls == 2 and s.plain_calls == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_replace_patch_runs_comfyuis_forward_and_says_why(pack, family, caplog):
+    model = H.tiny_dit(family, 7)
+    pos, neg = H.tiny_dit_conditioning(family, 8)
+
+    def louder(args, extra):
+        out = extra["original_block"](args)
+        return {k: v * 1.1 if k == "img" else v for k, v in out.items()}
+
+    patched = model.clone()
+    patched.set_model_patch_replace(louder, "dit", "double_block", 0)
+    plain = sample(patched, pos, neg)
+    assert not torch.allclose(plain, sample(model, pos, neg), atol=1e-4)
+    acc = accelerate(pack, model)[0].clone()
+    acc.set_model_patch_replace(louder, "dit", "double_block", 0)
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        assert H.same(sample(acc, pos, neg), plain)
+    s = status(acc)
+    assert s.plain_calls == 2 and s.engine_calls == 0
+    assert any("dit replace" in m for m in s.messages), s.messages
+
+
+def test_other_transformers_pass_through_with_a_reason(pack):
+    import comfy.ldm.flux.model
+
+    model = H.tiny_dit("flux", 9)
+
+    class Chroma(comfy.ldm.flux.model.Flux):  # a Flux subclass with blocks of its own
+        pass
+
+    model.model.diffusion_model.__class__ = Chroma
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+    out = node.apply(model, "auto", True, False, **PROFILE, unique_id="8")
+    assert out["result"][0] is model and "Flux.1 or SD3 transformer" in out["ui"]["text"][0]

@@ -209,7 +209,8 @@ def host_import_paths(host: str, root: str | Path) -> list[Path]:
 
 
 def _require_importable(folders: list[Path]) -> None:
-    missing = [str(f) for f in folders if str(f) not in sys.path]
+    on_path = {Path(p).resolve() for p in sys.path if p}  # the same folder through a link counts
+    missing = [str(f) for f in folders if f.resolve() not in on_path]
     if missing:
         raise ImportError(f"the host's folders {', '.join(missing)} are not on the import path; start Python with "
                           "them on PYTHONPATH (python -m sd_accel bench does).")

@@ -46,13 +46,16 @@ def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, M, L, C, g_
 
 
 @jit(do_not_specialize=("M", "L"))
-def _gated_add_kernel(x_ptr, u_ptr, g_ptr, M, L, C, g_stride, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _gated_add_kernel(x_ptr, u_ptr, u2_ptr, g_ptr, M, L, C, g_stride, HAS_U2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (rows < M) & (cols < C)
     off = rows.to(tl.int64) * C + cols
     g = tl.load(g_ptr + (rows // L) * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_U2:
+        u += tl.load(u2_ptr + off, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     tl.store(x_ptr + off, (x + g * u).to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -109,24 +112,29 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[t
     return (y, s) if update is not None else y
 
 
-def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """x += gate * update in place, for x and update (B, L, C) and a per-sample gate (B, 1, C) or (B, C): the gated
-    residual, as one vectorized pass (torch's addcmul_ with a broadcast gate takes its slow strided path)."""
+def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+               update2: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x += gate * update in place (gate * (update + update2) with a second update: a projection computed in two
+    parts), for x and the updates (B, L, C) and a per-sample gate (B, 1, C) or (B, C): the gated residual, as one
+    vectorized pass (torch's addcmul_ with a broadcast gate takes its slow strided path)."""
     require(x, _gated_add_kernel, "gated_add_")
-    if x.dim() != 3 or update.shape != x.shape or not x.is_contiguous():
+    if x.dim() != 3 or update.shape != x.shape or not x.is_contiguous() \
+            or (update2 is not None and update2.shape != x.shape):
         raise BadInput(f"gated_add_: x {tuple(x.shape)} (contiguous: {x.is_contiguous()}) and update "
                        f"{tuple(update.shape)} must be the same contiguous (batch, tokens, channels) tensors.",
                        "Use x.addcmul_(gate, update) for other layouts.")
     B, L, C = x.shape
     g, g_stride = _per_sample(gate, "gate", x)
     u = update.contiguous()
+    u2 = update2.contiguous() if update2 is not None else u
     M = B * L
     if M and C:
         block_c = min(pow2(C), 1024)
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
         with on_device(x):
             _gated_add_kernel[(cdiv(M, block_m), cdiv(C, block_c))](
-                x, u, g, M, L, C, g_stride, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps(block_m * block_c))
+                x, u, u2, g, M, L, C, g_stride, HAS_U2=update2 is not None, BLOCK_M=block_m, BLOCK_C=block_c,
+                num_warps=warps(block_m * block_c))
     return x
 
 

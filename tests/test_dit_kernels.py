@@ -138,3 +138,34 @@ def test_qk_norm_rope_errors_say_what_to_do():
         qk_rope.qk_norm_rope(qkv, 2, out, offset=2)
     with pytest.raises(BadInput, match="pe has shape"):
         qk_rope.qk_norm_rope(qkv, 2, out, pe=_flux_pe(1, 4, 8).half())
+
+
+@pytest.mark.parametrize("M,K,dtype", [(7, 300, torch.bfloat16), (5, 4096, torch.float16), (3, 64, torch.float32)])
+def test_quantize_rows_scales_each_row_to_e4m3s_range(M, K, dtype):
+    """The kernel on a GPU against its reference; on the CPU the reference alone (what the CPU runs), since Triton's
+    interpreter converts to fp8 wrongly."""
+    from sd_accel.kernels import quant
+
+    x = _randn(M, K, dtype=dtype, scale=3.0)
+    x[1] = 0  # an all-zero row still gets a usable scale
+    q_ref, s_ref = quant.quantize_rows_ref(x)
+    q, s = quant.quantize_rows(x) if DEVICE == "cuda" else (q_ref, s_ref)
+    assert q.dtype == quant.FP8 and s.shape == (M, 1)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert q.float().abs().amax(dim=1)[0] > 400  # the largest value lands near 448
+    back = q.float() * s
+    if DEVICE == "cuda":
+        assert torch.equal(q.float(), q_ref.float())
+    # e4m3 keeps 3 mantissa bits: within one step (1/8 of the value) of x, here and under the interpreter (which
+    # truncates where the GPU rounds)
+    assert ((back - x.float()).abs() <= x.float().abs() / 8 + s * 2 ** -9).all()
+    assert (x.float().abs() / s <= 448).all()
+    if DEVICE == "cuda":
+        strided = _randn(M, 2 * K, dtype=dtype)[:, :K]  # rows of a wider tensor
+        torch.testing.assert_close(quant.quantize_rows(strided)[1], quant.quantize_rows_ref(strided)[1])
+        with pytest.raises(BadInput, match="contiguous rows"):
+            quant.quantize_rows(x.t())
+    else:
+        assert not quant.supported(x)
+        with pytest.raises(BadInput, match="quantize_rows_ref"):
+            quant.quantize_rows(x)

@@ -380,7 +380,8 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     """A Flux or SD3.5 transformer of a published architecture with seeded, well-conditioned random weights (see
     seed_dit_parameters), made directly on `device` in `dtype`: form "diffusers" (FluxTransformer2DModel,
     SD3Transformer2DModel) or "comfy" (ComfyUI's own classes, from the checkout at comfyui_root, whose folder must be
-    on the import path)."""
+    on the import path). dtype float8_e4m3fn (comfy form): the weights stored in fp8 with ComfyUI's cast-on-the-fly
+    layers, as its loaders build a model whose weight dtype is fp8_e4m3fn; the same seed gives the same weights."""
     if name not in COMFY_DIT_CONFIGS:
         raise ValueError(f"unknown DiT config {name!r}; choose one of {', '.join(COMFY_DIT_CONFIGS)}")
     if form == "diffusers":
@@ -414,7 +415,8 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     else:
         from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper as cls
     # ComfyUI's layers skip their init (the checkpoint's weights replace it); every tensor is drawn below.
-    model = cls(**cfg, dtype=dtype, device=device, operations=comfy.ops.disable_weight_init)
+    ops = comfy.ops.manual_cast if dtype == torch.float8_e4m3fn else comfy.ops.disable_weight_init
+    model = cls(**cfg, dtype=dtype, device=device, operations=ops)
     return seed_dit_parameters(model, seed).eval().requires_grad_(False)
 
 

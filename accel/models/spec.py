@@ -79,6 +79,9 @@ def inspect_unet(m: nn.Module) -> UNetSpec:
         "Connect the model output of a checkpoint loader for SD1.x, SD2.x or SDXL; other model types run unaccelerated.")
 
 
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
 class Canonical(nn.Module):
     """What the engines read of a wrapped diffusion model (UNet or DiT): the module as `unet`, its dtype and device."""
 
@@ -88,7 +91,10 @@ class Canonical(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.unet.parameters()).dtype
+        """The dtype the model computes in: its weights', or bfloat16 for weights stored in fp8, which its layers widen
+        per call (ComfyUI's fp8_e4m3fn weight dtype; it feeds such a model bfloat16)."""
+        dtype = next(self.unet.parameters()).dtype
+        return torch.bfloat16 if dtype in FP8_DTYPES else dtype
 
     @property
     def device(self) -> torch.device:

@@ -19,6 +19,7 @@ DTYPES = {"float16": "float16", "fp16": "float16", "half": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float32": "float32", "fp32": "float32", "float": "float32"}
 CONV_ALGO_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+PRECISION = ("auto", "16bit", "fp8")  # see accel/engine/fp8.py
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class TorchOptions:
     compile: bool = False  # regional torch.compile of the repeated blocks (then no fused kernels)
     max_graphs: int = 4
     cudnn_benchmark: bool = False  # time every cuDNN convolution algorithm at each new shape (seconds, once per size)
+    # Diffusion transformers' block projections: "auto" runs fp8 products for weights loaded in fp8 and 16-bit ones
+    # for 16-bit weights; "fp8" quantizes 16-bit weights too; "16bit" widens fp8 weights as the host does.
+    precision: str = field(default="auto", metadata={"choices": PRECISION})
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,12 @@ class TorchEngine:
 
             undo, counts = fusions.apply(module, options.fusions)
             self._undo.append(undo)
+            if isinstance(self.unet, CanonicalDiT):
+                from .. import fp8
+
+                marks = fusions.Undo()
+                counts["fp8"] = fp8.apply(module, options.precision, marks)
+                self._undo.append(marks)
             if self.fusion_counts is None:
                 log.info("sd-accel: fused kernels in %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
             self.fusion_counts = counts

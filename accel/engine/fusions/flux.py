@@ -6,11 +6,13 @@ RMS-normalized, rotated and in SDPA's layout at their place in the joint text+im
 float32 copies); one pass that adds the gated attention output to the stream and normalizes and modulates the sum for
 the MLP; the tanh GELU; one in-place gated residual. A single-stream block splits its input projection in two GEMMs
 (q, k and v; the MLP's input) and its output projection in two GEMMs into one output (attention part, then the MLP
-part accumulated on it) instead of concatenating the attention output and the MLP activation.
+part accumulated on it) instead of concatenating the attention output and the MLP activation. The projections run
+as fp8 products where accel/engine/fp8.py marked them (the `precision` option).
 
 A call it does not cover runs the block's own forward: modulation_dims or an attention mask (Kontext and other
-reference-image models), an attention override or another attention than PyTorch's in ComfyUI, Linear layers that
-are not plain (ComfyUI's cast-on-the-fly fp8 weights, lowvram), a tensor the kernels cannot run on.
+reference-image models), an attention override or another attention than PyTorch's in ComfyUI, Linear layers with
+per-call weight functions (lowvram), a tensor the kernels cannot run on. ComfyUI's cast-on-the-fly layers (fp8-loaded
+weights) are covered: the fused forward calls them, or takes them as fp8 products.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from torch import nn
 
 from .base import Undo, kernel_module, patch_forward, plain_linear
 from .registry import fusion
-from .transformer import EPS, gated_mlp, gated_residual_, kernels_run_on, pytorch_attention, sdpa
+from .. import fp8
+from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, norm_weight, pytorch_attention,
+                          sdpa)
 
 def _double_covered(m: nn.Module) -> bool:
     layers = (m.img_attn.qkv, m.img_attn.proj, m.txt_attn.qkv, m.txt_attn.proj, m.img_mlp[0], m.img_mlp[2],
               m.txt_mlp[0], m.txt_mlp[2], m.img_mod.lin, m.txt_mod.lin)
-    return all(plain_linear(layer) for layer in layers) and type(m.img_mlp[1]).__name__ == "GELU" \
-        and m.img_mlp[1].approximate == "tanh"
+    return linears(*layers) and type(m.img_mlp[1]).__name__ == "GELU" and m.img_mlp[1].approximate == "tanh"
 
 
 def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
@@ -47,7 +50,8 @@ def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img
         streams = [(img, img_mod1, self.img_attn, 0), (txt, txt_mod1, self.txt_attn, Li)]
     for x, mod, attn, offset in streams:
         h = adaln.modulated_layer_norm(x, mod.scale, mod.shift, EPS)
-        rope.qk_norm_rope(attn.qkv(h), H, qkv, offset, attn.norm.query_norm.scale, attn.norm.key_norm.scale, EPS, pe)
+        rope.qk_norm_rope(attn.qkv(h), H, qkv, offset, norm_weight(attn.norm.query_norm.scale, x),
+                          norm_weight(attn.norm.key_norm.scale, x), EPS, pe)
     out = sdpa(*qkv)
     first, second = out[:, :streams[0][0].shape[1]], out[:, streams[0][0].shape[1]:]
     img_attn, txt_attn = (second, first) if not self.flipped_img_txt else (first, second)
@@ -63,9 +67,8 @@ def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img
 
 
 def _single_covered(m: nn.Module) -> bool:
-    return all(plain_linear(layer) for layer in (m.linear1, m.linear2, m.modulation.lin)) \
-        and type(m.mlp_act).__name__ == "GELU" and m.mlp_act.approximate == "tanh" and m.linear1.bias is not None \
-        and m.linear2.bias is not None
+    return linears(m.linear1, m.linear2, m.modulation.lin) and type(m.mlp_act).__name__ == "GELU" \
+        and m.mlp_act.approximate == "tanh"
 
 
 def _single_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006
@@ -77,17 +80,25 @@ def _single_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, tran
     mod, _ = self.modulation(vec)
     (B, L, C), H = x.shape, self.num_heads
     h = adaln.modulated_layer_norm(x, mod.scale, mod.shift, EPS)
-    # linear1 as two GEMMs (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
-    w, b = self.linear1.weight, self.linear1.bias
+    # linear1 as two products (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
+    projected, mlp_in = fp8.split_linear(self.linear1, h, (3 * C, self.mlp_hidden_dim))
     qkv = rope.empty_qkv(B, L, H, C // H, x)
-    rope.qk_norm_rope(F.linear(h, w[:3 * C], b[:3 * C]), H, qkv, 0, self.norm.query_norm.scale,
-                      self.norm.key_norm.scale, EPS, pe)
-    act = F.gelu(F.linear(h, w[3 * C:], b[3 * C:]), approximate="tanh").reshape(B * L, -1)
-    w, b = self.linear2.weight, self.linear2.bias
-    # linear2(cat(attention, act)) as two GEMMs into one output: the concatenation is never written
-    out = torch.addmm(b, sdpa(*qkv).reshape(B * L, C), w[:, :C].t())
-    out.addmm_(act, w[:, C:].t())
-    gated_residual_(x, mod.gate, out.view(B, L, C))
+    rope.qk_norm_rope(projected, H, qkv, 0, norm_weight(self.norm.query_norm.scale, x),
+                      norm_weight(self.norm.key_norm.scale, x), EPS, pe)
+    act = F.gelu(mlp_in, approximate="tanh")
+    attn = sdpa(*qkv)
+    # linear2(cat(attention, act)) without writing the concatenation: two products into one output (16-bit: the
+    # second accumulates on the first) or two outputs the gated residual adds together (fp8)
+    if fp8.marked(self.linear2) and x.dtype in (torch.bfloat16, torch.float16):
+        gated_residual_(x, mod.gate, fp8.matmul(attn, self.linear2, cols=slice(0, C)),
+                        fp8.matmul(act, self.linear2, cols=slice(C, None), bias=False))
+    elif plain_linear(self.linear2) and self.linear2.bias is not None:
+        w, b = self.linear2.weight, self.linear2.bias
+        out = torch.addmm(b, attn.reshape(B * L, C), w[:, :C].t())
+        out.addmm_(act.reshape(B * L, -1), w[:, C:].t())
+        gated_residual_(x, mod.gate, out.view(B, L, C))
+    else:
+        gated_residual_(x, mod.gate, self.linear2(torch.cat((attn, act), 2)))
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x
@@ -113,7 +124,7 @@ def apply(model: nn.Module, undo: Undo) -> int:
             patch_forward(m, _double_forward, undo)
         elif _is(m, "SingleStreamBlock", "linear1", "linear2", "modulation") and _single_covered(m):
             patch_forward(m, _single_forward, undo)
-        elif _is(m, "LastLayer", "adaLN_modulation", "norm_final") and plain_linear(m.linear):
+        elif _is(m, "LastLayer", "adaLN_modulation", "norm_final") and linears(m.linear):
             patch_forward(m, _last_forward, undo)
         else:
             continue

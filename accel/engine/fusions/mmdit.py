@@ -8,7 +8,8 @@ medium's first 13) add their image-only attention's gated output before that pas
 checkpointing around the block does nothing at inference and is skipped.
 
 Calls it does not cover run the block's own forward: an attention override or another attention than PyTorch's in
-ComfyUI, Linear layers that are not plain (cast-on-the-fly weights), a tensor the kernels cannot run on. Blocks of
+ComfyUI, Linear layers with per-call weight functions (lowvram), a tensor the kernels cannot run on. The projections
+run as fp8 products where accel/engine/fp8.py marked them. Blocks of
 other layouts (RMSNorm blocks, scale-only modulation, SwiGLU, LayerNorm qk norm) keep their forward.
 """
 
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward, plain_linear
+from .base import Undo, kernel_module, patch_forward
 from .registry import fusion
-from .transformer import EPS, gated_mlp, gated_residual_, kernels_run_on, pytorch_attention, sdpa
+from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, norm_weight, pytorch_attention,
+                          sdpa)
 
 MODULE = "comfy.ldm.modules.diffusionmodules.mmdit"
 
@@ -27,10 +29,10 @@ def _attention_layers(a: nn.Module) -> list:
     return [a.qkv] + ([a.proj] if not a.pre_only else [])
 
 
-def _qk_weights(a: nn.Module) -> tuple:
+def _qk_weights(a: nn.Module, x) -> tuple:
     if type(a.ln_q).__name__ == "Identity":
         return None, None
-    return a.ln_q.weight, a.ln_k.weight
+    return norm_weight(a.ln_q.weight, x), norm_weight(a.ln_k.weight, x)
 
 
 def _half_covered(b: nn.Module) -> bool:
@@ -44,7 +46,7 @@ def _half_covered(b: nn.Module) -> bool:
     norms_ok = all(type(a.ln_q).__name__ == "Identity" or (type(a.ln_q).__name__ == "RMSNorm"
                                                             and a.ln_q.weight is not None) for a in attns)
     return (not b.scale_mod_only and isinstance(b.norm1, nn.LayerNorm) and not b.norm1.elementwise_affine
-            and norms_ok and all(plain_linear(layer) for layer in layers))
+            and norms_ok and linears(*layers))
 
 
 def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_options={}):  # noqa: B006
@@ -60,7 +62,7 @@ def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_option
     xm = xb.adaLN_modulation(c).chunk(9 if xb.x_block_self_attn else 6, dim=1)
     for block, stream, mods, offset in ((cb, context, cm, 0), (xb, x, xm, Lc)):
         h = adaln.modulated_layer_norm(stream, mods[1], mods[0], EPS)
-        rope.qk_norm_rope(block.attn.qkv(h), H, qkv, offset, *_qk_weights(block.attn), EPS)
+        rope.qk_norm_rope(block.attn.qkv(h), H, qkv, offset, *_qk_weights(block.attn, x), EPS)
     out = sdpa(*qkv)
     if not cb.pre_only:
         y, context = gated_mlp(context, cb.attn.proj(out[:, :Lc]), cm[2], cm[4], cm[3], cb.mlp.fc1, cb.mlp.fc2)
@@ -71,7 +73,7 @@ def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_option
     if xb.x_block_self_attn:  # MMDiT-X: a second, image-only attention from the same norm with its own modulation
         h = adaln.modulated_layer_norm(x, xm[7], xm[6], EPS)
         own = rope.empty_qkv(B, Lx, H, C // H, x)
-        rope.qk_norm_rope(xb.attn2.qkv(h), H, own, 0, *_qk_weights(xb.attn2), EPS)
+        rope.qk_norm_rope(xb.attn2.qkv(h), H, own, 0, *_qk_weights(xb.attn2, x), EPS)
         x = gated_residual_(x.clone(), xm[8], xb.attn2.proj(sdpa(*own)))
     y, x = gated_mlp(x, update, xm[2], xm[4], xm[3], xb.mlp.fc1, xb.mlp.fc2)
     gated_residual_(x, xm[5], y)
@@ -96,7 +98,7 @@ def apply(model: nn.Module, undo: Undo) -> int:
         if _is(m, "JointBlock") and _half_covered(m.context_block) and _half_covered(m.x_block) \
                 and not m.context_block.x_block_self_attn:
             patch_forward(m, _joint_forward, undo)
-        elif _is(m, "FinalLayer") and plain_linear(m.linear) and not m.norm_final.elementwise_affine:
+        elif _is(m, "FinalLayer") and linears(m.linear) and not m.norm_final.elementwise_affine:
             patch_forward(m, _final_forward, undo)
         else:
             continue

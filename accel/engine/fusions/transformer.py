@@ -14,6 +14,13 @@ from .base import kernel_module
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 
 
+def linears(*layers: nn.Module) -> bool:
+    """Linear layers (ComfyUI's cast-on-the-fly ones included: the fused forwards call them) whose weights have no
+    per-call functions (lowvram, a LoRA applied per call), which only the host's forward applies in step."""
+    return all(isinstance(layer, nn.Linear) and not getattr(layer, "weight_function", None)
+               and not getattr(layer, "bias_function", None) for layer in layers)
+
+
 def pytorch_attention(module_name: str, transformer_options: dict | None) -> bool:
     """Whether ComfyUI's attention for the blocks of `module_name` is its PyTorch SDPA one, with no override."""
     module = sys.modules.get(module_name)
@@ -43,8 +50,14 @@ def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, scale: 
     return fc2(F.gelu(fc1(h), approximate="tanh")), x
 
 
-def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """x += gate * update in place (gate per sample: (B, 1, C) or (B, C))."""
+def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                    update2: torch.Tensor | None = None) -> torch.Tensor:
+    """x += gate * (update (+ update2)) in place (gate per sample: (B, 1, C) or (B, C))."""
     if x.is_contiguous() and update.shape == x.shape:
-        return kernel_module("adaln").gated_add_(x, gate, update)
-    return x.addcmul_(gate if gate.dim() == 3 else gate.unsqueeze(1), update)
+        return kernel_module("adaln").gated_add_(x, gate, update, update2)
+    return x.addcmul_(gate if gate.dim() == 3 else gate.unsqueeze(1), update if update2 is None else update + update2)
+
+
+def norm_weight(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A q/k RMSNorm weight in x's dtype (a model loaded in fp8 stores these in fp8 too)."""
+    return p if p is None or p.dtype == x.dtype else p.to(x.dtype)

@@ -1,0 +1,162 @@
+"""fp8 matrix products for a diffusion transformer's block projections: torch._scaled_mm on e4m3 operands, each
+activation row scaled on the fly (kernels/quant.py), each weight output channel scaled once.
+
+Which projections take them follows the torch path's `precision` option:
+- "auto": the layers whose weights the host loaded in fp8 (ComfyUI's fp8_e4m3fn weight dtype: its cast-on-the-fly
+  layers, which would otherwise widen every weight to 16 bits at every call); 16-bit weights stay 16-bit;
+- "fp8": every block projection; 16-bit weights are quantized into a copy kept beside them (+50% of their memory),
+  made again whenever a weight changes (a LoRA merged in place bumps its version, a replaced weight its address);
+- "16bit": none (fp8-loaded weights are widened per call, as the host does).
+The adaLN modulation projections (one row per sample) take fp8 products only where their weights are stored in fp8
+(widening billions of them per call costs more than the product); 16-bit ones stay 16-bit. Layers with weight or
+bias functions (lowvram, a LoRA applied per call) are never taken: their forward applies them. A marked layer's own
+forward makes the fp8 product, so every caller gets it: the fused blocks and the modules they call.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fusions.base import Undo, kernel_module, patch_forward, plain_linear
+
+log = logging.getLogger("sd-accel")
+
+PRECISIONS = ("auto", "16bit", "fp8")
+FP8 = torch.float8_e4m3fn
+# The blocks whose projections may run in fp8, and the projections that stay 16-bit (per-sample modulation).
+BLOCKS = ("DoubleStreamBlock", "SingleStreamBlock", "DismantledBlock")
+MODULATION = ("img_mod", "txt_mod", "modulation", "adaLN_modulation")
+
+
+class _Weight(NamedTuple):
+    key: tuple  # what the copy was made from: address, version, dtype, shape of the weight
+    fp8: torch.Tensor  # (N, K) e4m3
+    scale: torch.Tensor  # (1, N) float32: weight = fp8 * scale per output channel
+
+
+_MARKED: weakref.WeakKeyDictionary[nn.Module, _Weight | None] = weakref.WeakKeyDictionary()
+
+
+def supported(device: torch.device) -> tuple[bool, str]:
+    """Whether fp8 products run on `device`: NVIDIA Hopper or later (Ada's row-wise scaled products are not verified
+    here), or the CPU (tests)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no fp8 matrix product (torch._scaled_mm)"
+    if device.type == "cpu":
+        return True, ""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False, "fp8 products are supported on NVIDIA GPUs only here"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return False, f"this GPU (compute capability {major}.{minor}) has no row-wise fp8 products here; Hopper or later"
+    return True, ""
+
+
+def _plain(layer: nn.Module) -> bool:
+    return (isinstance(layer, nn.Linear) and not getattr(layer, "weight_function", None)
+            and not getattr(layer, "bias_function", None) and layer.weight.dim() == 2
+            and layer.in_features % 16 == 0 and layer.out_features % 16 == 0)
+
+
+def projections(model: nn.Module) -> list[tuple[nn.Linear, bool]]:
+    """The block projections of a DiT that fp8 may take, each with whether it is a modulation projection."""
+    out = []
+    for block in model.modules():
+        if type(block).__name__ not in BLOCKS:
+            continue
+        for name, layer in block.named_modules():
+            if isinstance(layer, nn.Linear):
+                out.append((layer, any(part in MODULATION for part in name.split("."))))
+    return out
+
+
+def apply(model: nn.Module, precision: str, undo: Undo) -> int:
+    """Mark the projections `precision` gives fp8 products; returns how many."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if precision == "16bit":
+        return 0
+    chosen = [layer for layer, modulation in projections(model) if _plain(layer)
+              and (layer.weight.dtype == FP8 or (precision == "fp8" and not modulation))]
+    if not chosen:
+        return 0
+    ok, why = supported(chosen[0].weight.device)
+    if not ok:
+        if precision == "fp8" or any(layer.weight.dtype == FP8 for layer in chosen):
+            log.warning("sd-accel: fp8 matrix products cannot run: %s; the fp8 weights are widened to 16 bits per "
+                        "call, as the host does.", why)
+        return 0
+    for layer in chosen:
+        _MARKED[layer] = None
+        undo.add(lambda layer=layer: _MARKED.pop(layer, None))
+        patch_forward(layer, _forward, undo)
+    return len(chosen)
+
+
+def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype in (torch.bfloat16, torch.float16) and x.dim() >= 2 and self in _MARKED:
+        return matmul(x, self)
+    return type(self).forward(self, x)
+
+
+def _weight(layer: nn.Linear) -> _Weight:
+    w = layer.weight
+    key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+    entry = _MARKED.get(layer)
+    if entry is not None and entry.key == key:
+        return entry
+    with torch.no_grad():
+        if w.dtype == FP8:  # loaded in fp8: used as stored, with the scale of a scaled-fp8 checkpoint if it has one
+            scale = getattr(layer, "scale_weight", None)
+            scale = (scale.float().reshape(1, -1) if scale is not None else torch.ones(1, 1, device=w.device))
+            entry = _Weight(key, w, scale.expand(1, w.shape[0]).contiguous())
+        else:
+            amax = w.float().abs().amax(dim=1).clamp_min(1e-12)
+            scale = (amax / 448.0).reshape(1, -1)
+            entry = _Weight(key, (w.float() / scale.t()).clamp(-448.0, 448.0).to(FP8), scale)
+    _MARKED[layer] = entry
+    return entry
+
+
+def marked(layer: nn.Module) -> bool:
+    return layer in _MARKED
+
+
+def _quantize(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    quant = kernel_module("quant")
+    return quant.quantize_rows(x2d) if quant.supported(x2d) else quant.quantize_rows_ref(x2d)
+
+
+def matmul(x: torch.Tensor, layer: nn.Linear, rows: slice = slice(None), cols: slice = slice(None),
+           bias: bool = True) -> torch.Tensor:
+    """x @ W[rows, cols].T (+ the bias's rows) as an fp8 product, for a marked layer; x (..., K) in 16 bits, the
+    result in x's dtype. rows and cols select output channels and input features (a split projection)."""
+    entry = _weight(layer)
+    w, scale = entry.fp8[rows, cols], entry.scale[:, rows]
+    xq, xs = _quantize(x.reshape(-1, x.shape[-1]))
+    b = layer.bias[rows].to(x.dtype) if bias and layer.bias is not None else None
+    out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale, bias=b, out_dtype=x.dtype)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def split_linear(layer: nn.Module, x: torch.Tensor, parts: tuple[int, ...]) -> list[torch.Tensor]:
+    """layer(x) split into its output-channel `parts`, each computed as a product of its own (no strided slices of one
+    output): plain layers through F.linear on weight row slices, marked ones as fp8 products; other layers run their
+    forward once and are split."""
+    edges = [0]
+    for p in parts:
+        edges.append(edges[-1] + p)
+    spans = [slice(a, b) for a, b in zip(edges, edges[1:])]
+    if layer in _MARKED and x.dtype in (torch.bfloat16, torch.float16):
+        return [matmul(x, layer, rows=s) for s in spans]
+    if plain_linear(layer):
+        b = layer.bias
+        return [F.linear(x, layer.weight[s], None if b is None else b[s]) for s in spans]
+    return list(layer(x).split(parts, dim=-1))
+

@@ -1,0 +1,64 @@
+"""Per-row fp8 (e4m3) quantization of activations for fp8 matrix products: each row scaled so that its largest
+magnitude maps to e4m3's largest finite value (448), returned with its float32 scale, as torch._scaled_mm's row-wise
+scaling takes them (x = x_fp8 * scale)."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import jit, on_device, pow2, require, supported_tensor, tl, warps
+from .errors import BadInput
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MAX_K = 16384
+# An all-zero row still gets a scale that divides safely.
+MIN_SCALE = 1e-12
+
+
+@jit(do_not_specialize=("M",))
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_K)
+    mask = cols < K
+    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def supported(x: torch.Tensor) -> bool:
+    """On CUDA/ROCm only: Triton's CPU interpreter converts to fp8 wrongly (-125.9 becomes -64), so the CPU takes
+    quantize_rows_ref."""
+    return (x.device.type == "cuda" and supported_tensor(x, _quantize_rows_kernel) and x.dim() == 2
+            and 0 < x.shape[1] <= MAX_K)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_fp8 (M, K) contiguous, scale (M, 1) float32) for a 2-D x whose rows are contiguous (any row stride)."""
+    require(x, _quantize_rows_kernel, "quantize_rows")
+    if x.device.type != "cuda":
+        raise BadInput("quantize_rows: Triton's CPU interpreter converts to fp8 wrongly.",
+                       "Use quantize_rows_ref on the CPU.")
+    if x.dim() != 2 or x.stride(1) != 1 or not 0 < x.shape[1] <= MAX_K:
+        raise BadInput(f"quantize_rows: x has shape {tuple(x.shape)}, strides {x.stride()}; it takes (rows, up to "
+                       f"{MAX_K}) with contiguous rows.", "Use quantize_rows_ref (torch) for this tensor.")
+    M, K = x.shape
+    q = torch.empty(M, K, device=x.device, dtype=FP8)
+    s = torch.empty(M, 1, device=x.device, dtype=torch.float32)
+    if M:
+        block_k = pow2(K)
+        with on_device(x):
+            _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), BLOCK_K=block_k, num_warps=warps(block_k))
+    return q, s
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `quantize_rows`."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+__all__ = ["quantize_rows", "quantize_rows_ref", "supported", "FP8", "FP8_MAX"]

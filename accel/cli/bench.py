@@ -126,8 +126,11 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
     xh, ch = x.to(dtype), ctx.to(dtype)
     yh = None if y is None else y.to(dtype)
     canon = CanonicalUNet(model)
-    rows = time_variants(name, canon, (xh, t, ch, yh), ref, device, iters, compile_modes, paths, log, profile, amp,
-                         channels_last=True)
+    dit_only = [p for p in paths if p in DIT_PATHS]
+    if dit_only:
+        log(f"[{name}] {', '.join(dit_only)}: for diffusion transformers only; not timed for a UNet")
+    rows = time_variants(name, canon, (xh, t, ch, yh), ref, device, iters, compile_modes,
+                         [p for p in paths if p not in DIT_PATHS], log, profile, amp, channels_last=True)
     del model, canon
     _peak_reset(device)
     return rows
@@ -194,10 +197,14 @@ def _profile(row: Row, fn: Callable[[], object], log: Callable[[str], None]) -> 
         log(f"[{row.model}]     {ms:7.3f} ms  x{n:<5g} {name}")
 
 
+# --paths that only a diffusion transformer's bench takes: fp8 products (precision fp8), and its weights stored in fp8
+# as ComfyUI loads them (dit_bench).
+DIT_PATHS = ("torch-fp8", "torch-fp8weights")
 # Path variants of --paths ("<backend>-<variant>"): the options they build with, and their label.
 VARIANTS = {"compile": ({"compile": True}, " + regional compile"),
             "graph": ({"cuda_graph": True}, " + CUDA graph"),
-            "cudnn-search": ({"cudnn_benchmark": True}, " + cuDNN search")}
+            "cudnn-search": ({"cudnn_benchmark": True}, " + cuDNN search"),
+            "fp8": ({"precision": "fp8"}, " fp8 products")}
 
 
 def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profile=False,

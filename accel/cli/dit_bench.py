@@ -67,12 +67,31 @@ def bench_dit(name: str, device: torch.device, iters: int, compile_modes: list[s
     rate = gemm_tflops(device)
     floor_ms = flops / (rate * 1e12) * 1e3
     log(f"[{label}] {flops / 1e12:.1f} TFLOP per step; GEMM rate {rate:.0f} TFLOP/s; floor {floor_ms:.1f} ms")
-    rows = time_variants(label, canon, args, ref, device, iters, compile_modes, paths, log, profile)
+    fp8_weights = "torch-fp8weights" in paths
+    rows = time_variants(label, canon, args, ref, device, iters, compile_modes,
+                         [p for p in paths if p != "torch-fp8weights"], log, profile)
+    if fp8_weights:
+        del model, canon
+        rows += _fp8_weights(name, label, device, iters, args, ref, log, profile, host)
     for r in rows:
         r.extra.update(tflop=round(flops / 1e12, 2), gemm_tflops=round(rate, 1), floor_ms=round(floor_ms, 2),
                        batch=batch, tokens=inputs["context"].shape[1])
         if r.ms:
             r.extra["x_floor"] = round(r.ms / floor_ms, 3)
     rows.append(Row(label, f"floor: {flops / 1e12:.3g} TFLOP at {rate:.3g} TFLOP/s", floor_ms, note="floor"))
+    return rows
+
+
+def _fp8_weights(name: str, label: str, device: torch.device, iters: int, args: tuple, ref: torch.Tensor,
+                 log: Callable[[str], None], profile: bool, host: tuple[str, str] | None) -> list[Row]:
+    """The same weights stored in fp8 as ComfyUI loads them (weight dtype fp8_e4m3fn, cast-on-the-fly layers): its
+    own forward, and sd-accel's torch path on it (precision auto: fp8 products for fp8 weights)."""
+    if not host:
+        log(f"[{label}] torch-fp8weights: needs --comfyui (ComfyUI's cast-on-the-fly layers); skipped")
+        return []
+    model = build_dit(name, "comfy", seed=0, device=device, dtype=torch.float8_e4m3fn, comfyui_root=host[1])
+    model.dtype = args[0].dtype
+    canon = CanonicalDiT(model)
+    rows = time_variants(f"{label}/fp8-weights", canon, args, ref, device, iters, [], ["torch"], log, profile)
     del model, canon
     return rows

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
-                        "Runtime with its CUDA graph)")
+                        "Runtime with its CUDA graph; for Flux and SD3.5: torch-fp8: fp8 matrix products "
+                        "(precision fp8), torch-fp8weights: the weights stored in fp8 as ComfyUI loads them, its own "
+                        "forward and the torch path on them, with --comfyui)")
     b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")

@@ -22,6 +22,7 @@ from ..accel.errors import AccelError, BadInput
 from ..accel.hosts.support import EngineSlot, SlotStatus, shape_profile, transformer_patches
 from ..accel.models.dit import inspect_dit, is_dit
 from ..accel.models.spec import inspect_unet
+from ..accel.plan.options import PRECISION
 from .comfy_ui import CATEGORY, cache_root, node_progress, publish, say
 
 KEY = "sd-accel"
@@ -62,12 +63,18 @@ class AcceleratedUNetNode:
                 "min_height": _size(512), "opt_height": _size(1024), "max_height": _size(1536),
                 "min_batch": _batch(1), "opt_batch": _batch(1), "max_batch": _batch(4),
             },
+            # Optional, so that workflows saved before it still validate.
+            "optional": {"precision": (list(PRECISION), {"default": "auto", "tooltip": (
+                "Flux and SD3 transformers: auto runs weights loaded in fp8 as fp8 matrix products (Hopper and later) "
+                "and 16-bit weights in 16 bits; fp8 also quantizes 16-bit weights (faster, +50% weight memory, "
+                "slightly different images); 16bit widens fp8 weights per call, as ComfyUI does.")})},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def apply(self, model, backend: str, cuda_graphs: bool, torch_compile: bool,
               min_width: int, opt_width: int, max_width: int, min_height: int, opt_height: int, max_height: int,
-              min_batch: int, opt_batch: int, max_batch: int, unique_id: str | None = None) -> dict:
+              min_batch: int, opt_batch: int, max_batch: int, precision: str = "auto",
+              unique_id: str | None = None) -> dict:
         problem = unsupported(model)
         if problem:
             return _result(model, [say(unique_id, problem)])
@@ -79,7 +86,7 @@ class AcceleratedUNetNode:
             profile = None
             notes.append(say(unique_id, f"{e} Until then the torch path runs, which needs no profile."))
             backend = "torch"
-        options = {"cuda_graphs": cuda_graphs, "compile": torch_compile}
+        options = {"cuda_graphs": cuda_graphs, "compile": torch_compile, "precision": precision}
         try:
             plan = _plan(backend, options)
         except AccelError as e:

@@ -18,11 +18,13 @@ from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_
 from .errors import BadInput
 
 MAX_C = 16384
+FP8 = torch.float8_e4m3fn
 
 
 @jit(do_not_specialize=("M", "L"))
-def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, M, L, C, g_stride, sc_stride, sh_stride, eps,
-                  HAS_UPDATE: tl.constexpr, HAS_SHIFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, L, C, g_stride, sc_stride, sh_stride,
+                  eps, HAS_UPDATE: tl.constexpr, HAS_SHIFT: tl.constexpr, OUT_FP8: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.arange(0, BLOCK_C)[None, :]
     mask = (rows < M) & (cols < C)
@@ -42,6 +44,10 @@ def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, M, L, C, g_
     y = d * rstd[:, None] * (1.0 + scale)
     if HAS_SHIFT:
         y += tl.load(sh_ptr + batch * sh_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if OUT_FP8:  # each row scaled to e4m3's range, as kernels/quant.py's quantize_rows does
+        row_scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 1) / 448.0, 1e-12)
+        y = tl.clamp(y / row_scale[:, None], -448.0, 448.0)
+        tl.store(ys_ptr + rows, row_scale[:, None], mask=rows < M)
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -80,11 +86,16 @@ def _per_sample(t: Optional[torch.Tensor], name: str, x: torch.Tensor) -> tuple[
 
 
 def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor], eps: float = 1e-6,
-                         update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None
-                         ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                         update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
+                         out_fp8: bool = False) -> Union[torch.Tensor, tuple]:
     """LN(x) * (1 + scale) + shift over the last dim of x (B, L, C) (no shift when None); with `update` and
-    `gate`, s = x + gate * update first and returns (LN(s) * (1 + scale) + shift, s)."""
+    `gate`, s = x + gate * update first and returns (LN(s) * (1 + scale) + shift, s). With out_fp8 (CUDA only: the
+    Triton interpreter converts to fp8 wrongly) the normalized output comes quantized for an fp8 matrix product, as
+    (e4m3 rows (B * L, C), float32 row scales (B * L, 1)) in place of the tensor."""
     require(x, _adaln_kernel, "modulated_layer_norm")
+    if out_fp8 and x.device.type != "cuda":
+        raise BadInput("modulated_layer_norm: out_fp8 runs on CUDA only (the Triton interpreter converts to fp8 "
+                       "wrongly).", "Quantize modulated_layer_norm_ref's output on the CPU.")
     if x.dim() != 3 or not 0 < x.shape[-1] <= MAX_C:
         raise BadInput(f"modulated_layer_norm: x has shape {tuple(x.shape)}; it takes (batch, tokens, channels) with "
                        f"up to {MAX_C} channels.", "Use modulated_layer_norm_ref (torch) for this tensor.")
@@ -100,16 +111,19 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[t
     x = x.contiguous()
     u = update.contiguous() if update is not None else x
     M = B * L
-    y = torch.empty_like(x)
-    s = torch.empty_like(x) if update is not None else y
+    y = torch.empty(M, C, device=x.device, dtype=FP8) if out_fp8 else torch.empty_like(x)
+    ys = torch.empty(M, 1, device=x.device, dtype=torch.float32) if out_fp8 else y
+    s = torch.empty_like(x) if update is not None else x
     if M:
         block_c = pow2(C)
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
         with on_device(x):
             _adaln_kernel[(cdiv(M, block_m),)](
-                x, u, g, sc, sh, y, s, M, L, C, g_stride, sc_stride, sh_stride, eps, HAS_UPDATE=update is not None,
-                HAS_SHIFT=shift is not None, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps(block_m * block_c, 32))
-    return (y, s) if update is not None else y
+                x, u, g, sc, sh, y, s, ys, M, L, C, g_stride, sc_stride, sh_stride, eps,
+                HAS_UPDATE=update is not None, HAS_SHIFT=shift is not None, OUT_FP8=out_fp8, BLOCK_M=block_m,
+                BLOCK_C=block_c, num_warps=warps(block_m * block_c, 32))
+    out = (y, ys) if out_fp8 else y
+    return (out, s) if update is not None else out
 
 
 def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,

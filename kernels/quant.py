@@ -1,10 +1,12 @@
 """Per-row fp8 (e4m3) quantization of activations for fp8 matrix products: each row scaled so that its largest
 magnitude maps to e4m3's largest finite value (448), returned with its float32 scale, as torch._scaled_mm's row-wise
-scaling takes them (x = x_fp8 * scale)."""
+scaling takes them (x = x_fp8 * scale). Optionally the tanh GELU first, in the same pass: a transformer MLP's hidden
+activation goes from its first projection's output straight to the second projection's fp8 operand."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .common import jit, on_device, pow2, require, supported_tensor, tl, warps
 from .errors import BadInput
@@ -17,11 +19,13 @@ MIN_SCALE = 1e-12
 
 
 @jit(do_not_specialize=("M",))
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, BLOCK_K: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
     x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if GELU:  # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
+        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
     scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
     q = tl.clamp(x / scale, -448.0, 448.0)
     tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -35,8 +39,9 @@ def supported(x: torch.Tensor) -> bool:
             and 0 < x.shape[1] <= MAX_K)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_fp8 (M, K) contiguous, scale (M, 1) float32) for a 2-D x whose rows are contiguous (any row stride)."""
+def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_fp8 (M, K) contiguous, scale (M, 1) float32) for a 2-D x whose rows are contiguous (any row stride); of
+    gelu(x) (tanh approximation, computed in float32) with gelu."""
     require(x, _quantize_rows_kernel, "quantize_rows")
     if x.device.type != "cuda":
         raise BadInput("quantize_rows: Triton's CPU interpreter converts to fp8 wrongly.",
@@ -50,13 +55,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M:
         block_k = pow2(K)
         with on_device(x):
-            _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), BLOCK_K=block_k, num_warps=warps(block_k))
+            _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), GELU=gelu, BLOCK_K=block_k,
+                                        num_warps=warps(block_k))
     return q, s
 
 
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_ref(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of `quantize_rows`."""
-    xf = x.float()
+    xf = F.gelu(x.float(), approximate="tanh") if gelu else x.float()
     s = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 

@@ -40,6 +40,14 @@ class _Weight(NamedTuple):
     scale: torch.Tensor  # (1, N) float32: weight = fp8 * scale per output channel
 
 
+class Rows(NamedTuple):
+    """Activations quantized for fp8 products: what a fused kernel hands the next projection instead of a tensor."""
+    q: torch.Tensor  # (M, K) e4m3
+    scale: torch.Tensor  # (M, 1) float32: row = q * scale
+    shape: tuple  # the leading dims of the activation (M = their product)
+    dtype: torch.dtype  # the 16-bit dtype the products return
+
+
 _MARKED: weakref.WeakKeyDictionary[nn.Module, _Weight | None] = weakref.WeakKeyDictionary()
 
 
@@ -128,32 +136,47 @@ def marked(layer: nn.Module) -> bool:
     return layer in _MARKED
 
 
-def _quantize(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def takes_rows(x: torch.Tensor, *layers: nn.Module) -> bool:
+    """Whether the 16-bit activation x feeds only marked layers, so that a kernel may hand them fp8 Rows."""
+    return x.dtype in (torch.bfloat16, torch.float16) and all(layer in _MARKED for layer in layers)
+
+
+def quantized(x: torch.Tensor, gelu: bool = False) -> Rows:
+    """x (..., K) in 16 bits (tanh-GELU'd first with gelu) as fp8 Rows."""
     quant = kernel_module("quant")
-    return quant.quantize_rows(x2d) if quant.supported(x2d) else quant.quantize_rows_ref(x2d)
+    x2d = x.reshape(-1, x.shape[-1])
+    q, s = quant.quantize_rows(x2d, gelu) if quant.supported(x2d) else quant.quantize_rows_ref(x2d, gelu)
+    return Rows(q, s, tuple(x.shape[:-1]), x.dtype)
 
 
-def matmul(x: torch.Tensor, layer: nn.Linear, rows: slice = slice(None), cols: slice = slice(None),
+def matmul(x: torch.Tensor | Rows, layer: nn.Linear, rows: slice = slice(None), cols: slice = slice(None),
            bias: bool = True) -> torch.Tensor:
-    """x @ W[rows, cols].T (+ the bias's rows) as an fp8 product, for a marked layer; x (..., K) in 16 bits, the
-    result in x's dtype. rows and cols select output channels and input features (a split projection)."""
+    """x @ W[rows, cols].T (+ the bias's rows) as an fp8 product, for a marked layer; x (..., K) in 16 bits, or
+    already quantized; the result in x's dtype. rows and cols select output channels and input features (a split
+    projection)."""
     entry = _weight(layer)
     w, scale = entry.fp8[rows, cols], entry.scale[:, rows]
-    xq, xs = _quantize(x.reshape(-1, x.shape[-1]))
+    x = x if isinstance(x, Rows) else quantized(x)
     b = layer.bias[rows].to(x.dtype) if bias and layer.bias is not None else None
-    out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale, bias=b, out_dtype=x.dtype)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    out = torch._scaled_mm(x.q, w.t(), scale_a=x.scale, scale_b=scale, bias=b, out_dtype=x.dtype)
+    return out.view(*x.shape, out.shape[-1])
 
 
-def split_linear(layer: nn.Module, x: torch.Tensor, parts: tuple[int, ...]) -> list[torch.Tensor]:
+def project(layer: nn.Module, x: torch.Tensor | Rows) -> torch.Tensor:
+    """layer(x), for x a tensor or Rows a kernel quantized for it."""
+    return matmul(x, layer) if isinstance(x, Rows) else layer(x)
+
+
+def split_linear(layer: nn.Module, x: torch.Tensor | Rows, parts: tuple[int, ...]) -> list[torch.Tensor]:
     """layer(x) split into its output-channel `parts`, each computed as a product of its own (no strided slices of one
-    output): plain layers through F.linear on weight row slices, marked ones as fp8 products; other layers run their
-    forward once and are split."""
+    output): plain layers through F.linear on weight row slices, marked ones as fp8 products (x quantized once);
+    other layers run their forward once and are split."""
     edges = [0]
     for p in parts:
         edges.append(edges[-1] + p)
     spans = [slice(a, b) for a, b in zip(edges, edges[1:])]
-    if layer in _MARKED and x.dtype in (torch.bfloat16, torch.float16):
+    if isinstance(x, Rows) or takes_rows(x, layer):
+        x = x if isinstance(x, Rows) else quantized(x)
         return [matmul(x, layer, rows=s) for s in spans]
     if plain_linear(layer):
         b = layer.bias

@@ -24,8 +24,8 @@ from torch import nn
 from .base import Undo, kernel_module, patch_forward, plain_linear
 from .registry import fusion
 from .. import fp8
-from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, norm_weight, pytorch_attention,
-                          sdpa)
+from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight,
+                          pytorch_attention, sdpa)
 
 def _double_covered(m: nn.Module) -> bool:
     layers = (m.img_attn.qkv, m.img_attn.proj, m.txt_attn.qkv, m.txt_attn.proj, m.img_mlp[0], m.img_mlp[2],
@@ -40,7 +40,7 @@ def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img
             or img.dtype != txt.dtype or (pe is not None and pe.dtype != torch.float32)):
         return type(self).forward(self, img, txt, vec, pe, attn_mask, modulation_dims_img, modulation_dims_txt,
                                   transformer_options)
-    adaln, rope = kernel_module("adaln"), kernel_module("qk_rope")
+    rope = kernel_module("qk_rope")
     img_mod1, img_mod2 = self.img_mod(vec)
     txt_mod1, txt_mod2 = self.txt_mod(vec)
     (B, Li, C), Lt, H = img.shape, txt.shape[1], self.num_heads
@@ -49,8 +49,8 @@ def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img
     if self.flipped_img_txt:
         streams = [(img, img_mod1, self.img_attn, 0), (txt, txt_mod1, self.txt_attn, Li)]
     for x, mod, attn, offset in streams:
-        h = adaln.modulated_layer_norm(x, mod.scale, mod.shift, EPS)
-        rope.qk_norm_rope(attn.qkv(h), H, qkv, offset, norm_weight(attn.norm.query_norm.scale, x),
+        h = modulated_norm(x, mod.scale, mod.shift, attn.qkv)
+        rope.qk_norm_rope(fp8.project(attn.qkv, h), H, qkv, offset, norm_weight(attn.norm.query_norm.scale, x),
                           norm_weight(attn.norm.key_norm.scale, x), EPS, pe)
     out = sdpa(*qkv)
     first, second = out[:, :streams[0][0].shape[1]], out[:, streams[0][0].shape[1]:]
@@ -76,29 +76,29 @@ def _single_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, tran
             or not pytorch_attention("comfy.ldm.flux.math", transformer_options) or not kernels_run_on(x)
             or (pe is not None and pe.dtype != torch.float32)):
         return type(self).forward(self, x, vec, pe, attn_mask, modulation_dims, transformer_options)
-    adaln, rope = kernel_module("adaln"), kernel_module("qk_rope")
+    rope = kernel_module("qk_rope")
     mod, _ = self.modulation(vec)
     (B, L, C), H = x.shape, self.num_heads
-    h = adaln.modulated_layer_norm(x, mod.scale, mod.shift, EPS)
+    h = modulated_norm(x, mod.scale, mod.shift, self.linear1)
     # linear1 as two products (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
     projected, mlp_in = fp8.split_linear(self.linear1, h, (3 * C, self.mlp_hidden_dim))
     qkv = rope.empty_qkv(B, L, H, C // H, x)
     rope.qk_norm_rope(projected, H, qkv, 0, norm_weight(self.norm.query_norm.scale, x),
                       norm_weight(self.norm.key_norm.scale, x), EPS, pe)
-    act = F.gelu(mlp_in, approximate="tanh")
     attn = sdpa(*qkv)
     # linear2(cat(attention, act)) without writing the concatenation: two products into one output (16-bit: the
-    # second accumulates on the first) or two outputs the gated residual adds together (fp8)
-    if fp8.marked(self.linear2) and x.dtype in (torch.bfloat16, torch.float16):
+    # second accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass
+    # that quantizes its part)
+    if fp8.takes_rows(x, self.linear2):
         gated_residual_(x, mod.gate, fp8.matmul(attn, self.linear2, cols=slice(0, C)),
-                        fp8.matmul(act, self.linear2, cols=slice(C, None), bias=False))
+                        fp8.matmul(fp8.quantized(mlp_in, gelu=True), self.linear2, cols=slice(C, None), bias=False))
     elif plain_linear(self.linear2) and self.linear2.bias is not None:
         w, b = self.linear2.weight, self.linear2.bias
         out = torch.addmm(b, attn.reshape(B * L, C), w[:, :C].t())
-        out.addmm_(act.reshape(B * L, -1), w[:, C:].t())
+        out.addmm_(F.gelu(mlp_in, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
         gated_residual_(x, mod.gate, out.view(B, L, C))
     else:
-        gated_residual_(x, mod.gate, self.linear2(torch.cat((attn, act), 2)))
+        gated_residual_(x, mod.gate, self.linear2(torch.cat((attn, F.gelu(mlp_in, approximate="tanh")), 2)))
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x

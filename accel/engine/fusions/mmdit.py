@@ -19,8 +19,9 @@ from torch import nn
 
 from .base import Undo, kernel_module, patch_forward
 from .registry import fusion
-from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, norm_weight, pytorch_attention,
-                          sdpa)
+from .. import fp8
+from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight,
+                          pytorch_attention, sdpa)
 
 MODULE = "comfy.ldm.modules.diffusionmodules.mmdit"
 
@@ -54,15 +55,15 @@ def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_option
             or context.shape[0] != x.shape[0]):
         return type(self).forward(self, context, x, c=c, use_checkpoint=use_checkpoint,
                                   transformer_options=transformer_options)
-    adaln, rope = kernel_module("adaln"), kernel_module("qk_rope")
+    rope = kernel_module("qk_rope")
     cb, xb = self.context_block, self.x_block
     (B, Lx, C), Lc, H = x.shape, context.shape[1], xb.attn.num_heads
     qkv = rope.empty_qkv(B, Lc + Lx, H, C // H, x)
     cm = cb.adaLN_modulation(c).chunk(2 if cb.pre_only else 6, dim=1)
     xm = xb.adaLN_modulation(c).chunk(9 if xb.x_block_self_attn else 6, dim=1)
     for block, stream, mods, offset in ((cb, context, cm, 0), (xb, x, xm, Lc)):
-        h = adaln.modulated_layer_norm(stream, mods[1], mods[0], EPS)
-        rope.qk_norm_rope(block.attn.qkv(h), H, qkv, offset, *_qk_weights(block.attn, x), EPS)
+        h = modulated_norm(stream, mods[1], mods[0], block.attn.qkv)
+        rope.qk_norm_rope(fp8.project(block.attn.qkv, h), H, qkv, offset, *_qk_weights(block.attn, x), EPS)
     out = sdpa(*qkv)
     if not cb.pre_only:
         y, context = gated_mlp(context, cb.attn.proj(out[:, :Lc]), cm[2], cm[4], cm[3], cb.mlp.fc1, cb.mlp.fc2)
@@ -71,9 +72,9 @@ def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_option
         context = None
     update = xb.attn.proj(out[:, Lc:])
     if xb.x_block_self_attn:  # MMDiT-X: a second, image-only attention from the same norm with its own modulation
-        h = adaln.modulated_layer_norm(x, xm[7], xm[6], EPS)
+        h = modulated_norm(x, xm[7], xm[6], xb.attn2.qkv)
         own = rope.empty_qkv(B, Lx, H, C // H, x)
-        rope.qk_norm_rope(xb.attn2.qkv(h), H, own, 0, *_qk_weights(xb.attn2, x), EPS)
+        rope.qk_norm_rope(fp8.project(xb.attn2.qkv, h), H, own, 0, *_qk_weights(xb.attn2, x), EPS)
         x = gated_residual_(x.clone(), xm[8], xb.attn2.proj(sdpa(*own)))
     y, x = gated_mlp(x, update, xm[2], xm[4], xm[3], xb.mlp.fc1, xb.mlp.fc2)
     gated_residual_(x, xm[5], y)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fp8
 from .base import kernel_module
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
@@ -41,13 +42,27 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).reshape(B, L, H * D)
 
 
+def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, *consumers: nn.Module,
+                   update: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+    """The adaLN pass (kernels/adaln.py) for the projections `consumers` read its output with: when fp8 products
+    serve all of them on CUDA, the output comes as fp8.Rows, quantized in the same pass."""
+    rows = x.device.type == "cuda" and fp8.takes_rows(x, *consumers)
+    out = kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS, update=update, gate=gate, out_fp8=rows)
+    h, s = out if update is not None else (out, None)
+    if rows:
+        h = fp8.Rows(h[0], h[1], tuple(x.shape[:-1]), x.dtype)
+    return h if update is None else (h, s)
+
+
 def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
               shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
     """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update; the caller adds the MLP's gated
-    output to s."""
-    adaln = kernel_module("adaln")
-    h, x = adaln.modulated_layer_norm(x, scale, shift, EPS, update=update, gate=gate)
-    return fc2(F.gelu(fc1(h), approximate="tanh")), x
+    output to s. With fp8 products the GELU runs in the pass that quantizes fc2's input."""
+    h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
+    a = fp8.project(fc1, h)
+    if fp8.takes_rows(a, fc2):
+        return fp8.matmul(fp8.quantized(a, gelu=True), fc2), x
+    return fc2(F.gelu(a, approximate="tanh")), x
 
 
 def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Diffusion transformers (Flux.1, SD3/SD3.5) behind the canonical call, on the torch path, on the CPU: their specs,
+"""Diffusion transformers (Flux.1, Chroma, SD3/SD3.5) behind the canonical call, on the torch path, on the CPU: their specs,
 diffusers' packed-token call against its own pipeline's packing, the plan (torch only), and ComfyUI's classes with
 the fused DiT kernels (Triton's interpreter) against their own forward."""
 
@@ -104,7 +104,8 @@ def comfy_pytorch_attention(monkeypatch):
     monkeypatch.setattr(mmdit, "optimized_attention", attention.attention_pytorch)
 
 
-@pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3)])
+@pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
+                                                ("tiny-chroma", "chroma", 5)])
 def test_comfyuis_transformers_with_fused_kernels_match_their_own_forward(comfy_pytorch_attention, name, fusion,
                                                                            blocks):
     pytest.importorskip("triton")
@@ -117,13 +118,28 @@ def test_comfyuis_transformers_with_fused_kernels_match_their_own_forward(comfy_
     with torch.no_grad():
         ref = canon(**inp)
         undo, counts = fusions.apply(model)
-        assert counts == {"flux": blocks if fusion == "flux" else 0, "mmdit": blocks if fusion == "mmdit" else 0}
+        assert counts == {f: blocks if f == fusion else 0 for f in ("flux", "chroma", "mmdit")}
         out = canon(**inp)
         undo()
         back = canon(**inp)
     assert rel(out, ref) <= FUSED_TOL
     assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_comfyuis_chroma_is_flux_without_pooled_input(comfy_pytorch_attention):
+    model = configs.build_dit("tiny-chroma", "comfy", comfyui_root=H.comfy_root())
+    spec = inspect_dit(model)
+    assert (spec.form, spec.family, spec.depth, spec.single_depth, spec.in_channels, spec.pooled_dim) == \
+        ("comfy", "chroma", 2, 2, 16, 0)
+    inp = configs.dit_example_inputs("tiny-chroma", batch=2, latent=(8, 10))
+    assert "y" not in inp
+    with torch.no_grad():
+        out = CanonicalDiT(model)(**inp)
+        without_guidance = CanonicalDiT(model)(**{k: v for k, v in inp.items() if k != "guidance"})
+    assert out.shape == inp["x"].shape and torch.equal(out, without_guidance)  # ComfyUI's default guidance is 0
+    with pytest.raises(ValueError, match="ComfyUI's form only"):
+        configs.build_dit("tiny-chroma", "diffusers")
 
 
 def test_comfy_flux_torch_path_with_kernels_matches_plain_and_honours_a_weight_change(comfy_pytorch_attention):
@@ -199,7 +215,7 @@ def _bf16_inputs(name):
     return {k: v.to(torch.bfloat16) if k in ("x", "context", "y") else v for k, v in inp.items()}
 
 
-@pytest.mark.parametrize("name,projections", [("tiny-flux", 20), ("tiny-sd3", 15)])
+@pytest.mark.parametrize("name,projections", [("tiny-flux", 20), ("tiny-sd3", 15), ("tiny-chroma", 20)])
 def test_fp8_products_only_where_precision_says(comfy_pytorch_attention, name, projections):
     """precision auto leaves 16-bit weights 16-bit; fp8 takes every block projection (not the modulation) and stays
     close to the 16-bit fused forward; a weight changed in place is quantized again."""
@@ -213,7 +229,7 @@ def test_fp8_products_only_where_precision_says(comfy_pytorch_attention, name, p
     assert 1e-4 < rel(out, ref) <= 5e-2  # fp8 products: different, and close
     again, _ = _fused_output(model, inp, "fp8")
     assert torch.equal(again, out)
-    layer = model.double_blocks[0].img_attn.qkv if name == "tiny-flux" else model.joint_blocks[0].x_block.attn.qkv
+    layer = model.joint_blocks[0].x_block.attn.qkv if name == "tiny-sd3" else model.double_blocks[0].img_attn.qkv
     with torch.no_grad():
         layer.weight.mul_(1.5)  # in place: same address, new version
     changed, _ = _fused_output(model, inp, "fp8")

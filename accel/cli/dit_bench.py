@@ -1,7 +1,7 @@
-"""The bench's diffusion transformers: Flux.1 and SD3.5 from their published configs with seeded, well-conditioned
-random weights (models/configs.py seed_dit_parameters), at 1024x1024 in bf16: Flux batch 1 (guidance-distilled, no
-CFG batch), SD3.5 batch 2 (CFG). Besides the usual rows: the model's FLOP count per step (torch's FLOP counter) and
-the floor it implies at this GPU's bf16 GEMM rate, measured in the same run.
+"""The bench's diffusion transformers: Flux.1, Chroma and SD3.5 from their published configs with seeded,
+well-conditioned random weights (models/configs.py seed_dit_parameters), at 1024x1024 in bf16: Flux batch 1
+(guidance-distilled, no CFG batch), Chroma and SD3.5 batch 2 (CFG). Besides the usual rows: the model's FLOP count per
+step (torch's FLOP counter) and the floor it implies at this GPU's bf16 GEMM rate, measured in the same run.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def bench_dit(name: str, device: torch.device, iters: int, compile_modes: list[s
     _sync(device)
     label = f"{name}/{form}"
     log(f"[{label}] {canon.spec.describe()}; built and fp32 reference in {time.perf_counter() - t0:.1f}s")
-    args = (inputs["x"].to(dtype), inputs["timesteps"], inputs["context"].to(dtype), inputs["y"].to(dtype), None,
-            inputs.get("guidance"))
+    y = inputs.get("y")  # Chroma has none
+    args = (inputs["x"].to(dtype), inputs["timesteps"], inputs["context"].to(dtype), None if y is None else y.to(dtype),
+            None, inputs.get("guidance"))
     flops = step_flops(lambda: canon(*args))
     rate = gemm_tflops(device)
     floor_ms = flops / (rate * 1e12) * 1e3

@@ -298,6 +298,11 @@ _COMFY_FLUX_DEV = dict(in_channels=16, out_channels=16, vec_in_dim=768, context_
                        mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56],
                        theta=10000, patch_size=2, qkv_bias=True, guidance_embed=True)
 
+# Chroma (lodestones/Chroma): Flux-schnell's blocks without vector_in, the modulations from the approximator.
+_COMFY_CHROMA = dict(in_channels=64, out_channels=64, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0,
+                     num_heads=24, depth=19, depth_single_blocks=38, axes_dim=[16, 56, 56], theta=10000, patch_size=2,
+                     qkv_bias=True, in_dim=64, out_dim=3072, hidden_dim=5120, n_layers=5)
+
 
 def _comfy_mmdit(depth: int, pos_max: int, x_attn_layers: list[int], context: int = 4096, adm: int = 2048) -> dict:
     # MMDiT's width is 64 x depth and its heads are as many as its blocks
@@ -316,6 +321,10 @@ COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     "tiny-flux": ("flux", {**_COMFY_FLUX_DEV, "vec_in_dim": 24, "context_in_dim": 32, "hidden_size": 64,
                            "num_heads": 4, "depth": 2, "depth_single_blocks": 2, "axes_dim": [4, 6, 6]}),
     "tiny-sd3": ("sd3", _comfy_mmdit(2, 16, [0], context=32, adm=24)),
+    "chroma": ("chroma", _COMFY_CHROMA),
+    "tiny-chroma": ("chroma", {**_COMFY_CHROMA, "context_in_dim": 32, "hidden_size": 64, "num_heads": 4, "depth": 2,
+                               "depth_single_blocks": 2, "axes_dim": [4, 6, 6], "out_dim": 64, "hidden_dim": 96,
+                               "n_layers": 2}),
 }
 
 # diffusers' form: the transformer/config.json of black-forest-labs/FLUX.1-dev and stabilityai/stable-diffusion-3.5-*.
@@ -342,14 +351,15 @@ DIFFUSERS_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
 DIT_NAMES = tuple(COMFY_DIT_CONFIGS)
 # (text tokens, latent size at 1024x1024) as the bench runs them: T5's 512 tokens for Flux, CLIP-L+G then T5 for SD3.
 DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": (333, 128), "sd35-medium": (333, 128),
-              "tiny-flux": (7, 8), "tiny-sd3": (7, 8)}
+              "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8)}
 
 # Trained DiTs start each block near the identity: the adaLN modulation and the projections back into the residual
 # stream are small. Drawn like the other matrices, 57 blocks amplify rounding until bf16 and fp32 disagree entirely,
 # and no error figure means anything; these names are scaled down.
 _DIT_QUIET = ("mod.lin", "modulation.lin", "adaLN_modulation", "norm1.linear", "norm1_context.linear", "norm.linear",
               "attn.proj", "linear2", "img_mlp.2", "txt_mlp.2", "mlp.fc2", "attn2.proj", "to_out", "to_add_out",
-              "proj_mlp", "proj_out", "ff.net.2", "ff_context.net.2", "final_layer.linear")
+              "proj_mlp", "proj_out", "ff.net.2", "ff_context.net.2", "final_layer.linear",
+              "distilled_guidance_layer.out_proj")
 
 
 def seed_dit_parameters(module: nn.Module, seed: int, quiet: float = 0.1) -> nn.Module:
@@ -384,6 +394,8 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     layers, as its loaders build a model whose weight dtype is fp8_e4m3fn; the same seed gives the same weights."""
     if name not in COMFY_DIT_CONFIGS:
         raise ValueError(f"unknown DiT config {name!r}; choose one of {', '.join(COMFY_DIT_CONFIGS)}")
+    if form == "diffusers" and name not in DIFFUSERS_DIT_CONFIGS:
+        raise ValueError(f"{name} is built in ComfyUI's form only; choose one of {', '.join(DIFFUSERS_DIT_CONFIGS)}")
     if form == "diffusers":
         from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
         from diffusers.utils import logging
@@ -412,6 +424,8 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     family, cfg = COMFY_DIT_CONFIGS[name]
     if family == "flux":
         from comfy.ldm.flux.model import Flux as cls
+    elif family == "chroma":
+        from comfy.ldm.chroma.model import Chroma as cls
     else:
         from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper as cls
     # ComfyUI's layers skip their init (the checkpoint's weights replace it); every tensor is drawn below.
@@ -427,13 +441,17 @@ def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] 
     tokens, native = DIT_SHAPES[name]
     h, w = (latent, latent) if isinstance(latent, int) else (latent or (native, native))
     g = torch.Generator().manual_seed(seed)
-    ctx_dim = cfg["context_in_dim"] if family == "flux" else cfg["context_embedder_config"]["params"]["in_features"]
-    pooled = cfg["vec_in_dim"] if family == "flux" else cfg["adm_in_channels"]
+    flow = family in ("flux", "chroma")
+    ctx_dim = cfg["context_in_dim"] if flow else cfg["context_embedder_config"]["params"]["in_features"]
     move = lambda v: v.to(device=device, dtype=dtype)  # noqa: E731
     out = {"x": move(torch.randn(batch, 16, h, w, generator=g)),
-           "timesteps": torch.full((batch,), 0.6 if family == "flux" else 600.0, device=device),
-           "context": move(torch.randn(batch, tokens, ctx_dim, generator=g)),
-           "y": move(torch.randn(batch, pooled, generator=g))}
+           "timesteps": torch.full((batch,), 0.6 if flow else 600.0, device=device),
+           "context": move(torch.randn(batch, tokens, ctx_dim, generator=g))}
+    if family != "chroma":  # Chroma has no pooled text input
+        pooled = cfg["vec_in_dim"] if family == "flux" else cfg["adm_in_channels"]
+        out["y"] = move(torch.randn(batch, pooled, generator=g))
     if family == "flux" and cfg["guidance_embed"]:
         out["guidance"] = torch.full((batch,), 3.5, device=device)
+    if family == "chroma":  # what ComfyUI's Chroma model passes
+        out["guidance"] = torch.zeros(batch, device=device)
     return out

@@ -1,10 +1,12 @@
-"""Diffusion transformers (Flux.1, SD3/SD3.5 MMDiT) behind the same canonical call as the UNets.
+"""Diffusion transformers (Flux.1 and Chroma, SD3/SD3.5 MMDiT) behind the same canonical call as the UNets.
 
 The canonical call is `dit(x, timesteps, context, y=None, control=None, guidance=None)`: x the latent image
 (batch, channels, height, width), timesteps as the host's sampler passes them (Flux: sigma; SD3: 1000 * sigma),
 context the text tokens, y the pooled text embedding, guidance Flux-dev's distilled guidance scale, control ComfyUI's
-ControlNet dict. Two forms: ComfyUI's own classes (comfy.ldm.flux.model.Flux, comfy.ldm.modules.diffusionmodules.
-mmdit.MMDiT) and diffusers' (FluxTransformer2DModel, SD3Transformer2DModel), whose packed-token call the adapter makes.
+ControlNet dict. Two forms: ComfyUI's own classes (comfy.ldm.flux.model.Flux, comfy.ldm.chroma.model.Chroma, comfy.ldm.
+modules.diffusionmodules.mmdit.MMDiT) and diffusers' (FluxTransformer2DModel, SD3Transformer2DModel), whose
+packed-token call the adapter makes. Chroma is Flux's architecture without the pooled text input, its blocks'
+modulation computed once per call by a small network (the "approximator") instead of a projection in every block.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .spec import Canonical
 @dataclass(frozen=True)
 class DiTSpec:
     form: str  # "comfy" | "diffusers"
-    family: str  # "flux" | "sd3"
+    family: str  # "flux" | "chroma" | "sd3"
     in_channels: int  # latent channels
     hidden_size: int
     heads: int
@@ -48,6 +50,9 @@ def _kind(m: nn.Module) -> tuple[str, str] | None:
     name = type(m).__name__
     if name == "Flux" and hasattr(m, "double_blocks") and hasattr(m, "single_blocks") and hasattr(m, "params"):
         return "comfy", "flux"
+    if name == "Chroma" and hasattr(m, "double_blocks") and hasattr(m, "distilled_guidance_layer") \
+            and hasattr(m, "params"):
+        return "comfy", "chroma"
     if hasattr(m, "joint_blocks") and hasattr(m, "x_embedder") and hasattr(m, "context_embedder") \
             and not hasattr(m, "config"):
         return "comfy", "sd3"
@@ -63,14 +68,18 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
     kind = _kind(m)
     if kind is None:
         raise UnsupportedModel(
-            f"{type(m).__name__} is not a supported diffusion transformer (Flux.1 or SD3/SD3.5, in ComfyUI's or "
-            "diffusers' form).", "Other model types run unaccelerated.")
+            f"{type(m).__name__} is not a supported diffusion transformer (Flux.1, Chroma or SD3/SD3.5, in "
+            "ComfyUI's or diffusers' form).", "Other model types run unaccelerated.")
     n = sum(p.numel() for p in m.parameters())
     form, family = kind
     if form == "comfy" and family == "flux":
         p = m.params
         return DiTSpec(form, family, p.in_channels, p.hidden_size, p.num_heads, p.depth, p.depth_single_blocks,
                        p.context_in_dim, p.vec_in_dim, bool(p.guidance_embed), p.patch_size, n)
+    if form == "comfy" and family == "chroma":  # its in_channels count a patch's values
+        p = m.params
+        return DiTSpec(form, family, p.in_channels // p.patch_size ** 2, p.hidden_size, p.num_heads, p.depth,
+                       p.depth_single_blocks, p.context_in_dim, 0, True, p.patch_size, n)
     if form == "comfy":
         hidden = m.x_embedder.proj.out_features if hasattr(m.x_embedder.proj, "out_features") \
             else m.x_embedder.proj.out_channels
@@ -117,6 +126,10 @@ class CanonicalDiT(Canonical):
         s = self.spec
         if s.form == "comfy" and s.family == "flux":
             return self.unet(x, timesteps, context, y=y, guidance=guidance, control=control, **kwargs)
+        if s.family == "chroma":
+            if guidance is None:  # ComfyUI's Chroma model passes 0 unless a node sets it
+                guidance = torch.zeros(x.shape[0], device=x.device)
+            return self.unet(x, timesteps, context, guidance, control=control, **kwargs)
         if s.form == "comfy":
             # The class's forward: while the ComfyUI node serves an SD3 call, the instance's own is the node's.
             return type(self.unet).forward(self.unet, x, timesteps, context=context, y=y, control=control, **kwargs)

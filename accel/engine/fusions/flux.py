@@ -27,26 +27,35 @@ from .. import fp8
 from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight,
                           pytorch_attention, sdpa)
 
-def _double_covered(m: nn.Module) -> bool:
-    layers = (m.img_attn.qkv, m.img_attn.proj, m.txt_attn.qkv, m.txt_attn.proj, m.img_mlp[0], m.img_mlp[2],
-              m.txt_mlp[0], m.txt_mlp[2], m.img_mod.lin, m.txt_mod.lin)
-    return linears(*layers) and type(m.img_mlp[1]).__name__ == "GELU" and m.img_mlp[1].approximate == "tanh"
+def covered(m: nn.Module, *modulation: nn.Module) -> bool:
+    """Whether a double or single block of Flux's layout (ComfyUI's Flux or Chroma classes) takes the fused forward:
+    plain or cast-on-the-fly projections (and the block's own modulation projections), tanh GELU."""
+    if hasattr(m, "img_mlp"):
+        layers = (m.img_attn.qkv, m.img_attn.proj, m.txt_attn.qkv, m.txt_attn.proj, m.img_mlp[0], m.img_mlp[2],
+                  m.txt_mlp[0], m.txt_mlp[2])
+        act = m.img_mlp[1]
+    else:
+        layers, act = (m.linear1, m.linear2), m.mlp_act
+    return linears(*layers, *modulation) and type(act).__name__ == "GELU" and act.approximate == "tanh"
 
 
-def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
-                    transformer_options={}):  # noqa: B006 (ComfyUI's signature)
-    if (attn_mask is not None or modulation_dims_img is not None or modulation_dims_txt is not None
-            or not pytorch_attention("comfy.ldm.flux.math", transformer_options) or not kernels_run_on(img)
-            or img.dtype != txt.dtype or (pe is not None and pe.dtype != torch.float32)):
-        return type(self).forward(self, img, txt, vec, pe, attn_mask, modulation_dims_img, modulation_dims_txt,
-                                  transformer_options)
+def fused_call(x: torch.Tensor, transformer_options: dict | None, *conditions: bool) -> bool:
+    """Whether a Flux-layout block call takes the fused forward (every one of `conditions` false, ComfyUI's PyTorch
+    attention, tensors the kernels run on)."""
+    return (not any(conditions) and pytorch_attention("comfy.ldm.flux.math", transformer_options)
+            and kernels_run_on(x))
+
+
+def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torch.Tensor | None, mods: tuple,
+                 flipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A double-stream block's computation with the kernels; mods = (img_mod1, img_mod2, txt_mod1, txt_mod2), each
+    with shift, scale and gate of shape (B, 1, C)."""
     rope = kernel_module("qk_rope")
-    img_mod1, img_mod2 = self.img_mod(vec)
-    txt_mod1, txt_mod2 = self.txt_mod(vec)
+    img_mod1, img_mod2, txt_mod1, txt_mod2 = mods
     (B, Li, C), Lt, H = img.shape, txt.shape[1], self.num_heads
     qkv = rope.empty_qkv(B, Lt + Li, H, C // H, img)
     streams = [(txt, txt_mod1, self.txt_attn, 0), (img, img_mod1, self.img_attn, Lt)]
-    if self.flipped_img_txt:
+    if flipped:
         streams = [(img, img_mod1, self.img_attn, 0), (txt, txt_mod1, self.txt_attn, Li)]
     for x, mod, attn, offset in streams:
         h = modulated_norm(x, mod.scale, mod.shift, attn.qkv)
@@ -54,7 +63,7 @@ def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img
                           norm_weight(attn.norm.key_norm.scale, x), EPS, pe)
     out = sdpa(*qkv)
     first, second = out[:, :streams[0][0].shape[1]], out[:, streams[0][0].shape[1]:]
-    img_attn, txt_attn = (second, first) if not self.flipped_img_txt else (first, second)
+    img_attn, txt_attn = (second, first) if not flipped else (first, second)
     y, img = gated_mlp(img, self.img_attn.proj(img_attn), img_mod1.gate, img_mod2.scale, img_mod2.shift,
                        self.img_mlp[0], self.img_mlp[2])
     gated_residual_(img, img_mod2.gate, y)
@@ -66,18 +75,9 @@ def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img
     return img, txt
 
 
-def _single_covered(m: nn.Module) -> bool:
-    return linears(m.linear1, m.linear2, m.modulation.lin) and type(m.mlp_act).__name__ == "GELU" \
-        and m.mlp_act.approximate == "tanh"
-
-
-def _single_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006
-    if (attn_mask is not None or modulation_dims is not None
-            or not pytorch_attention("comfy.ldm.flux.math", transformer_options) or not kernels_run_on(x)
-            or (pe is not None and pe.dtype != torch.float32)):
-        return type(self).forward(self, x, vec, pe, attn_mask, modulation_dims, transformer_options)
+def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod) -> torch.Tensor:
+    """A single-stream block's computation with the kernels; mod has shift, scale and gate of shape (B, 1, C)."""
     rope = kernel_module("qk_rope")
-    mod, _ = self.modulation(vec)
     (B, L, C), H = x.shape, self.num_heads
     h = modulated_norm(x, mod.scale, mod.shift, self.linear1)
     # linear1 as two products (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
@@ -104,6 +104,23 @@ def _single_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, tran
     return x
 
 
+def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
+                    transformer_options={}):  # noqa: B006 (ComfyUI's signature)
+    if not fused_call(img, transformer_options, attn_mask is not None, modulation_dims_img is not None,
+                      modulation_dims_txt is not None, img.dtype != txt.dtype,
+                      pe is not None and pe.dtype != torch.float32):
+        return type(self).forward(self, img, txt, vec, pe, attn_mask, modulation_dims_img, modulation_dims_txt,
+                                  transformer_options)
+    return double_block(self, img, txt, pe, (*self.img_mod(vec), *self.txt_mod(vec)), self.flipped_img_txt)
+
+
+def _single_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006
+    if not fused_call(x, transformer_options, attn_mask is not None, modulation_dims is not None,
+                      pe is not None and pe.dtype != torch.float32):
+        return type(self).forward(self, x, vec, pe, attn_mask, modulation_dims, transformer_options)
+    return single_block(self, x, pe, self.modulation(vec)[0])
+
+
 def _last_forward(self, x, vec, modulation_dims=None):
     if modulation_dims is not None or not kernel_module("adaln").supported(x):
         return type(self).forward(self, x, vec, modulation_dims)
@@ -120,9 +137,9 @@ def _is(m: nn.Module, name: str, *attrs: str) -> bool:
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if _is(m, "DoubleStreamBlock", "img_mod", "txt_mod", "img_mlp") and _double_covered(m):
+        if _is(m, "DoubleStreamBlock", "img_mod", "txt_mod", "img_mlp") and covered(m, m.img_mod.lin, m.txt_mod.lin):
             patch_forward(m, _double_forward, undo)
-        elif _is(m, "SingleStreamBlock", "linear1", "linear2", "modulation") and _single_covered(m):
+        elif _is(m, "SingleStreamBlock", "linear1", "linear2", "modulation") and covered(m, m.modulation.lin):
             patch_forward(m, _single_forward, undo)
         elif _is(m, "LastLayer", "adaLN_modulation", "norm_final") and linears(m.linear):
             patch_forward(m, _last_forward, undo)

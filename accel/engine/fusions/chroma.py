@@ -1,0 +1,66 @@
+"""Chroma's blocks (ComfyUI's comfy.ldm.chroma.layers) with the DiT kernels: Flux's block layout (fusions/flux.py
+computes them), with the modulations handed in by the model (its approximator runs once per call) instead of
+projected in each block, and LayerNorm modules in place of Flux's functional ones (the same normalization: no affine,
+eps 1e-6).
+
+A call it does not cover runs the block's own forward: an attention mask, an attention override or another attention
+than PyTorch's in ComfyUI, Linear layers with per-call weight functions (lowvram), a tensor the kernels cannot run on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import Undo, kernel_module, patch_forward
+from .flux import covered, double_block, fused_call, single_block
+from .registry import fusion
+from .transformer import EPS, linears
+
+
+def _norms_plain(*norms: nn.Module) -> bool:
+    return all(isinstance(n, nn.LayerNorm) and not n.elementwise_affine and n.eps == EPS for n in norms)
+
+
+def _double_forward(self, img, txt, pe, vec, attn_mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
+    if not fused_call(img, transformer_options, attn_mask is not None, img.dtype != txt.dtype,
+                      pe is not None and pe.dtype != torch.float32):
+        return type(self).forward(self, img, txt, pe, vec, attn_mask, transformer_options)
+    (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
+    # Chroma's forward puts the text first whatever flipped_img_txt says
+    return double_block(self, img, txt, pe, (img_mod1, img_mod2, txt_mod1, txt_mod2), flipped=False)
+
+
+def _single_forward(self, x, pe, vec, attn_mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
+    if not fused_call(x, transformer_options, attn_mask is not None, pe is not None and pe.dtype != torch.float32):
+        return type(self).forward(self, x, pe, vec, attn_mask, transformer_options)
+    return single_block(self, x, pe, vec)
+
+
+def _last_forward(self, x, vec):
+    if not kernel_module("adaln").supported(x):
+        return type(self).forward(self, x, vec)
+    shift, scale = vec
+    return self.linear(kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS))
+
+
+def _is(m: nn.Module, name: str, *attrs: str) -> bool:
+    return type(m).__name__ == name and type(m).__module__ == "comfy.ldm.chroma.layers" \
+        and all(hasattr(m, a) for a in attrs)
+
+
+@fusion("chroma")
+def apply(model: nn.Module, undo: Undo) -> int:
+    n = 0
+    for m in model.modules():
+        if _is(m, "DoubleStreamBlock", "img_norm1", "img_mlp") and covered(m) \
+                and _norms_plain(m.img_norm1, m.img_norm2, m.txt_norm1, m.txt_norm2):
+            patch_forward(m, _double_forward, undo)
+        elif _is(m, "SingleStreamBlock", "linear1", "pre_norm") and covered(m) and _norms_plain(m.pre_norm):
+            patch_forward(m, _single_forward, undo)
+        elif _is(m, "LastLayer", "norm_final") and linears(m.linear) and _norms_plain(m.norm_final):
+            patch_forward(m, _last_forward, undo)
+        else:
+            continue
+        n += 1
+    return n

@@ -8,7 +8,7 @@ while this model samples. Two wrappers:
   run: the torch path undoes its in-place module changes, so models that share the UNet see none of them,
   and keeps its CUDA graphs for the next run (freed when ComfyUI unloads the model, an ON_DETACH callback, and
   after every run in ComfyUI's low-VRAM modes).
-- DIFFUSION_MODEL: around the UNet's (or Flux's) forward. A call that carries nothing the engine cannot honour
+- DIFFUSION_MODEL: around the UNet's (or Flux's, or Chroma's) forward. A call that carries nothing the engine cannot honour
   goes to the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
   (patches, inner wrappers and all), and the node says why once. SD3's MMDiT has no such wrapper point in ComfyUI:
   an APPLY_MODEL wrapper gives its instance, for that call only, a forward that does the same.
@@ -42,7 +42,8 @@ class AcceleratedUNetNode:
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
-    DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1 or SD3/SD3.5 (transformer) "
+    DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1, Chroma or SD3/SD3.5 "
+                   "(transformer) "
                    "checkpoint through the fastest path for this GPU (fused torch kernels with CUDA graphs; ONNX "
                    "Runtime for UNets), built on the first sampling step and cached. LoRA, ControlNet and other "
                    "nodes' patches keep working: calls an engine cannot serve run on the torch path or the plain "
@@ -65,7 +66,7 @@ class AcceleratedUNetNode:
             },
             # Optional, so that workflows saved before it still validate.
             "optional": {"precision": (list(PRECISION), {"default": "auto", "tooltip": (
-                "Flux and SD3 transformers: auto runs weights loaded in fp8 as fp8 matrix products (Hopper and later) "
+                "Flux, Chroma and SD3 transformers: auto runs weights loaded in fp8 as fp8 matrix products (Hopper and later) "
                 "and 16-bit weights in 16 bits; fp8 also quantizes 16-bit weights (faster, +50% weight memory, "
                 "slightly different images); 16bit widens fp8 weights per call, as ComfyUI does.")})},
             "hidden": {"unique_id": "UNIQUE_ID"},
@@ -120,7 +121,8 @@ def _plan(backend: str, options: dict):
 
 
 def _kind(model) -> str:
-    """"unet", "flux" or "sd3": which forward the node's wrappers serve (unsupported() has accepted the model)."""
+    """"unet", "flux", "chroma" or "sd3": which forward the node's wrappers serve (unsupported() has accepted the
+    model)."""
     unet = model.model.diffusion_model
     return inspect_dit(unet).family if is_dit(unet) else "unet"
 
@@ -131,19 +133,23 @@ def unsupported(model) -> str | None:
     from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
 
+    try:
+        from comfy.ldm.chroma.model import Chroma
+    except ImportError:  # a ComfyUI from before Chroma
+        Chroma = Flux
     base = getattr(model, "model", None)
     unet = getattr(base, "diffusion_model", None)
     what = f"{type(base).__name__} ({type(unet).__name__})"
-    # Subclasses (SVD's VideoUNet, Chroma's Flux) take other inputs or have other blocks.
-    if type(unet) in (Flux, OpenAISignatureMMDITWrapper):
+    # Subclasses (SVD's VideoUNet, Chroma Radiance's Chroma) take other inputs or have other blocks.
+    if type(unet) in (Flux, Chroma, OpenAISignatureMMDITWrapper):
         try:
             inspect_dit(unet)
         except AccelError as e:
             return f"{e} It passes through unaccelerated."
         return None
     if type(unet) is not UNetModel:
-        return (f"{what} is not an SD1.x, SD2.x or SDXL UNet or a Flux.1 or SD3 transformer; it passes through "
-                "unaccelerated.")
+        return (f"{what} is not an SD1.x, SD2.x or SDXL UNet or a Flux.1, Chroma or SD3 transformer; it passes "
+                "through unaccelerated.")
     try:
         family = inspect_unet(unet).family
     except AccelError as e:
@@ -159,6 +165,7 @@ def attach(model, session: "Session") -> None:
 
     serve = {"unet": (WrappersMP.DIFFUSION_MODEL, session.diffusion_model),
              "flux": (WrappersMP.DIFFUSION_MODEL, session.flux_diffusion_model),
+             "chroma": (WrappersMP.DIFFUSION_MODEL, session.chroma_diffusion_model),
              "sd3": (WrappersMP.APPLY_MODEL, session.apply_model)}[_kind(model)]
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, KEY)
@@ -242,6 +249,15 @@ class Session:
         extra = dict(kwargs, **({"ref_latents": ref_latents} if ref_latents is not None else {}))
         return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
                            plain, x, timesteps, context, y, control, guidance)
+
+    def chroma_diffusion_model(self, executor, x, timesteps=None, context=None, guidance=None, control=None,
+                               transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's own signature)
+        def plain():
+            return executor(x, timesteps, context, guidance, control, transformer_options, **kwargs)
+
+        extra = {k: v for k, v in kwargs.items() if k != "y"}  # a pooled input Chroma's forward ignores
+        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
+                           plain, x, timesteps, context, None, control, guidance)
 
     def apply_model(self, executor, *args, **kwargs):
         """SD3: ComfyUI's MMDiT has no diffusion-model wrapper point, so for this call only its instance gets a

@@ -133,8 +133,8 @@ def tiny_model(seed: int = 0, xl: bool = False):
 
 
 def tiny_dit(family: str = "flux", seed: int = 0):
-    """A ModelPatcher around ComfyUI's own Flux / SD3 model with a tiny transformer of that layout (models/configs.py
-    tiny-flux, tiny-sd3: ComfyUI's own classes, 16 latent channels)."""
+    """A ModelPatcher around ComfyUI's own Flux / Chroma / SD3 model with a tiny transformer of that layout
+    (models/configs.py tiny-flux, tiny-chroma, tiny-sd3: ComfyUI's own classes, 16 latent channels)."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.supported_models
@@ -142,7 +142,8 @@ def tiny_dit(family: str = "flux", seed: int = 0):
     from sd_accel.accel.models import configs
 
     _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
-    config = (comfy.supported_models.Flux if family == "flux" else comfy.supported_models.SD3)(dict(cfg))
+    config = {"flux": comfy.supported_models.Flux, "chroma": comfy.supported_models.Chroma,
+              "sd3": comfy.supported_models.SD3}[family](dict(cfg))
     config.unet_config.update(cfg)
     model = config.get_model({})
     configs.seed_dit_parameters(model.diffusion_model, seed)
@@ -151,18 +152,20 @@ def tiny_dit(family: str = "flux", seed: int = 0):
 
 
 def tiny_dit_conditioning(family: str = "flux", seed: int = 0, tokens: int = 7):
-    """(positive, negative) CONDITIONING for tiny_dit: text tokens and the pooled embedding (Flux: with guidance)."""
+    """(positive, negative) CONDITIONING for tiny_dit: text tokens and the pooled embedding (Flux: with guidance;
+    Chroma: none, as its T5 encoder gives)."""
     import torch
 
     from sd_accel.accel.models import configs
 
     _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
-    ctx = cfg["context_in_dim"] if family == "flux" else cfg["context_embedder_config"]["params"]["in_features"]
-    pooled = cfg["vec_in_dim"] if family == "flux" else cfg["adm_in_channels"]
+    flow = family in ("flux", "chroma")
+    ctx = cfg["context_in_dim"] if flow else cfg["context_embedder_config"]["params"]["in_features"]
+    pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
     g = torch.Generator().manual_seed(seed)
 
     def cond(scale):
-        extra = {"pooled_output": torch.randn(1, pooled, generator=g) * scale}
+        extra = {"pooled_output": torch.randn(1, pooled, generator=g) * scale if pooled else None}
         if family == "flux":
             extra["guidance"] = 3.5
         return [[torch.randn(1, tokens, ctx, generator=g) * scale, extra]]

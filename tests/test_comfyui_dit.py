@@ -1,4 +1,4 @@
-"""The Accelerated UNet node on diffusion transformers (Flux.1, SD3/SD3.5) against ComfyUI's real classes
+"""The Accelerated UNet node on diffusion transformers (Flux.1, Chroma, SD3/SD3.5) against ComfyUI's real classes
 (ModelPatcher, model_base.Flux / SD3, samplers, LoRA loading), in this process, on tiny seeded models. Skipped unless
 COMFYUI_ROOT names a ComfyUI checkout.
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is 
 
 PROFILE = dict(min_width=64, opt_width=128, max_width=1024, min_height=64, opt_height=128, max_height=1024,
                min_batch=1, opt_batch=1, max_batch=4)
-FAMILIES = ("flux", "sd3")
+FAMILIES = ("flux", "chroma", "sd3")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, family, monkeyp
 
     monkeypatch.setattr(slot, "_build", build)
     out = sample(acc, pos, neg)
-    assert seen and seen[0].get(family if family == "flux" else "mmdit", 0) > 0, seen
+    assert seen and seen[0].get({"sd3": "mmdit"}.get(family, family), 0) > 0, seen
     assert ((out - plain).norm() / plain.norm()).item() <= 1e-5
     assert status(acc).engine_calls == 2
     # and the blocks are ComfyUI's own again once the run ended
@@ -160,10 +160,10 @@ def test_other_transformers_pass_through_with_a_reason(pack):
 
     model = H.tiny_dit("flux", 9)
 
-    class Chroma(comfy.ldm.flux.model.Flux):  # a Flux subclass with blocks of its own
+    class FluxVariant(comfy.ldm.flux.model.Flux):  # a subclass with inputs or blocks of its own
         pass
 
-    model.model.diffusion_model.__class__ = Chroma
+    model.model.diffusion_model.__class__ = FluxVariant
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
     out = node.apply(model, "auto", True, False, **PROFILE, unique_id="8")
-    assert out["result"][0] is model and "Flux.1 or SD3 transformer" in out["ui"]["text"][0]
+    assert out["result"][0] is model and "Flux.1, Chroma or SD3 transformer" in out["ui"]["text"][0]

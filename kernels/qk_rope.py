@@ -3,14 +3,15 @@ the rotary embedding (Flux), and the (batch, tokens, heads, head_dim) layout tha
 written at a token offset so that a joint text+image sequence is assembled without a concatenation.
 
 qkv holds (3, heads, head_dim) per token, as Flux's and MMDiT's projections do (rows may be strided: Flux's single
-blocks project qkv and the MLP input together). The rotary table `pe` is Flux's (B|1, 1, tokens, head_dim / 2, 2, 2)
+blocks project qkv and the MLP input together), or comes as three (batch, tokens, heads * head_dim) projections (q, k
+and v, as diffusers' attention makes them). The rotary table `pe` is Flux's (B|1, 1, tokens, head_dim / 2, 2, 2)
 float32 rotation matrices over the whole joint sequence. Like the eager code, the normalized q and k are rounded to
 the input dtype before the rotation, which is computed in float32.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -19,7 +20,8 @@ from .errors import BadInput
 
 
 @jit(do_not_specialize=("L", "total", "offset", "row_stride", "pe_stride"))
-def _qk_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, total, offset, row_stride, pe_stride, eps,
+def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, total, offset, row_stride,
+                    pe_stride, eps,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                     HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr):
     # Whole rows are loaded and stored (coalesced); the rotation pairs adjacent elements through split and join.
@@ -28,7 +30,7 @@ def _qk_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, tot
     tok = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (tok < L) & (d < D)
-    src = qkv_ptr + (b * L + tok).to(tl.int64) * row_stride + h * D + d
+    src = (b * L + tok).to(tl.int64) * row_stride + h * D + d
     dst = ((b * total + offset + tok).to(tl.int64) * H + h) * D + d
     if HAS_PE:
         # a row holds one 2x2 rotation [[m00, m01], [m10, m11]] per pair of elements
@@ -41,7 +43,8 @@ def _qk_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, tot
     for part in tl.static_range(2):
         w_ptr = qw_ptr if part == 0 else kw_ptr
         out_ptr = q_ptr if part == 0 else k_ptr
-        x = tl.load(src + part * H * D, mask=mask, other=0.0).to(tl.float32)
+        in_ptr = qs_ptr if part == 0 else ks_ptr
+        x = tl.load(in_ptr + src, mask=mask, other=0.0).to(tl.float32)
         if HAS_NORM:
             rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
             w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
@@ -50,11 +53,32 @@ def _qk_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, tot
             e, o = tl.split(tl.reshape(x, (BLOCK_L, BLOCK_D // 2, 2)))
             x = tl.reshape(tl.join(m00 * e + m01 * o, m10 * e + m11 * o), (BLOCK_L, BLOCK_D))
         tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + dst, tl.load(src + 2 * H * D, mask=mask, other=0.0), mask=mask)
+    tl.store(v_ptr + dst, tl.load(vs_ptr + src, mask=mask, other=0.0), mask=mask)
 
 
 def supported(qkv: torch.Tensor) -> bool:
     return supported_tensor(qkv, _qk_rope_kernel) and qkv.dim() == 3
+
+
+def _sources(qkv, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v as (B, L, heads * head_dim) views sharing one row stride, from a packed projection or three."""
+    if isinstance(qkv, torch.Tensor):
+        if qkv.dim() != 3 or qkv.stride(-1) != 1:
+            raise BadInput(f"qk_norm_rope: qkv has shape {tuple(qkv.shape)}, strides {qkv.stride()}; it takes "
+                           "(batch, tokens, 3 * heads * head_dim) with contiguous channels.",
+                           "Pass the qkv projection.")
+        if qkv.shape[-1] % (3 * heads):
+            raise BadInput(f"qk_norm_rope: {qkv.shape[-1]} channels are not 3 x {heads} heads.",
+                           "Pass the number of heads the projection was made for.")
+        return tuple(qkv.chunk(3, dim=-1))
+    parts = tuple(qkv)
+    first = parts[0]
+    if len(parts) != 3 or any(t.dim() != 3 or t.shape != first.shape or t.stride() != first.stride()
+                              or t.stride(-1) != 1 or t.dtype != first.dtype or t.device != first.device
+                              for t in parts):
+        raise BadInput("qk_norm_rope: q, k and v must be three (batch, tokens, heads * head_dim) tensors of one shape, "
+                       f"layout and dtype; got {[tuple(t.shape) for t in parts]}.", "Pass the three projections.")
+    return parts
 
 
 def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -62,21 +86,21 @@ def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Te
     return tuple(torch.empty(batch, tokens, heads, head_dim, dtype=like.dtype, device=like.device) for _ in range(3))
 
 
-def qk_norm_rope(qkv: torch.Tensor, heads: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], offset: int = 0,
+def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
+                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], offset: int = 0,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
                  pe: Optional[torch.Tensor] = None) -> None:
-    """Write qkv's (B, L, 3 * heads * head_dim) q, k and v into out[0..2][:, offset:offset + L], each
-    (B, total, heads, head_dim): q and k RMS-normalized per head with q_weight and k_weight (when given), then rotated
-    by pe's rows offset..offset + L (when given)."""
-    require(qkv, _qk_rope_kernel, "qk_norm_rope")
-    if qkv.dim() != 3 or qkv.stride(-1) != 1:
-        raise BadInput(f"qk_norm_rope: qkv has shape {tuple(qkv.shape)}, strides {qkv.stride()}; it takes "
-                       "(batch, tokens, 3 * heads * head_dim) with contiguous channels.", "Pass the qkv projection.")
-    B, L, C3 = qkv.shape
-    if C3 % (3 * heads) or (C3 // (3 * heads)) % 2:
-        raise BadInput(f"qk_norm_rope: {C3} channels are not 3 x {heads} heads of an even head size.",
+    """Write qkv's (B, L, 3 * heads * head_dim) q, k and v (or the three (B, L, heads * head_dim) tensors of a
+    sequence) into out[0..2][:, offset:offset + L], each (B, total, heads, head_dim): q and k RMS-normalized per head
+    with q_weight and k_weight (when given), then rotated by pe's rows offset..offset + L (when given)."""
+    sq, sk, sv = _sources(qkv, heads)
+    require(sq, _qk_rope_kernel, "qk_norm_rope")
+    B, L, C = sq.shape
+    if C % heads or (C // heads) % 2:
+        raise BadInput(f"qk_norm_rope: {C} channels are not {heads} heads of an even head size.",
                        "Pass the number of heads the projection was made for.")
-    D = C3 // (3 * heads)
+    D = C // heads
+    qkv = sq
     q, k, v = out
     total = q.shape[1]
     for t in out:
@@ -107,7 +131,7 @@ def qk_norm_rope(qkv: torch.Tensor, heads: int, out: tuple[torch.Tensor, torch.T
     block_l = max(1, min(pow2(L), 4096 // block_d))
     with on_device(qkv):
         _qk_rope_kernel[(cdiv(L, block_l), B, heads)](
-            qkv, qw, kw, pe if pe is not None else qkv, q, k, v, L, total, offset, qkv.stride(1), pe_stride, eps,
+            sq, sk, sv, qw, kw, pe if pe is not None else qkv, q, k, v, L, total, offset, qkv.stride(1), pe_stride, eps,
             H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l, HAS_NORM=q_weight is not None,
             HAS_PE=pe is not None, num_warps=4)
 

@@ -138,6 +138,20 @@ def test_qk_norm_rope_errors_say_what_to_do():
         qk_rope.qk_norm_rope(qkv, 2, out, offset=2)
     with pytest.raises(BadInput, match="pe has shape"):
         qk_rope.qk_norm_rope(qkv, 2, out, pe=_flux_pe(1, 4, 8).half())
+    with pytest.raises(BadInput, match="three projections"):
+        qk_rope.qk_norm_rope((qkv[..., :16], qkv[..., 16:32], _randn(1, 4, 16)), 2, out)  # one layout differs
+
+
+def test_qk_norm_rope_takes_q_k_and_v_as_three_projections():
+    """diffusers' attention projects q, k and v separately: the same result as the packed projection."""
+    B, L, H, D = 2, 7, 2, 8
+    qkv = _randn(B, L, 3 * H * D, seed=4, scale=2.0)
+    q, k, v = (t.contiguous() for t in qkv.chunk(3, dim=-1))
+    qw, kw, pe = _randn(D, seed=1, offset=1.0), _randn(D, seed=2, offset=1.0), _flux_pe(1, L, D)
+    packed, separate = qk_rope.empty_qkv(B, L, H, D, qkv), qk_rope.empty_qkv(B, L, H, D, qkv)
+    qk_rope.qk_norm_rope(qkv, H, packed, q_weight=qw, k_weight=kw, pe=pe)
+    qk_rope.qk_norm_rope((q, k, v), H, separate, q_weight=qw, k_weight=kw, pe=pe)
+    assert all(torch.equal(a, b) for a, b in zip(packed, separate))
 
 
 @pytest.mark.parametrize("M,K,dtype", [(7, 300, torch.bfloat16), (5, 4096, torch.float16), (3, 64, torch.float32)])

@@ -8,8 +8,8 @@ while this model samples. Two wrappers:
   run: the torch path undoes its in-place module changes, so models that share the UNet see none of them,
   and keeps its CUDA graphs for the next run (freed when ComfyUI unloads the model, an ON_DETACH callback, and
   after every run in ComfyUI's low-VRAM modes).
-- DIFFUSION_MODEL: around the UNet's (or Flux's, or Chroma's) forward. A call that carries nothing the engine cannot honour
-  goes to the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
+- DIFFUSION_MODEL: around the UNet's (or Flux's, or Chroma's) forward. A call that carries nothing the engine cannot
+  honour goes to the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
   (patches, inner wrappers and all), and the node says why once. SD3's MMDiT has no such wrapper point in ComfyUI:
   an APPLY_MODEL wrapper gives its instance, for that call only, a forward that does the same.
 """
@@ -66,7 +66,8 @@ class AcceleratedUNetNode:
             },
             # Optional, so that workflows saved before it still validate.
             "optional": {"precision": (list(PRECISION), {"default": "auto", "tooltip": (
-                "Flux, Chroma and SD3 transformers: auto runs weights loaded in fp8 as fp8 matrix products (Hopper and later) "
+                "Flux, Chroma and SD3 transformers: auto runs weights loaded in fp8 as fp8 matrix products (Hopper and "
+                "later) "
                 "and 16-bit weights in 16 bits; fp8 also quantizes 16-bit weights (faster, +50% weight memory, "
                 "slightly different images); 16bit widens fp8 weights per call, as ComfyUI does.")})},
             "hidden": {"unique_id": "UNIQUE_ID"},

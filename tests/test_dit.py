@@ -1,6 +1,6 @@
-"""Diffusion transformers (Flux.1, Chroma, SD3/SD3.5) behind the canonical call, on the torch path, on the CPU: their specs,
-diffusers' packed-token call against its own pipeline's packing, the plan (torch only), and ComfyUI's classes with
-the fused DiT kernels (Triton's interpreter) against their own forward."""
+"""Diffusion transformers (Flux.1, Chroma, SD3/SD3.5) behind the canonical call, on the torch path, on the CPU: their
+specs, diffusers' packed-token call against its own pipeline's packing, the plan (torch only), and ComfyUI's and
+diffusers' classes with the fused DiT kernels (Triton's interpreter) against their own forward; fp8 products."""
 
 from __future__ import annotations
 
@@ -118,13 +118,34 @@ def test_comfyuis_transformers_with_fused_kernels_match_their_own_forward(comfy_
     with torch.no_grad():
         ref = canon(**inp)
         undo, counts = fusions.apply(model)
-        assert counts == {f: blocks if f == fusion else 0 for f in ("flux", "chroma", "mmdit")}
+        assert counts == {f: blocks if f == fusion else 0 for f in fusions.DIT}
         out = canon(**inp)
         undo()
         back = canon(**inp)
     assert rel(out, ref) <= FUSED_TOL
     assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux_diffusers", 4), ("tiny-sd3", "mmdit_diffusers", 2)])
+def test_diffusers_transformers_with_fused_kernels_match_their_own_forward(name, fusion, blocks):
+    """diffusers' form: its blocks with the DiT kernels against its own forward, in fp32 (Triton's interpreter on the
+    CPU); undone, the model is its own again."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = configs.build_dit(name, "diffusers", device=DEVICE)
+    inp = configs.dit_example_inputs(name, batch=2, latent=(8, 10), device=DEVICE)
+    canon = CanonicalDiT(model)
+    with torch.no_grad():
+        ref = canon(**inp)
+        undo, counts = fusions.apply(model)
+        assert counts[fusion] == blocks and sum(counts.values()) == blocks
+        out = canon(**inp)
+        undo()
+        back = canon(**inp)
+    assert rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)  # close, and from the fused forwards
+    assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
 
 
 def test_comfyuis_chroma_is_flux_without_pooled_input(comfy_pytorch_attention):

@@ -62,7 +62,8 @@ def supported(device: torch.device) -> tuple[bool, str]:
         return False, "fp8 products are supported on NVIDIA GPUs only here"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
-        return False, f"this GPU (compute capability {major}.{minor}) has no row-wise fp8 products here; Hopper or later"
+        return False, (f"this GPU (compute capability {major}.{minor}) has no row-wise fp8 products here; Hopper or "
+                       "later")
     return True, ""
 
 
@@ -138,7 +139,7 @@ def marked(layer: nn.Module) -> bool:
 
 def takes_rows(x: torch.Tensor, *layers: nn.Module) -> bool:
     """Whether the 16-bit activation x feeds only marked layers, so that a kernel may hand them fp8 Rows."""
-    return x.dtype in (torch.bfloat16, torch.float16) and all(layer in _MARKED for layer in layers)
+    return x.dtype in (torch.bfloat16, torch.float16) and bool(layers) and all(layer in _MARKED for layer in layers)
 
 
 def quantized(x: torch.Tensor, gelu: bool = False) -> Rows:

@@ -1,4 +1,4 @@
-"""Chroma's blocks (ComfyUI's comfy.ldm.chroma.layers) with the DiT kernels: Flux's block layout (fusions/flux.py
+"""Chroma's blocks (ComfyUI's comfy.ldm.chroma.layers) with the DiT kernels: Flux's block layout (fusions/transformer.py
 computes them), with the modulations handed in by the model (its approximator runs once per call) instead of
 projected in each block, and LayerNorm modules in place of Flux's functional ones (the same normalization: no affine,
 eps 1e-6).
@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from .base import Undo, kernel_module, patch_forward
-from .flux import covered, double_block, fused_call, single_block
 from .registry import fusion
-from .transformer import EPS, linears
+from .transformer import EPS, covered, double_block, fused_call, linears, single_block
 
 
 def _norms_plain(*norms: nn.Module) -> bool:

@@ -189,8 +189,9 @@ def tiny_flux_controlnet(seed: int = 0):
     return comfy.controlnet.ControlNet(control, load_device=mm.get_torch_device(), extra_conds=["y", "guidance"])
 
 
-def tiny_vae(seed: int = 0):
-    """ComfyUI's VAE around a tiny KL autoencoder of the SD layout (8x downscale)."""
+def tiny_vae(seed: int = 0, channels: int = 4):
+    """ComfyUI's VAE around a tiny KL autoencoder of the SD layout (8x downscale); channels=16: the latent width of
+    Flux's and SD3's VAEs."""
     import torch
 
     import comfy.ldm.models.autoencoder
@@ -198,9 +199,10 @@ def tiny_vae(seed: int = 0):
 
     from sd_accel.accel.models import configs
 
-    module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=TINY_VAE, embed_dim=4)
+    ddconfig = {**TINY_VAE, "z_channels": channels}
+    module = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=ddconfig, embed_dim=channels)
     configs.seed_parameters(module, seed)
-    return comfy.sd.VAE(sd=module.state_dict(), config={"params": {"ddconfig": TINY_VAE, "embed_dim": 4}},
+    return comfy.sd.VAE(sd=module.state_dict(), config={"params": {"ddconfig": ddconfig, "embed_dim": channels}},
                         dtype=torch.float32)
 
 

@@ -336,15 +336,16 @@ def test_accel_info_reports_gpu_plan_cache_and_model(pack, tiny, tmp_path, monke
     assert "model: not accelerated" in plain and "plan for backend=auto:\nbackend: torch" in plain
 
 
-def test_tiled_vae_decode_and_encode(pack):
-    vae = H.tiny_vae(1)
-    latent = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("channels", [4, 16])  # SD's latents; Flux's and SD3's
+def test_tiled_vae_decode_and_encode(pack, channels):
+    vae = H.tiny_vae(1, channels)
+    latent = torch.randn(1, channels, 16, 16, generator=torch.Generator().manual_seed(3))
     decode = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEDecode"]()
     encode = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEEncode"]()
     (image,) = decode.decode({"samples": latent}, vae, 64, 16, unique_id="5")
     assert image.shape == (1, 128, 128, 3)
     (z,) = encode.encode(image, vae, 64, 16, unique_id="6")
-    assert z["samples"].shape == (1, 4, 16, 16)
+    assert z["samples"].shape == (1, channels, 16, 16)
     untiled = vae.decode(latent)
     # global GroupNorm statistics: the tiles add up to the untiled decode (a GPU's TF32 convolutions: 1e-2)
     tol = 1e-2 if torch.cuda.is_available() else 2e-3

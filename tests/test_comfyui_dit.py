@@ -95,11 +95,12 @@ def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, family, monkeyp
     assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
 
 
-def test_flux_lora_after_the_node_matches_plain_lora(pack):
+@pytest.mark.parametrize("family", ["flux", "chroma"])
+def test_flux_lora_after_the_node_matches_plain_lora(pack, family):
     import comfy.sd
 
-    model = H.tiny_dit("flux", 4)
-    pos, neg = H.tiny_dit_conditioning("flux", 5)
+    model = H.tiny_dit(family, 4)
+    pos, neg = H.tiny_dit_conditioning(family, 5)
     g = torch.Generator().manual_seed(6)
     lora = {}
     for key, w in model.model.diffusion_model.state_dict().items():

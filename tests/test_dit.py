@@ -213,8 +213,8 @@ def test_fused_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_py
     undo()
 
 
-def _dit_bf16(name, dtype=torch.bfloat16):
-    return configs.build_dit(name, "comfy", comfyui_root=H.comfy_root(), dtype=dtype, device=DEVICE)
+def _dit_bf16(name, dtype=torch.bfloat16, form="comfy"):
+    return configs.build_dit(name, form, comfyui_root=H.comfy_root(), dtype=dtype, device=DEVICE)
 
 
 def _fused_output(model, inp, precision):
@@ -236,12 +236,16 @@ def _bf16_inputs(name):
     return {k: v.to(torch.bfloat16) if k in ("x", "context", "y") else v for k, v in inp.items()}
 
 
-@pytest.mark.parametrize("name,projections", [("tiny-flux", 20), ("tiny-sd3", 15), ("tiny-chroma", 20)])
-def test_fp8_products_only_where_precision_says(comfy_pytorch_attention, name, projections):
+@pytest.mark.parametrize("form,name,projections", [("comfy", "tiny-flux", 20), ("comfy", "tiny-sd3", 15),
+                                                  ("comfy", "tiny-chroma", 20), ("diffusers", "tiny-flux", 34),
+                                                  ("diffusers", "tiny-sd3", 25)])
+def test_fp8_products_only_where_precision_says(request, form, name, projections):
     """precision auto leaves 16-bit weights 16-bit; fp8 takes every block projection (not the modulation) and stays
     close to the 16-bit fused forward; a weight changed in place is quantized again."""
     pytest.importorskip("triton")
-    model = _dit_bf16(name)
+    if form == "comfy":
+        request.getfixturevalue("comfy_pytorch_attention")
+    model = _dit_bf16(name, form=form)
     inp = _bf16_inputs(name)
     ref, counts = _fused_output(model, inp, "auto")
     assert counts["fp8"] == 0
@@ -250,7 +254,10 @@ def test_fp8_products_only_where_precision_says(comfy_pytorch_attention, name, p
     assert 1e-4 < rel(out, ref) <= 5e-2  # fp8 products: different, and close
     again, _ = _fused_output(model, inp, "fp8")
     assert torch.equal(again, out)
-    layer = model.joint_blocks[0].x_block.attn.qkv if name == "tiny-sd3" else model.double_blocks[0].img_attn.qkv
+    if form == "diffusers":
+        layer = model.transformer_blocks[0].attn.to_q
+    else:
+        layer = model.joint_blocks[0].x_block.attn.qkv if name == "tiny-sd3" else model.double_blocks[0].img_attn.qkv
     with torch.no_grad():
         layer.weight.mul_(1.5)  # in place: same address, new version
     changed, _ = _fused_output(model, inp, "fp8")

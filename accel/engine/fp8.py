@@ -30,8 +30,10 @@ log = logging.getLogger("sd-accel")
 PRECISIONS = ("auto", "16bit", "fp8")
 FP8 = torch.float8_e4m3fn
 # The blocks whose projections may run in fp8, and the projections that stay 16-bit (per-sample modulation).
-BLOCKS = ("DoubleStreamBlock", "SingleStreamBlock", "DismantledBlock")
-MODULATION = ("img_mod", "txt_mod", "modulation", "adaLN_modulation")
+# ComfyUI's Flux/Chroma and MMDiT blocks, then diffusers' Flux and SD3 blocks.
+BLOCKS = ("DoubleStreamBlock", "SingleStreamBlock", "DismantledBlock", "FluxTransformerBlock",
+          "FluxSingleTransformerBlock", "JointTransformerBlock")
+MODULATION = ("img_mod", "txt_mod", "modulation", "adaLN_modulation", "norm1", "norm1_context", "norm")
 
 
 class _Weight(NamedTuple):

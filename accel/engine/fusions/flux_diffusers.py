@@ -2,7 +2,8 @@
 does for ComfyUI's: the adaLN LayerNorm and modulation in one pass per stream; q, k and v from diffusers' three
 projections RMS-normalized, rotated and written at their place in the joint text+image sequence in one pass (its
 (cos, sin) rotary tables turned into Flux's rotation matrices); the gated residual added in the pass that normalizes
-for the MLP; a single block's output projection as two GEMMs into one output instead of a concatenation.
+for the MLP; a single block's output projection as two GEMMs into one output instead of a concatenation. The
+projections run as fp8 products where accel/engine/fp8.py marked them (the `precision` option).
 
 A call it does not cover runs the block's own forward: joint_attention_kwargs (IP-Adapter and other processor
 inputs), another attention processor or backend than diffusers' default, fused q/k/v projections, layers that are
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fp8
 from .base import Undo, kernel_module, patch_forward, plain_linear
 from .registry import fusion
 from .transformer import gated_mlp, gated_residual_, kernels_run_on, modulated_norm, sdpa
@@ -63,9 +65,9 @@ def _fused_call(x: torch.Tensor, attn: nn.Module, rotary, joint_attention_kwargs
             and isinstance(rotary, tuple) and len(rotary) == 2 and kernels_run_on(x))
 
 
-def _project(attn: nn.Module, h: torch.Tensor, added: bool) -> tuple[torch.Tensor, ...]:
+def _project(attn: nn.Module, h, added: bool) -> tuple[torch.Tensor, ...]:
     layers = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj) if added else (attn.to_q, attn.to_k, attn.to_v)
-    return tuple(layer(h) for layer in layers)
+    return tuple(fp8.project(layer, h) for layer in layers)
 
 
 def _double_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -111,12 +113,18 @@ def _single_forward(self, hidden_states, encoder_hidden_states, temb, image_rota
     qkv = rope.empty_qkv(B, L, H, C // H, x)
     rope.qk_norm_rope(_project(attn, h, False), H, qkv, 0, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
                       rotation_table(image_rotary_emb))
-    act = F.gelu(self.proj_mlp(h), approximate="tanh")
-    # proj_out(cat(attention, act)) as two GEMMs into one output: the concatenation is never written
-    w, b = self.proj_out.weight, self.proj_out.bias
-    out = torch.addmm(b, sdpa(*qkv).reshape(B * L, C), w[:, :C].t())
-    out.addmm_(act.reshape(B * L, -1), w[:, C:].t())
-    gated_residual_(x, gate, out.view(B, L, C))
+    mlp = fp8.project(self.proj_mlp, h)
+    attn_out = sdpa(*qkv)
+    # proj_out(cat(attention, act)) without writing the concatenation: two GEMMs into one output (16-bit) or two fp8
+    # products the gated residual adds together, the GELU in the pass that quantizes its part
+    if fp8.takes_rows(x, self.proj_out):
+        gated_residual_(x, gate, fp8.matmul(attn_out, self.proj_out, cols=slice(0, C)),
+                        fp8.matmul(fp8.quantized(mlp, gelu=True), self.proj_out, cols=slice(C, None), bias=False))
+    else:
+        w, b = self.proj_out.weight, self.proj_out.bias
+        out = torch.addmm(b, attn_out.reshape(B * L, C), w[:, :C].t())
+        out.addmm_(F.gelu(mlp, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
+        gated_residual_(x, gate, out.view(B, L, C))
     if x.dtype == torch.float16:
         x = x.clip(-65504, 65504)
     return x[:, :Lt], x[:, Lt:]

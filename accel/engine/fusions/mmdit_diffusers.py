@@ -2,7 +2,8 @@
 ComfyUI's: the adaLN LayerNorm and modulation in one pass per stream; q, k and v from diffusers' three projections
 RMS-normalized (SD3.5) and written at their place in the joint image+text sequence in one pass; the gated residual
 added in the pass that normalizes for the MLP. SD3.5-medium's blocks with a second, image-only attention (MMDiT-X)
-and the last block, whose text stream stops after the attention (context_pre_only), are covered.
+and the last block, whose text stream stops after the attention (context_pre_only), are covered. The projections run
+as fp8 products where accel/engine/fp8.py marked them (the `precision` option).
 
 A call it does not cover runs the block's own forward: joint_attention_kwargs, another attention processor than
 diffusers' default, chunked feed-forward, layers that are not plain (a PEFT LoRA adds its own terms), a tensor the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fp8
 from .base import Undo, kernel_module, patch_forward, plain_linear
 from .registry import fusion
 from .transformer import gated_mlp, gated_residual_, kernels_run_on, modulated_norm, sdpa
@@ -66,7 +68,7 @@ def _qk_weights(attn: nn.Module, added: bool) -> tuple:
 
 def _project(attn: nn.Module, h, added: bool) -> tuple:
     layers = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj) if added else (attn.to_q, attn.to_k, attn.to_v)
-    return tuple(layer(h) for layer in layers)
+    return tuple(fp8.project(layer, h) for layer in layers)
 
 
 def _forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):

@@ -358,8 +358,8 @@ DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": 
 # and no error figure means anything; these names are scaled down.
 _DIT_QUIET = ("mod.lin", "modulation.lin", "adaLN_modulation", "norm1.linear", "norm1_context.linear", "norm.linear",
               "attn.proj", "linear2", "img_mlp.2", "txt_mlp.2", "mlp.fc2", "attn2.proj", "to_out", "to_add_out",
-              "proj_mlp", "proj_out", "ff.net.2", "ff_context.net.2", "final_layer.linear",
-              "distilled_guidance_layer.out_proj")
+              "proj_out", "ff.net.2", "ff_context.net.2", "final_layer.linear",
+              "distilled_guidance_layer.out_proj", "norm_out.linear")
 
 
 def seed_dit_parameters(module: nn.Module, seed: int, quiet: float = 0.1) -> nn.Module:
@@ -374,7 +374,9 @@ def seed_dit_parameters(module: nn.Module, seed: int, quiet: float = 0.1) -> nn.
                 continue
             r = torch.randn(p.shape, generator=g, device=device)
             if p.dim() == 1:
-                r = 1 + 0.1 * r if "norm" in name or name.endswith("scale") else 0.1 * r
+                # norm weights near 1; biases small, also those of the adaLN projections diffusers names norm*
+                norm = ("norm" in name and not name.endswith("bias")) or name.endswith("scale")
+                r = 1 + 0.1 * r if norm else 0.1 * r
             elif "pos_embed" in name:
                 r = 0.5 * r
             else:

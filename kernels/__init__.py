@@ -4,6 +4,11 @@ groupnorm: GroupNorm (+SiLU) for NCHW and channels_last, and its split statistic
 geglu:     diffusers' GEGLU activation (with the projection bias folded in).
 layernorm: LayerNorm, LayerNorm after a residual add (SkipLayerNorm), bias + residual add.
 upsample:  nearest-neighbour 2x upsampling of channels_last activations.
+attention: attention over short key sets (a cross-attention's text tokens).
+adaln:     a DiT's LayerNorm with the adaLN modulation (and the gated residual before it).
+qk_rope:   a DiT's q/k RMSNorm with the rotary embedding, written for SDPA.
+quant:     per-row fp8 quantization of activations (optionally after the tanh GELU).
+ahead:     compiling the kernels a call will launch on a thread pool, before it runs.
 
 Importing this package imports nothing heavy; each module imports Triton if it can and says through `supported(x)`
 whether its kernel can run on a tensor. Set TRITON_INTERPRET=1 before the first import to run them on the CPU.

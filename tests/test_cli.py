@@ -209,7 +209,7 @@ def test_bench_first_call_times_each_size_in_fresh_processes():
     r = run("bench", "--first-call", "--tiny", "--models", "sd15", "--iters", "2", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["first_call"]
-    processes = ["1: fresh process", "2: after process 1", "3: with cuDNN search"]
+    processes = ["1: empty Triton cache", "2: after process 1", "3: empty, compiled in turn", "4: with cuDNN search"]
     assert [(row["process"], row["shape"]) for row in rows] == [(p, s) for p in processes for s in ("64x64", "64x96")]
     assert all(row["first_s"] > 0 and row["second_s"] > 0 and row["steady_ms"] > 0 for row in rows)
     assert "first s" in r.stderr and "Triton's compilation = process 1 - process 2" in r.stderr

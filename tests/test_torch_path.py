@@ -129,7 +129,8 @@ def test_first_call_at_a_shape_runs_plain_and_the_second_captures():
         ref = unet(x, t, ctx, y)
     calls = []
     for run in range(2):  # a host's sampling runs: the torch path is prepared, used, undone
-        engine = torch_fused.build(unet, tuned())
+        # (compiling ahead would run a first call twice where a kernel is not compiled yet: a test below)
+        engine = torch_fused.build(unet, tuned(parallel_compile=False))
         forward = engine._graph_fn
         engine.graphs.fn = lambda *a: calls.append(run) or forward(*a)
         assert rel(engine(x, t, ctx, y), ref) <= 1e-2 and engine.graphs.captures == 0
@@ -238,3 +239,63 @@ def test_graph_memory_stays_bounded_over_20_shapes():
     del x
     engine.release()
     assert torch.cuda.memory_allocated() <= before + 8 * 2**20, "release() must give back what the graphs held"
+
+
+_FIRST_CALLS = r"""
+import importlib, json, pkgutil, sys
+import torch
+import sd_accel.kernels as kernels
+from sd_accel.kernels import ahead
+from sd_accel.accel.engine.backends import torch_fused
+from sd_accel.accel.models.configs import build_unet, example_inputs
+from sd_accel.accel.models.spec import CanonicalUNet
+from sd_accel.accel.plan.device import detect
+from sd_accel.accel.plan.policy import choose
+import dataclasses
+
+unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
+x, t, ctx, y = example_inputs(unet.unet, latent=32, device="cuda", dtype=torch.float16)
+engine = torch_fused.build(unet, dataclasses.replace(choose(detect(), "torch").torch,
+                                                     parallel_compile=sys.argv[2] == "parallel"))
+first = engine(x, t, ctx, y)
+compiled = ahead.totals.kernels
+later = [engine(x, t, ctx, y) for _ in range(3)]  # the capture, then replays
+left = [name for m in pkgutil.iter_modules(kernels.__path__)
+        for name, f in vars(importlib.import_module(f"sd_accel.kernels.{m.name}")).items()
+        if any(v is ahead._SKIPPED for c in getattr(f, "device_caches", {}).values() for v in c[0].values())]
+torch.save({"first": first.cpu(), "later": [o.cpu() for o in later]}, sys.argv[1])
+print(json.dumps({"compiled_ahead": compiled, "placeholders_left": left}))
+"""
+
+
+@gpu
+def test_kernels_compiled_ahead_give_what_kernels_compiled_in_turn_give(tmp_path):
+    """On a fresh machine (an empty Triton cache) the first call compiles the kernels it needs on a thread pool
+    before it runs: its output is the one the kernels compiled one after another give, bit for bit, and the plain
+    UNet's; nothing skipped is left behind for a later call."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    outputs = {}
+    for how in ("parallel", "in turn"):
+        path = tmp_path / f"{how}.pt"
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton {how}"))
+        run = subprocess.run([sys.executable, "-c", _FIRST_CALLS, str(path), how], env=env, capture_output=True,
+                             text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+        report = json.loads(run.stdout.strip().splitlines()[-1])
+        assert report["placeholders_left"] == []
+        if how == "parallel":
+            assert report["compiled_ahead"] >= 5
+        else:
+            assert report["compiled_ahead"] == 0
+        outputs[how] = torch.load(path)
+    assert torch.equal(outputs["parallel"]["first"], outputs["in turn"]["first"])
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=1, device="cuda", dtype=torch.float16))
+    x, t, ctx, y = example_inputs(unet.unet, latent=32, device="cuda", dtype=torch.float16)
+    with torch.inference_mode():
+        ref = unet(x, t, ctx, y).cpu()
+    for out in (outputs["parallel"]["first"], *outputs["parallel"]["later"]):
+        assert rel(out, ref) <= 1e-2

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --vae: also time the tiled decode limited to this much GPU memory (default 4)")
     b.add_argument("--first-call", action="store_true",
                    help="the wait for the first output at new image sizes, per stage, in fresh processes (Triton's "
-                        "cache as found, then warm; with cuDNN's exhaustive search for comparison)")
+                        "cache empty, then warm; kernels compiled in parallel and in turn; with cuDNN's exhaustive "
+                        "search for comparison)")
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae/--first-call: time the UNets too")
     b.add_argument("--profile", action="store_true",
                    help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")

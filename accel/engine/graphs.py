@@ -72,8 +72,11 @@ class GraphCache:
     image size gives its first output after one plain step (which also does the lazy initialisation, Triton's
     compilation and cuDNN's algorithm choice the capture must not see), and a size used once costs no capture."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 4) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 4,
+                 run_first: Callable[..., torch.Tensor] | None = None) -> None:
         self.fn = fn
+        # How the plain call at a new signature runs fn: run_first(fn, *tensors).
+        self.run_first = run_first or (lambda fn, *tensors: fn(*tensors))
         self.max_graphs = max(1, max_graphs)
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._seen: set[tuple] = set()  # signatures called at least once
@@ -98,7 +101,7 @@ class GraphCache:
         if entry is None:
             if key not in self._seen:
                 self._seen.add(key)
-                return self.fn(*tensors)
+                return self.run_first(self.fn, *tensors)
             entry = self._capture(tensors, token)
             self._entries[key] = entry
             while len(self._entries) > self.max_graphs:

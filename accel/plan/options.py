@@ -35,6 +35,9 @@ class TorchOptions:
     compile: bool = False  # regional torch.compile of the repeated blocks (then no fused kernels)
     max_graphs: int = 4
     cudnn_benchmark: bool = False  # time every cuDNN convolution algorithm at each new shape (seconds, once per size)
+    # Compile the Triton kernels a new shape needs on a thread pool before its first step (kernels/ahead.py) rather
+    # than one after another as the step reaches them.
+    parallel_compile: bool = True
     # Diffusion transformers' block projections: "auto" runs fp8 products for weights loaded in fp8 and 16-bit ones
     # for 16-bit weights; "fp8" quantizes 16-bit weights too; "16bit" widens fp8 weights as the host does.
     precision: str = field(default="auto", metadata={"choices": PRECISION})

@@ -9,6 +9,7 @@ the same changes but keeps the CUDA graphs, so a host's next sampling run replay
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -107,7 +108,7 @@ class TorchEngine:
         progress.stage("prepare torch path", total=3)
         self._apply(progress)
         self._forward = unet
-        self.graphs = GraphCache(self._graph_fn, max_graphs=options.max_graphs) \
+        self.graphs = GraphCache(self._graph_fn, max_graphs=options.max_graphs, run_first=self._compiling_ahead) \
             if options.cuda_graphs and self.on_gpu else None
         self._layout: tuple = ()
         self._weights = WeightsWatch(module)
@@ -211,6 +212,18 @@ class TorchEngine:
             with sdpa_kernels(self.options.attention):
                 return self._forward(x, timesteps, context, y, control, **extra, **kwargs)
 
+    def _compiling_ahead(self, fn, *args, **kwargs) -> torch.Tensor:
+        """fn(*args, **kwargs) with the Triton kernels it has not compiled yet compiled in parallel first (a new
+        image size on a fresh machine), when the fused kernels run on a GPU."""
+        if not (self.options.parallel_compile and self.options.triton_kernels and self.on_gpu):
+            return fn(*args, **kwargs)
+        from ....kernels import ahead
+
+        shape = tuple(args[0].shape)
+        return ahead.call(fn, *args, **kwargs, on_compile=lambda n: log.info(
+            "sd-accel: compiling %d kernels for input %s, in parallel (once per machine; Triton keeps them on disk)",
+            n, shape))
+
     def _graph_fn(self, x, timesteps, context, *rest) -> torch.Tensor:
         has_y, has_guidance, control_layout = self._layout
         rest = list(rest)
@@ -230,7 +243,9 @@ class TorchEngine:
         if guidance is not None and guidance.dim() == 0:
             guidance = guidance.expand(x.shape[0])
         if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device:
-            return self._run(x_in, timesteps, ctx, y, control, guidance, **kwargs).to(x.dtype)
+            # A host's patches (kwargs) may keep state between calls: only a plain call is run twice.
+            run = self._run if kwargs or not x.is_cuda else functools.partial(self._compiling_ahead, self._run)
+            return run(x_in, timesteps, ctx, y, control, guidance, **kwargs).to(x.dtype)
         ctrl, layout = _flatten_control(control)
         self._layout = (y is not None, guidance is not None, layout)
         tensors = ([x_in, timesteps, ctx] + ([y] if y is not None else []) + ([guidance] if guidance is not None else [])

@@ -419,17 +419,17 @@ def test_unpack_gives_each_weight_its_own_storage_back(monkeypatch, way):
     assert all(torch.equal(p, v) and p.is_contiguous() for p, v in zip(params, values))
 
 
-def _cross_attention_module(form: str, device: str) -> nn.Module:
-    """A cross-attention with 64-wide heads (SDXL's), as diffusers and ComfyUI build it, in fp16."""
+def _cross_attention_module(form: str, device: str, dim_head: int = 64) -> nn.Module:
+    """A cross-attention with 64-wide heads (SDXL's) unless told, as diffusers and ComfyUI build it, in fp16."""
     torch.manual_seed(40)
     if form == "diffusers":
         from diffusers.models.attention_processor import Attention
 
-        attn = Attention(96, cross_attention_dim=80, heads=2, dim_head=64)
+        attn = Attention(96, cross_attention_dim=80, heads=2, dim_head=dim_head)
     else:
         from ldm_unet import CrossAttention
 
-        attn = CrossAttention(96, 80, heads=2, dim_head=64)
+        attn = CrossAttention(96, 80, heads=2, dim_head=dim_head)
     return attn.to(device).half()
 
 
@@ -456,6 +456,39 @@ def test_cross_attention_fusion_runs_short_key_sets_through_the_kernel(form, mon
         undo()
         assert set(vars(attn)) == keys
         assert rel(attn(x, text).float(), refs[0]) <= 1e-2 and len(calls) == 1
+    assert all(rel(o.float(), r) <= 1e-2 for o, r in zip(outs, refs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("form", ["diffusers", "ldm"])
+@pytest.mark.parametrize("dim_head", [40, 80, 160])  # SD1.5's head sizes, which the Triton kernel does not take
+def test_short_key_sets_of_other_head_sizes_go_to_sdpa_kernels_that_build_no_plan_per_size(form, dim_head,
+                                                                                           monkeypatch):
+    """cuDNN's attention builds a plan per sequence length at every new image size: short key sets go to PyTorch's
+    flash kernel (heads up to 128 wide) or its memory-efficient one instead, with the same result; long ones stay
+    with the engine's choice."""
+    import contextlib
+
+    from sd_accel.accel.engine import attention as engine_attention
+
+    chosen = []
+    real = engine_attention.sdpa_kernels
+    monkeypatch.setattr(engine_attention, "sdpa_kernels",
+                        lambda preferred: chosen.append(preferred) or real(preferred))
+    attn = _cross_attention_module(form, "cuda", dim_head)
+    g = torch.Generator().manual_seed(43)
+    x = torch.randn(2, 300, 96, generator=g).cuda().half()
+    text, long_text = (torch.randn(2, n, 80, generator=g).cuda().half() for n in (77, 200))
+    with torch.no_grad():
+        refs = [attn.float()(x.float(), c.float()) for c in (text, long_text)]
+        attn.half()
+        undo, counts = fusions.apply(nn.Sequential(attn), ["sdpa_processor", "qkv", "cross_attention"])
+        assert counts["cross_attention"] == 1
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(real("cudnn"))  # as the torch path runs a UNet on NVIDIA
+            outs = [attn(x, c) for c in (text, long_text)]
+        undo()
+    assert chosen == ["flash" if dim_head <= 128 else "efficient"]  # the long key set kept the engine's choice
     assert all(rel(o.float(), r) <= 1e-2 for o, r in zip(outs, refs))
 
 

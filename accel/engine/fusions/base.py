@@ -174,8 +174,12 @@ class SiLUForEmbeddings(nn.Module):
 
 
 def attend(m: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor | None:
-    """softmax(q k^T / sqrt(d)) v for (B, tokens, heads * d) q, k and v, as (B, Lq, heads * d), through the attention
-    kernel; None where the cross_attention fusion did not mark the module or the kernel does not cover the call."""
+    """softmax(q k^T / sqrt(d)) v for (B, tokens, heads * d) q, k and v, as (B, Lq, heads * d), over a short key set
+    (a text context) of a module the cross_attention fusion marked: through the Triton kernel where it is the faster,
+    else on NVIDIA through PyTorch's flash kernel (heads up to 128 wide) or its memory-efficient one (wider) rather
+    than cuDNN's. cuDNN's attention builds an execution plan per sequence length, some 55 ms at every new image size
+    (SD1.5: 4 of its 8 per size are cross-attention's), and is no faster on 77 keys (BENCHMARKS.md, run S). None
+    where the module is not marked or the call is not one of these."""
     if m not in _SHORT_KEYS or q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         return None
     (B, Lq, C), Lk = q.shape, k.shape[1]
@@ -185,9 +189,15 @@ def attend(m: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head
     d = C // heads
     qh, kh, vh = q.view(B, Lq, heads, d), k.view(B, Lk, heads, d), v.view(B, Lk, heads, d)
     attention = kernel_module("attention")
-    if not attention.covers(qh, kh):
+    if attention.covers(qh, kh):
+        return attention.attention(qh, kh, vh).view(B, Lq, C)
+    if not q.is_cuda or torch.version.hip is not None or Lk > attention.SHORT_KEYS:
         return None
-    return attention.attention(qh, kh, vh).view(B, Lq, C)
+    from ..attention import sdpa_kernels
+
+    with sdpa_kernels("flash" if d <= 128 else "efficient"):
+        out = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2))
+    return out.transpose(1, 2).reshape(B, Lq, C)
 
 
 def comfy_pytorch_attention(m: nn.Module, transformer_options: dict) -> bool:

@@ -1,11 +1,13 @@
 """Attention over a short key set (a cross-attention's text context, 77 tokens) through the Triton kernel of
-kernels/attention.py, where it was measured faster than cuDNN's (`attention.config` says where: 64-wide heads).
+kernels/attention.py where it was measured faster than cuDNN's (`attention.config` says where: 64-wide heads), and
+on NVIDIA through PyTorch's flash or memory-efficient kernel for other head sizes, which, unlike cuDNN's, build no
+plan per image size (`base.attend`).
 
 The fusion marks the attention modules it covers (diffusers' Attention with the sdpa_processor fusion's processor,
 ComfyUI's CrossAttention with the qkv fusion's forward); those two call `base.attend` in place of SDPA and get None
-back wherever the kernel does not cover the call (other head sizes, long key sets, fp32), which then runs as before.
-In ComfyUI only calls that would have gone to its PyTorch attention are taken: another attention function chosen by
-the user (sage, xformers, ...) or a model patch's attention override keeps its call.
+back wherever it does not take the call (long key sets, the CPU, fp32 where the kernel would be chosen), which then
+runs as before. In ComfyUI only calls that would have gone to its PyTorch attention are taken: another attention
+function chosen by the user (sage, xformers, ...) or a model patch's attention override keeps its call.
 """
 
 from __future__ import annotations

@@ -450,6 +450,33 @@ def test_second_checkpoint_of_an_architecture_builds_from_the_cached_graph(tmp_p
         engine.release()
 
 
+def test_refit_of_a_model_holding_its_weights_inline_gives_the_same_model(tmp_path):
+    """A model file from before weights were kept apart (all of them inline in the protobuf) is refitted the slow way,
+    to the same weights as the in-place writer gives a model that keeps them in its data file."""
+    import shutil
+
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from sd_accel.accel.build.export import refitted, save_model, weight_map_path
+
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=4))
+    apart = ortb.build_model(unet, tmp_path / "apart", OrtOptions(), provider=ortb.CPU)
+    assert apart.with_name(apart.name + ".data").exists()
+    inline = tmp_path / "inline" / apart.name
+    inline.parent.mkdir()
+    save_model(onnx.load(str(apart)), inline, external=False)
+    shutil.copyfile(weight_map_path(apart), weight_map_path(inline))
+    other = CanonicalUNet(build_unet("tiny-sd15", seed=6))
+    models = [onnx.load(str(refitted(m, other, tmp_path / f"out-{i}" / m.name))) for i, m in enumerate((apart, inline))]
+    weights = [{i.name: numpy_helper.to_array(i) for i in m.graph.initializer} for m in models]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(np.array_equal(weights[0][n], weights[1][n]) for n in weights[0])
+    before = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(apart)).graph.initializer}
+    assert sum(not np.array_equal(before[n], weights[0][n]) for n in before) > 10  # the other checkpoint's weights
+
+
 def test_shape_inference_view_gives_inputs_generic_concrete_sizes(sd15):
     """ORT's shape inference runs over a view whose dynamic inputs have fixed sizes (integers instead of sympy
     expressions); the fused operator counts above are what guards the fusions against that."""

@@ -21,6 +21,7 @@ import os
 import shutil
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -819,18 +820,74 @@ def refitted(model_path: Path, unet: CanonicalUNet, out: Path) -> Path:
     """The optimized model at `model_path` (with its weight map beside it) carrying `unet`'s weights, saved to `out`
     with a weight map for those weights: another checkpoint of the same architecture, without exporting and
     optimizing again. BackendUnavailable where the map cannot place the weights (then export again)."""
-    from onnx import numpy_helper
-
     wmap = WeightMap.load(weight_map_path(model_path))
-    digests = {n: _digest(_fp32(p)) for n, p in unet.unet.named_parameters()}
-    values = refreshed_initializers(wmap, unet, digests)
-    model = _load(model_path, external=True)
-    for init in model.graph.initializer:
-        if init.name in values:
-            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
-    save_model(model, out)
+    digests = parameter_digests(unet)
+    write_initializers(model_path, refreshed_initializers(wmap, unet, digests), out)
     wmap.digests = {n: digests[n] for n in wmap.digests}
     wmap.save(weight_map_path(out))
+    return out
+
+
+def _pool() -> ThreadPoolExecutor:
+    # numpy's passes, the hashing and torch's copies to the host all run outside the GIL
+    return ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="sd-accel-weights")
+
+
+def parameter_digests(unet: CanonicalUNet) -> dict[str, str]:
+    """The digest of each parameter's fp32 bytes, as a weight map records them."""
+    params = list(unet.unet.named_parameters())
+    with _pool() as pool:
+        return dict(zip((n for n, _ in params), pool.map(lambda p: _digest(_fp32(p)), (p for _, p in params))))
+
+
+def write_initializers(model_path: Path, values: dict, out: Path) -> Path:
+    """A copy of the model at `model_path` with `values` (initializer name -> array of its dtype and size) in place of
+    those initializers, saved as `out` (a file of the same name in another folder). Weights kept in the model's
+    external data file (as build_model saves a model with a weight map) are written straight into a copy of that
+    file at their offsets, with only the small graph file parsed; a model holding them inline is loaded and saved
+    whole (slower: the whole protobuf goes through Python)."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model_path, out = Path(model_path), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = onnx.load(str(model_path), load_external_data=False)
+    external: dict[str, tuple[int, int]] = {}
+    data = model_path.with_name(model_path.name + ".data")
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            where = {e.key: e.value for e in init.external_data}
+            if where.get("location") != data.name:
+                external = {}
+                break
+            external[init.name] = (int(where.get("offset", 0)), int(where["length"]))
+    if not external or out.name != model_path.name:
+        model = onnx.load(str(model_path), load_external_data=True)
+        for init in model.graph.initializer:
+            if init.name in values:
+                init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+        return save_model(model, out, external=True)
+    for init in model.graph.initializer:
+        if init.name in values and init.name not in external:
+            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+    target = out.with_name(out.name + ".data")
+    for stale in (out, target):
+        if stale.exists():
+            stale.unlink()
+    with open(data, "rb") as src, open(target, "wb") as dst:
+        for name, (offset, length) in sorted(external.items(), key=lambda kv: kv[1][0]):
+            if name in values:
+                chunk = memoryview(np.ascontiguousarray(values[name])).cast("B")
+            else:
+                src.seek(offset)
+                chunk = src.read(length)
+            if len(chunk) != length:
+                raise BackendUnavailable(f"the initializer {name} would change size ({length} -> {len(chunk)} bytes).",
+                                         "Rebuild the engine (export and optimize again) for these weights.")
+            dst.seek(offset)
+            dst.write(chunk)
+    onnx.save_model(model, str(out))
     return out
 
 
@@ -847,7 +904,7 @@ def refreshed_initializers(wmap: WeightMap, unet: CanonicalUNet, digests: dict[s
     import numpy as np
 
     params = dict(unet.unet.named_parameters())
-    digests = digests if digests is not None else {n: _digest(_fp32(p)) for n, p in params.items()}
+    digests = digests if digests is not None else parameter_digests(unet)
     changed = {n for n in params if wmap.digests.get(n) != digests[n]}
     if not changed:
         return {}
@@ -855,10 +912,8 @@ def refreshed_initializers(wmap: WeightMap, unet: CanonicalUNet, digests: dict[s
     if unknown:
         raise BackendUnavailable(f"changed weights {unknown[:3]} have no counterpart in the optimized ONNX graph.",
                                  "Rebuild the engine (export and optimize again) for these weights.")
-    out = {}
-    for init, sources in wmap.sources.items():
-        if not any(changed & set(names) for _, names, _ in sources):
-            continue
+
+    def value(init: str, sources: list) -> np.ndarray:
         # Bytes, not shapes, are compared: a 1x1 convolution is the same tensor in NCHW and NHWC.
         values = [np.ascontiguousarray(_as(_transform(kind, [_fp32(params[n]) for n in names], heads),
                                            wmap.dtypes[init])).reshape(wmap.shapes[init])
@@ -866,5 +921,9 @@ def refreshed_initializers(wmap: WeightMap, unet: CanonicalUNet, digests: dict[s
         if any(not np.array_equal(v, values[0]) for v in values[1:]):
             raise BackendUnavailable(f"the initializer {init} was shared by weights that now differ.",
                                      "Rebuild the engine (export and optimize again) for these weights.")
-        out[init] = values[0]
-    return out
+        return values[0]
+
+    todo = [(init, sources) for init, sources in wmap.sources.items()
+            if any(changed & set(names) for _, names, _ in sources)]
+    with _pool() as pool:
+        return dict(zip((init for init, _ in todo), pool.map(lambda job: value(*job), todo)))

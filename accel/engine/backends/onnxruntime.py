@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ...build.export import (OnnxUNetInfo, WeightMap, control_input_names, export_model, host_side_nodes, model_info,
-                             optimized_model, refitted, refreshed_initializers, save_model, weight_map,
-                             weight_map_path)
+                             optimized_model, refitted, refreshed_initializers, save_model, weight_map, weight_map_path,
+                             write_initializers)
 from ...errors import BackendUnavailable
 from ...models.spec import CanonicalUNet
 from ...plan.options import OrtOptions, Runtime
@@ -187,7 +187,8 @@ def build_model(unet: CanonicalUNet, folder: Path, options: OrtOptions | None = 
         wmap = weight_map(model, unet)  # before saving: saving to external data empties the model's tensors
         progress.advance()
         progress.done()
-    save_model(model, out)
+    # With a weight map, the weights go to a file of their own: a refit writes them there at their offsets.
+    save_model(model, out, external=True if wmap is not None else None)
     if wmap is not None:
         wmap.save(weight_map_path(out))
     return out
@@ -205,19 +206,12 @@ def update_weights(engine: "OrtEngine", unet: CanonicalUNet) -> bool:
     if engine.weight_map is None:
         raise BackendUnavailable("this ONNX Runtime engine was built without a weight map (option refit=False).",
                                  "Rebuild it to change its weights.")
-    import onnx
-    from onnx import numpy_helper
-
     values = refreshed_initializers(engine.weight_map, unet)
     if not values:
         if engine.path != engine.base_path:
             engine.use_model(engine.base_path)
         return False
-    model = onnx.load(str(engine.base_path), load_external_data=True)
-    for init in model.graph.initializer:
-        if init.name in values:
-            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
-    engine.use_model(save_model(model, engine.scratch() / engine.base_path.name))
+    engine.use_model(write_initializers(engine.base_path, values, engine.scratch() / engine.base_path.name))
     return True
 
 

@@ -789,31 +789,40 @@ def weight_map(model_or_path, unet: CanonicalUNet) -> WeightMap:
     from onnx import numpy_helper
 
     model = _load(model_or_path, external=True)
+    arrays = [(init.name, numpy_helper.to_array(init)) for init in model.graph.initializer]
+    arrays = [(name, a) for name, a in arrays if a.dtype.kind == "f" and a.size > 1]
     by_digest: dict[str, list[str]] = {}
-    dtypes: dict[str, str] = {}
-    shapes: dict[str, list[int]] = {}
-    for init in model.graph.initializer:
-        a = numpy_helper.to_array(init)
-        if a.dtype.kind == "f" and a.size > 1:
-            by_digest.setdefault(_digest(a), []).append(init.name)
-            dtypes[init.name], shapes[init.name] = str(a.dtype), list(a.shape)
+    with _pool() as pool:
+        for (name, _), digest in zip(arrays, pool.map(lambda item: _digest(item[1]), arrays)):
+            by_digest.setdefault(digest, []).append(name)
+    dtypes = {name: str(a.dtype) for name, a in arrays}
+    shapes = {name: list(a.shape) for name, a in arrays}
+    del arrays
     sizes = {(dtypes[n], int(np.prod(shapes[n]))) for n in dtypes}
     params = dict(unet.unet.named_parameters())
+
+    def digests(candidate: tuple[str, tuple[str, ...], int]) -> list[tuple[str, str]]:
+        """(dtype, digest) of the candidate's value in each dtype an initializer of its size has."""
+        kind, names, heads = candidate
+        numel = sum(params[n].numel() for n in names)
+        wanted = sorted(d for d in set(dtypes.values()) if (d, numel) in sizes)  # none of that size: skip
+        if not wanted:
+            return []
+        value = _transform(kind, [_fp32(params[n]) for n in names], heads)
+        return [(dtype, _digest(_as(value, dtype))) for dtype in wanted]
+
+    candidates = list(_candidates(unet.unet, params))
     sources: dict[str, list[tuple[str, list[str], int]]] = {}
     used: set[str] = set()
-    for kind, names, heads in _candidates(unet.unet, params):
-        numel = sum(params[n].numel() for n in names)
-        wanted = [d for d in set(dtypes.values()) if (d, numel) in sizes]  # no initializer of that size: skip
-        if not wanted:
-            continue
-        value = _transform(kind, [_fp32(params[n]) for n in names], heads)
-        for dtype in wanted:
-            for init in by_digest.get(_digest(_as(value, dtype)), []):
-                if dtypes[init] == dtype:
-                    sources.setdefault(init, []).append((kind, list(names), heads))
-                    used.update(names)
+    with _pool() as pool:
+        for (kind, names, heads), found in zip(candidates, pool.map(digests, candidates)):
+            for dtype, digest in found:
+                for init in by_digest.get(digest, []):
+                    if dtypes[init] == dtype:
+                        sources.setdefault(init, []).append((kind, list(names), heads))
+                        used.update(names)
     return WeightMap(sources, {k: dtypes[k] for k in sources}, {k: shapes[k] for k in sources},
-                     {n: _digest(_fp32(p)) for n, p in params.items()}, sorted(set(params) - used))
+                     parameter_digests(unet), sorted(set(params) - used))
 
 
 def refitted(model_path: Path, unet: CanonicalUNet, out: Path) -> Path:

@@ -2,11 +2,12 @@
 
 Triton compiles a kernel when it is first launched, one after another: a UNet's first step on a fresh machine waits
 for some 40 compilations in a row (most of its first call). `call(fn, ...)` first runs `fn` with every launch of one
-of our kernels that is not compiled yet left out, each such kernel handed to a thread pool to compile and load as soon
-as it is met (ptxas, the launchers' C compilations and much of the compiler run outside the GIL); when one was
-met, it waits for the pool and runs `fn` again for the result. When nothing was missing, the first run was a real one and is
-the result. The left-out run's values are thrown away, so `fn` must be a pure function of its inputs (a model's
-forward) whose control flow does not depend on values a kernel computes.
+of our kernels that this process has not loaded left out, each such kernel handed to a thread pool to compile (or
+load from Triton's disk cache) and load as soon as it is met (ptxas, the launchers' C compilations and much of the
+compiler run outside the GIL); when one was met, it waits for the pool and runs `fn` again for the result. When
+nothing was missing, the first run was a real one and is the result. The left-out run's values are thrown away, so
+`fn` must be a pure function of its inputs (a model's forward) whose control flow does not depend on values a kernel
+computes.
 
 Other code's Triton kernels (torch.compile's, a host's) compile as usual, as do ours on other threads, under the
 CPU interpreter, and with a Triton that lacks the hooks this needs (before 3.4).
@@ -36,7 +37,7 @@ _lock = threading.Lock()
 class Totals:
     """What compiling ahead has cost in this process, for a benchmark's breakdown."""
 
-    kernels: int = 0  # kernels compiled ahead
+    kernels: int = 0  # kernels compiled (or loaded from disk) ahead
     compile_s: float = 0.0  # waiting for them
     skipped_run_s: float = 0.0  # runs that left a launch out (their results thrown away)
 
@@ -178,7 +179,7 @@ def call(fn: Callable[..., Any], *args: Any, on_compile: Callable[[int], None] |
         for job in recorder.jobs:
             try:
                 job.result()
-            except Exception as e:  # noqa: BLE001  the run below compiles it again and raises where the plain path would
+            except Exception as e:  # noqa: BLE001  the run below compiles it again and raises its error
                 log.debug("compiling a kernel ahead failed: %s", e)
     totals.compile_s += time.perf_counter() - compiling
     return fn(*args, **kwargs)

@@ -89,6 +89,21 @@ def test_bench_times_diffusion_transformers_with_their_floor(tmp_path):
     assert by[("tiny-flux/diffusers", "eager (SDPA)")]["extra"]["batch"] == 1  # guidance-distilled: no CFG batch
 
 
+def test_bench_times_a_second_checkpoint_built_from_the_cached_onnxruntime_graph(tmp_path):
+    """onnxruntime-refit: the path's row, then another checkpoint of the model built from the cached graph with its
+    own weights put in (no export), each against its own fp32 output."""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "bench.json"
+    r = run("bench", "--tiny", "--models", "sd15", "--iters", "2", "--no-compile", "--paths", "onnxruntime-refit",
+            "--json-file", str(out), env={"SD_ACCEL_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["unet"]}
+    first, second = rows["sd-accel onnxruntime"], rows["sd-accel onnxruntime, 2nd checkpoint"]
+    assert first["rel_err"] <= 1e-4 and second["rel_err"] <= 1e-4 and second["setup_s"] > 0
+    stages = [line for line in r.stderr.splitlines() if "second checkpoint build stage" in line]
+    assert any("stage refit:" in line for line in stages) and not any("stage export:" in line for line in stages)
+
+
 def test_bench_vae_prints_a_table(tmp_path):
     out = tmp_path / "bench.json"
     r = run("bench", "--vae", "--tiny", "--vae-sizes", "64", "--json-file", str(out))

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
-                        "Runtime with its CUDA graph; for Flux and SD3.5: torch-fp8: fp8 matrix products "
+                        "Runtime with its CUDA graph; onnxruntime-refit: ONNX Runtime, then another checkpoint of the model "
+                        "built from its cached graph (a second row); for Flux and SD3.5: torch-fp8: fp8 matrix products "
                         "(precision fp8), torch-fp8weights: the weights stored in fp8 as ComfyUI loads them, its own "
                         "forward and the torch path on them, with --comfyui)")
     b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")

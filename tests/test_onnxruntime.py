@@ -128,6 +128,32 @@ def test_build_reports_stages_and_restores_attention_processors(sd15):
     assert all(p.dtype == torch.float32 for p in unet.unet.parameters())
 
 
+def test_fp16_conversion_on_the_weightless_view_gives_orts_own_result(sdxl):
+    """The fp16 step infers types on a copy of the graph without the weights' bytes: the model it gives is the one
+    ORT's own conversion of the whole model gives (nodes, weights, inputs, outputs and every tensor's type)."""
+    import copy
+
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    from sd_accel.accel.build.export import (FP16_MAX, FP16_MIN_POSITIVE, _fast_float16, _fuse,
+                                             _quiet_ort_transformers, time_embedding_nodes)
+
+    _, raw, _, _, _ = sdxl
+    ours = export.optimized_model(raw, fp16=True, provider="cuda")
+    with _quiet_ort_transformers():
+        fused = _fuse(export._load(raw, external=True), "cuda", True, Stages())
+        theirs = OnnxModel(copy.deepcopy(fused.model))
+        with _fast_float16():  # the same bytes as ORT's own (test_fast_float16_gives_ort_s_bytes), faster
+            theirs.convert_float_to_float16(keep_io_types=["timesteps"],
+                                            node_block_list=time_embedding_nodes(fused.model),
+                                            min_positive_val=FP16_MIN_POSITIVE, max_finite_val=FP16_MAX)
+    a, b = ours.graph, theirs.model.graph
+    for part in ("node", "initializer", "input", "output"):
+        assert [x.SerializeToString() for x in getattr(a, part)] == [x.SerializeToString() for x in getattr(b, part)]
+    types = lambda g: {v.name: v.type.tensor_type.elem_type for v in g.value_info}  # noqa: E731
+    assert types(a) == types(b) and len(types(a)) > 100
+
+
 def test_cpu_fusion_counts(sd15, sdxl):
     for module, path in ((sd15[0].unet, sd15[1].path), (sdxl[0].unet, sdxl[2])):
         counts = export.fused_operator_counts(path)

@@ -424,7 +424,7 @@ _SHAPE_VIEW_BYTES = 1024
 _LEFT_OUT = "sd-accel: bytes left out for shape inference"
 
 
-def _shape_view(model):
+def _shape_view(model, concrete: bool = True):
     """The model as symbolic shape inference needs it: nodes and types, and initializers without the bytes of the
     large float weights (marked _LEFT_OUT). It copies the model it is given, and the initializers of every node
     it infers on its own, and ORT's UNet fusions run it five times: with the weights included that copying was a
@@ -439,7 +439,8 @@ def _shape_view(model):
     g.name = src.name
     for part in ("node", "input", "output", "value_info"):
         getattr(g, part).extend(getattr(src, part))
-    _concrete_inputs(g, {p.key[len(META):]: p.value for p in model.metadata_props if p.key.startswith(META)})
+    if concrete:
+        _concrete_inputs(g, {p.key[len(META):]: p.value for p in model.metadata_props if p.key.startswith(META)})
     floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
     for init in src.initializer:
         if init.data_type in floats and len(init.dims) >= 2 and 2 * math.prod(init.dims) > _SHAPE_VIEW_BYTES:
@@ -478,10 +479,11 @@ def _concrete_inputs(graph, meta: dict[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def _light_shape_inference() -> Iterator[None]:
+def _light_shape_inference(concrete: bool = True) -> Iterator[None]:
     """ORT's OnnxModel.infer_runtime_shape run over _shape_view of the current graph (always a fresh one). Where
     shape inference asks for the value of a weight left out, it gets zeros of its shape: it only ever reads
-    values to compute shapes, and drops those of rank > 1 (SymbolicShapeInference._get_int_or_float_values)."""
+    values to compute shapes, and drops those of rank > 1 (SymbolicShapeInference._get_int_or_float_values).
+    concrete: the view's inputs get the _VIEW_SIZES (after the fusions, a graph with NhwcConv needs its symbols)."""
     import numpy as np
     from onnx import helper
     from onnxruntime.transformers.onnx_model_unet import UnetOnnxModel
@@ -495,7 +497,7 @@ def _light_shape_inference() -> Iterator[None]:
 
     def infer_runtime_shape(self, dynamic_axis_mapping={}, update=False):  # noqa: B006 (ORT's signature)
         full = self.model
-        self.model = _shape_view(full)
+        self.model = _shape_view(full, concrete)
         try:
             return original_infer(self, dynamic_axis_mapping, True)
         finally:
@@ -509,6 +511,32 @@ def _light_shape_inference() -> Iterator[None]:
 
     with _patched((OnnxModel, "infer_runtime_shape", infer_runtime_shape), (Shapes, "_get_value", get_value)):
         yield
+
+
+@contextlib.contextmanager
+def _types_from_shape_view() -> Iterator[None]:
+    """ORT's OnnxModel.convert_float_to_float16 runs symbolic shape inference on the whole model only to learn each
+    tensor's element type (it drops the shapes): run it on _shape_view, which has every node and type but not the
+    weights' bytes, which shape inference copied over and over (most of the fp16 step's time on SD1.5). Used with
+    _light_shape_inference, which supplies zeros where a left-out weight's value is asked for."""
+    import shape_infer_helper  # ORT's transformers folder is on sys.path once onnxruntime.transformers is imported
+
+    helper = shape_infer_helper.SymbolicShapeInferenceHelper
+    infer_shapes = helper.infer_shapes  # a staticmethod of its base: the plain function
+    own = helper.__dict__.get("infer_shapes")  # restored as the descriptor it was, or removed
+
+    def on_view(in_mp, *args, **kwargs):
+        # with the inputs' symbolic sizes: on the fused graph, concrete ones leave an NhwcConv's input shape unknown
+        return infer_shapes(_shape_view(in_mp, concrete=False), *args, **kwargs)
+
+    helper.infer_shapes = staticmethod(on_view)
+    try:
+        yield
+    finally:
+        if own is None:
+            del helper.infer_shapes
+        else:
+            helper.infer_shapes = own
 
 
 @contextlib.contextmanager
@@ -633,7 +661,7 @@ def optimized_model(model_or_path, fp16: bool, provider: str = "cuda", progress:
         m = _fuse(model, provider, fp16, progress)
         if fp16:
             progress.stage("fp16", total=1)
-            with _fast_float16():
+            with _fast_float16(), _light_shape_inference(concrete=False), _types_from_shape_view():
                 m.convert_float_to_float16(keep_io_types=["timesteps"], node_block_list=time_embedding_nodes(m.model),
                                            min_positive_val=FP16_MIN_POSITIVE, max_finite_val=FP16_MAX)
             progress.advance()

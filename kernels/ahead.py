@@ -15,6 +15,7 @@ CPU interpreter, and with a Triton that lacks the hooks this needs (before 3.4).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -45,8 +46,10 @@ class Totals:
 totals = Totals()
 
 
+@functools.lru_cache(maxsize=None)
 def _hooks_supported() -> bool:
-    """Whether this Triton has the JIT cache hook and JITFunction.preload (3.4 and later)."""
+    """Whether this Triton has the JIT cache hook and JITFunction.preload (3.4 and later); asked once, as a graph-less
+    engine asks at every step."""
     if triton is None:
         return False
     try:

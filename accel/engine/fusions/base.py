@@ -101,6 +101,14 @@ def forward_takes(m: nn.Module, *params: str) -> bool:
     return list(inspect.signature(type(m).forward).parameters) == ["self", *params]
 
 
+def of_class(m: nn.Module, name: str, package: str, *attrs: str) -> bool:
+    """Whether m's class is `name` from `package` (the module itself or one below it) and m has these attributes: how
+    a fusion recognises the host class whose forward it restates, and not a look-alike of another library."""
+    module = type(m).__module__
+    return (type(m).__name__ == name and (module == package or module.startswith(package + "."))
+            and all(hasattr(m, a) for a in attrs))
+
+
 def comfy_forward(m: nn.Module) -> bool:
     """A ComfyUI transformer module whose forward is (x, context, transformer_options), the form the fusions
     restate."""

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward
+from .base import Undo, kernel_module, of_class, patch_forward
 from .registry import fusion
 from .transformer import EPS, covered, double_block, fused_call, linears, single_block
+
+LAYERS = "comfy.ldm.chroma.layers"
 
 
 def _norms_plain(*norms: nn.Module) -> bool:
@@ -43,21 +45,17 @@ def _last_forward(self, x, vec):
     return self.linear(kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS))
 
 
-def _is(m: nn.Module, name: str, *attrs: str) -> bool:
-    return type(m).__name__ == name and type(m).__module__ == "comfy.ldm.chroma.layers" \
-        and all(hasattr(m, a) for a in attrs)
-
-
 @fusion("chroma")
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if _is(m, "DoubleStreamBlock", "img_norm1", "img_mlp") and covered(m) \
+        if of_class(m, "DoubleStreamBlock", LAYERS, "img_norm1", "img_mlp") and covered(m) \
                 and _norms_plain(m.img_norm1, m.img_norm2, m.txt_norm1, m.txt_norm2):
             patch_forward(m, _double_forward, undo)
-        elif _is(m, "SingleStreamBlock", "linear1", "pre_norm") and covered(m) and _norms_plain(m.pre_norm):
+        elif of_class(m, "SingleStreamBlock", LAYERS, "linear1", "pre_norm") and covered(m) \
+                and _norms_plain(m.pre_norm):
             patch_forward(m, _single_forward, undo)
-        elif _is(m, "LastLayer", "norm_final") and linears(m.linear) and _norms_plain(m.norm_final):
+        elif of_class(m, "LastLayer", LAYERS, "norm_final") and linears(m.linear) and _norms_plain(m.norm_final):
             patch_forward(m, _last_forward, undo)
         else:
             continue

@@ -20,9 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward
+from .base import Undo, kernel_module, of_class, patch_forward
 from .registry import fusion
 from .transformer import EPS, covered, double_block, fused_call, linears, single_block
+
+FLUX = "comfy.ldm.flux"  # the package: its classes are in comfy.ldm.flux.layers
 
 def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
                     transformer_options={}):  # noqa: B006 (ComfyUI's signature)
@@ -48,20 +50,17 @@ def _last_forward(self, x, vec, modulation_dims=None):
     return self.linear(kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS))
 
 
-def _is(m: nn.Module, name: str, *attrs: str) -> bool:
-    return type(m).__name__ == name and type(m).__module__.startswith("comfy.ldm.flux") \
-        and all(hasattr(m, a) for a in attrs)
-
-
 @fusion("flux")
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if _is(m, "DoubleStreamBlock", "img_mod", "txt_mod", "img_mlp") and covered(m, m.img_mod.lin, m.txt_mod.lin):
+        if of_class(m, "DoubleStreamBlock", FLUX, "img_mod", "txt_mod", "img_mlp") \
+                and covered(m, m.img_mod.lin, m.txt_mod.lin):
             patch_forward(m, _double_forward, undo)
-        elif _is(m, "SingleStreamBlock", "linear1", "linear2", "modulation") and covered(m, m.modulation.lin):
+        elif of_class(m, "SingleStreamBlock", FLUX, "linear1", "linear2", "modulation") \
+                and covered(m, m.modulation.lin):
             patch_forward(m, _single_forward, undo)
-        elif _is(m, "LastLayer", "adaLN_modulation", "norm_final") and linears(m.linear):
+        elif of_class(m, "LastLayer", FLUX, "adaLN_modulation", "norm_final") and linears(m.linear):
             patch_forward(m, _last_forward, undo)
         else:
             continue

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8
-from .base import Undo, kernel_module, patch_forward, plain_linear
+from .base import Undo, kernel_module, of_class, patch_forward, plain_linear
 from .registry import fusion
 from .transformer import gated_mlp, gated_residual_, kernels_run_on, modulated_norm, sdpa
 
@@ -130,18 +130,15 @@ def _single_forward(self, hidden_states, encoder_hidden_states, temb, image_rota
     return x[:, :Lt], x[:, Lt:]
 
 
-def _is(m: nn.Module, name: str, *attrs: str) -> bool:
-    return type(m).__name__ == name and type(m).__module__.startswith("diffusers.") \
-        and all(hasattr(m, a) for a in attrs)
-
-
 @fusion("flux_diffusers")
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if _is(m, "FluxTransformerBlock", "norm1", "norm1_context", "ff_context") and _double_covered(m):
+        if of_class(m, "FluxTransformerBlock", "diffusers", "norm1", "norm1_context", "ff_context") \
+                and _double_covered(m):
             patch_forward(m, _double_forward, undo)
-        elif _is(m, "FluxSingleTransformerBlock", "norm", "proj_mlp", "proj_out") and _single_covered(m):
+        elif of_class(m, "FluxSingleTransformerBlock", "diffusers", "norm", "proj_mlp", "proj_out") \
+                and _single_covered(m):
             patch_forward(m, _single_forward, undo)
         else:
             continue

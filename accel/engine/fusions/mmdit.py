@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward
+from .base import Undo, kernel_module, of_class, patch_forward
 from .registry import fusion
 from .. import fp8
 from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight,
@@ -88,18 +88,14 @@ def _final_forward(self, x, c):
     return self.linear(kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS))
 
 
-def _is(m: nn.Module, name: str) -> bool:
-    return type(m).__name__ == name and type(m).__module__ == MODULE
-
-
 @fusion("mmdit")
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if _is(m, "JointBlock") and _half_covered(m.context_block) and _half_covered(m.x_block) \
+        if of_class(m, "JointBlock", MODULE) and _half_covered(m.context_block) and _half_covered(m.x_block) \
                 and not m.context_block.x_block_self_attn:
             patch_forward(m, _joint_forward, undo)
-        elif _is(m, "FinalLayer") and linears(m.linear) and not m.norm_final.elementwise_affine:
+        elif of_class(m, "FinalLayer", MODULE) and linears(m.linear) and not m.norm_final.elementwise_affine:
             patch_forward(m, _final_forward, undo)
         else:
             continue

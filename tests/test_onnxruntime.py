@@ -4,6 +4,7 @@ weights are swapped without a rebuild, and every way it cannot run says what to 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -152,6 +153,20 @@ def test_fp16_conversion_on_the_weightless_view_gives_orts_own_result(sdxl):
         assert [x.SerializeToString() for x in getattr(a, part)] == [x.SerializeToString() for x in getattr(b, part)]
     types = lambda g: {v.name: v.type.tensor_type.elem_type for v in g.value_info}  # noqa: E731
     assert types(a) == types(b) and len(types(a)) > 100
+
+
+def serialized(model) -> dict[str, list[bytes]]:
+    return {part: [x.SerializeToString() for x in getattr(model.graph, part)]
+            for part in ("node", "initializer", "input", "output", "value_info")}
+
+
+def test_export_with_small_params_for_shape_inference_is_the_same_model(monkeypatch, tmp_path):
+    """The exporter's whole-graph shape inference gets only the small parameters: the same exported model."""
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=0))
+    ours = export.export_model(unet, tmp_path / "a")
+    monkeypatch.setattr(export, "_small_params_for_shape_inference", contextlib.nullcontext)
+    theirs = export.export_model(unet, tmp_path / "b")
+    assert serialized(ours) == serialized(theirs) and len(ours.graph.initializer) > 100
 
 
 def test_cpu_fusion_counts(sd15, sdxl):

@@ -14,7 +14,7 @@ from torch import nn
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from sd_accel.accel.build import export  # noqa: E402
+from sd_accel.accel.build import export, ort_optimize, weights  # noqa: E402
 from sd_accel.accel.engine.backends import onnxruntime as ortb  # noqa: E402
 from sd_accel.accel.models.configs import build_unet, example_inputs  # noqa: E402
 from sd_accel.accel.plan.device import GpuInfo, cpu_info  # noqa: E402
@@ -52,7 +52,7 @@ def structure(module: nn.Module) -> dict[str, int]:
             "transformers": names.count("Transformer2DModel") + names.count("SpatialTransformer"),
             "groupnorms": sum(isinstance(m, nn.GroupNorm) for m in module.modules()),
             "convs": sum(isinstance(m, nn.Conv2d) for m in module.modules()),
-            "splitgelu": all(m.proj.out_features in export.BIAS_SPLITGELU_WIDTHS
+            "splitgelu": all(m.proj.out_features in ort_optimize.BIAS_SPLITGELU_WIDTHS
                              for m in module.modules() if type(m).__name__ == "GEGLU")}
 
 
@@ -63,7 +63,7 @@ def expected_fusions(module: nn.Module, provider: str) -> dict[str, int]:
     next block's SkipLayerNormalization)."""
     s = structure(module)
     n, t = s["blocks"], s["transformers"]
-    counts = dict.fromkeys(export.FUSED_OPS, 0)
+    counts = dict.fromkeys(ort_optimize.FUSED_OPS, 0)
     counts.update(LayerNormalization=t, SkipLayerNormalization=3 * n - t)
     if provider == "cuda" and s["splitgelu"]:
         counts.update(MultiHeadAttention=2 * n, BiasSplitGelu=n, BiasAdd=t, NhwcConv=s["convs"])
@@ -97,8 +97,8 @@ def sdxl(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sdxl")
     raw = export.export_onnx(unet, folder)
     stages = Stages()
-    cpu = export.optimize(raw, folder / "cpu.onnx", fp16=False, provider="cpu")
-    cuda = export.optimize(raw, folder / "cuda.onnx", fp16=True, provider="cuda", progress=stages)
+    cpu = ort_optimize.optimize(raw, folder / "cpu.onnx", fp16=False, provider="cpu")
+    cuda = ort_optimize.optimize(raw, folder / "cuda.onnx", fp16=True, provider="cuda", progress=stages)
     return unet, raw, cpu, cuda, stages.names
 
 
@@ -136,11 +136,11 @@ def test_fp16_conversion_on_the_weightless_view_gives_orts_own_result(sdxl):
 
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    from sd_accel.accel.build.export import (FP16_MAX, FP16_MIN_POSITIVE, _fast_float16, _fuse,
-                                             _quiet_ort_transformers, time_embedding_nodes)
+    from sd_accel.accel.build.ort_optimize import (FP16_MAX, FP16_MIN_POSITIVE, _fast_float16, _fuse,
+                                                   _quiet_ort_transformers, time_embedding_nodes)
 
     _, raw, _, _, _ = sdxl
-    ours = export.optimized_model(raw, fp16=True, provider="cuda")
+    ours = ort_optimize.optimized_model(raw, fp16=True, provider="cuda")
     with _quiet_ort_transformers():
         fused = _fuse(export._load(raw, external=True), "cuda", True, Stages())
         theirs = OnnxModel(copy.deepcopy(fused.model))
@@ -171,14 +171,14 @@ def test_export_with_small_params_for_shape_inference_is_the_same_model(monkeypa
 
 def test_cpu_fusion_counts(sd15, sdxl):
     for module, path in ((sd15[0].unet, sd15[1].path), (sdxl[0].unet, sdxl[2])):
-        counts = export.fused_operator_counts(path)
+        counts = ort_optimize.fused_operator_counts(path)
         assert counts == expected_fusions(module, "cpu")
 
 
 def test_cuda_fusion_counts_and_fp16_io(sdxl):
     unet, _, _, cuda, stages = sdxl
     assert stages == ["fusion", "fp16"]
-    counts = export.fused_operator_counts(cuda)
+    counts = ort_optimize.fused_operator_counts(cuda)
     assert group_norms(counts) == structure(unet.unet)["groupnorms"]
     assert {k: v for k, v in counts.items() if k not in ("GroupNorm", "SkipGroupNorm")} == \
         {k: v for k, v in expected_fusions(unet.unet, "cuda").items() if k not in ("GroupNorm", "SkipGroupNorm")}
@@ -192,8 +192,8 @@ def test_cuda_fusion_counts_and_fp16_io(sdxl):
 
 def test_bias_splitgelu_only_for_widths_the_cuda_kernel_takes():
     sd_widths = (2560, 5120, 10240)  # SD1.5 and SDXL GEGLU projections
-    assert export.fusion_options("cuda", True, sd_widths).enable_bias_splitgelu
-    assert not export.fusion_options("cuda", True, (256,)).enable_bias_splitgelu
+    assert ort_optimize.fusion_options("cuda", True, sd_widths).enable_bias_splitgelu
+    assert not ort_optimize.fusion_options("cuda", True, (256,)).enable_bias_splitgelu
 
 
 def test_weight_map_covers_the_fused_cuda_graph(sdxl):
@@ -202,12 +202,12 @@ def test_weight_map_covers_the_fused_cuda_graph(sdxl):
     from onnx import numpy_helper
 
     unet, _, _, cuda, _ = sdxl
-    wmap = export.weight_map(cuda, unet)
+    wmap = weights.weight_map(cuda, unet)
     assert wmap.unmapped == []
     model = onnx.load(str(cuda))
-    weights = [i.name for i in model.graph.initializer
-               if i.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT) and numpy_helper.to_array(i).size > 1]
-    assert sorted(set(weights) - set(wmap.sources)) == []
+    graph_weights = [i.name for i in model.graph.initializer if i.data_type in (onnx.TensorProto.FLOAT16,
+                     onnx.TensorProto.FLOAT) and numpy_helper.to_array(i).size > 1]
+    assert sorted(set(graph_weights) - set(wmap.sources)) == []
     kinds = {kind for sources in wmap.sources.values() for kind, _, _ in sources}
     assert {"packed", "nhwc", "t", "same"} <= kinds
 
@@ -221,7 +221,7 @@ def test_fast_float16_gives_ort_s_bytes():
     a = np.concatenate([rng.standard_normal(1000).astype(np.float32) * s for s in (1e-9, 1e-7, 1, 1e4, 1e6)])
     a = np.concatenate([a, np.array([0, -0.0, 5.96e-08, -5.96e-08, 65504, -65504, 7e4, -7e4, np.inf, -np.inf,
                                      np.nan], np.float32)]).reshape(-1, 1)
-    ours, theirs = export.to_float16(a), convert_np_to_float16(a)
+    ours, theirs = ort_optimize.to_float16(a), convert_np_to_float16(a)
     assert ours.dtype == theirs.dtype == np.float16
     assert ours.tobytes() == theirs.tobytes()
 
@@ -297,8 +297,8 @@ def test_ldm_unet_exports_with_fused_attention(tmp_path):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     raw = export.export_onnx(unet, tmp_path)
     assert torch.nn.functional.scaled_dot_product_attention is sdpa
-    path = export.optimize(raw, tmp_path / "cpu.onnx", fp16=False, provider="cpu")
-    assert export.fused_operator_counts(path)["MultiHeadAttention"] == structure(unet.unet)["blocks"]
+    path = ort_optimize.optimize(raw, tmp_path / "cpu.onnx", fp16=False, provider="cpu")
+    assert ort_optimize.fused_operator_counts(path)["MultiHeadAttention"] == structure(unet.unet)["blocks"]
     engine = ortb.load(path, None, CPU)
     assert rel(engine(x, t, ctx), unet(x, t, ctx)) <= 1e-4
     engine.release()
@@ -501,7 +501,8 @@ def test_refit_of_a_model_holding_its_weights_inline_gives_the_same_model(tmp_pa
     import onnx
     from onnx import numpy_helper
 
-    from sd_accel.accel.build.export import refitted, save_model, weight_map_path
+    from sd_accel.accel.build.export import save_model
+    from sd_accel.accel.build.weights import refitted, weight_map_path
 
     unet = CanonicalUNet(build_unet("tiny-sd15", seed=4))
     apart = ortb.build_model(unet, tmp_path / "apart", OrtOptions(), provider=ortb.CPU)
@@ -526,7 +527,7 @@ def test_shape_inference_view_gives_inputs_generic_concrete_sizes(sd15):
 
     _, engine, _, _ = sd15
     model = onnx.load(str(engine.path), load_external_data=False)
-    view = export._shape_view(model)
+    view = ort_optimize._shape_view(model)
     info = export.model_info(model)
     dims = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in view.graph.input}
     m = info.size_multiple

@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from ...build.export import (OnnxUNetInfo, WeightMap, control_input_names, export_model, host_side_nodes, model_info,
-                             optimized_model, refitted, refreshed_initializers, save_model, weight_map, weight_map_path,
-                             write_initializers)
+from ...build.export import OnnxUNetInfo, control_input_names, export_model, model_info, save_model
+from ...build.ort_optimize import host_side_nodes, optimized_model
+from ...build.weights import (WeightMap, refitted, refreshed_initializers, weight_map, weight_map_path,
+                              write_initializers)
 from ...errors import BackendUnavailable
 from ...models.spec import CanonicalUNet
 from ...plan.options import OrtOptions, Runtime
@@ -44,7 +45,7 @@ MIGRAPHX = "MIGraphXExecutionProvider"
 ROCM = "ROCMExecutionProvider"
 DML = "DmlExecutionProvider"
 
-# Execution provider -> the fusion profile of build/export.py the model is optimized with.
+# Execution provider -> the fusion profile of build/ort_optimize.py the model is optimized with.
 PROFILE = {CUDA: "cuda", CPU: "cpu", DML: "dml", MIGRAPHX: "migraphx", ROCM: "cpu"}
 # Providers whose sessions take torch tensors through IOBinding, and the ORT device type they are bound as.
 BINDING = {CUDA: "cuda", CPU: "cpu"}
@@ -196,7 +197,7 @@ def build_model(unet: CanonicalUNet, folder: Path, options: OrtOptions | None = 
 
 def update_weights(engine: "OrtEngine", unet: CanonicalUNet) -> bool:
     """Serve `unet`'s current weights (e.g. with a LoRA merged) without exporting and fusing again: the
-    initializers made of changed parameters are recomputed (see build/export.py weight_map), written into a copy of
+    initializers made of changed parameters are recomputed (see build/weights.py weight_map), written into a copy of
     the optimized model in a temporary folder, and the sessions reopened on it. Returns whether the weights
     differ from the built ones. BackendUnavailable when the engine has no weight map or the new weights cannot
     be placed (then rebuild).

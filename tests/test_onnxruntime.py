@@ -386,7 +386,12 @@ def test_providers_per_gpu():
     with pytest.raises(BackendUnavailable, match="pip install onnxruntime-migraphx"):
         ortb.choose_provider(AMD, ["CPUExecutionProvider"], "Linux")
     opts = ortb.provider_options("CUDAExecutionProvider", NVIDIA, OrtOptions(cuda_graph=True), stream=1234)
-    assert opts["enable_cuda_graph"] == "1" and opts["user_compute_stream"] == "1234" and opts["device_id"] == "0"
+    assert opts["enable_cuda_graph"] == "1" and opts["user_compute_stream"] == "1234"
+    # the default device is not named (ORT >= 1.26 warns at every session when device_id is given); another one is
+    assert "device_id" not in opts
+    second = GpuInfo("nvidia", "hopper", name="H100", device="cuda:1")
+    assert ortb.provider_options("CUDAExecutionProvider", second, OrtOptions())["device_id"] == "1"
+    assert ortb.provider_options("MIGraphXExecutionProvider", second, OrtOptions()) == {"device_id": "1"}
     # Heuristic algorithms and no cuDNN-frontend bias fusion: neither makes a change of image size cost seconds.
     assert opts["cudnn_conv_algo_search"] == "HEURISTIC" and "fuse_conv_bias" not in opts and "prefer_nhwc" not in opts
     fused = ortb.provider_options("CUDAExecutionProvider", NVIDIA, OrtOptions(fuse_conv_bias=True))

@@ -105,9 +105,12 @@ def _device_index(device: str) -> int:
 def provider_options(provider: str, gpu, options: OrtOptions, stream: int = 0) -> dict[str, str]:
     """Options of the execution provider. CUDA runs on torch's stream (`stream`), so that the tensors it reads
     are ready and the ones it writes are seen in order, without a synchronisation."""
-    index = str(_device_index(gpu.device))
+    index = _device_index(gpu.device)
+    # Device 0 is every provider's default. ORT >= 1.26 looks for a plugin EP device whenever device_id is given and
+    # logs a warning at each session when it finds none ("No registered plugin EP device found"), so 0 is left out.
+    device = {"device_id": str(index)} if index else {}
     if provider == CUDA:
-        opts = {"device_id": index, "cudnn_conv_algo_search": options.conv_algo_search,
+        opts = {**device, "cudnn_conv_algo_search": options.conv_algo_search,
                 "cudnn_conv_use_max_workspace": "1", "arena_extend_strategy": "kSameAsRequested",
                 "enable_cuda_graph": "1" if options.cuda_graph else "0"}
         for name in ("prefer_nhwc", "fuse_conv_bias"):
@@ -117,7 +120,7 @@ def provider_options(provider: str, gpu, options: OrtOptions, stream: int = 0) -
             opts["user_compute_stream"] = str(stream)
         return opts
     if provider in (MIGRAPHX, ROCM, DML):
-        return {"device_id": index}
+        return device
     return {}
 
 

@@ -32,6 +32,9 @@ OPSET = 17
 # protobuf refuses to serialise a message over 2 GiB; above this the weights go to one external data file.
 PROTOBUF_LIMIT = 2**31 - 1
 META = "sd_accel."
+# Shape inference reads values only to compute shapes, which no float tensor of rank 2 or more over this many bytes
+# feeds: the exporter's and ORT's shape inference are given such weights without their bytes.
+SHAPE_VALUE_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ def _small_params_for_shape_inference() -> Iterator[None]:
 
     def light(graph, params: dict, opset: int):
         return infer(graph, {k: v for k, v in params.items() if not v.is_floating_point() or v.dim() < 2
-                             or v.numel() * v.element_size() <= 1024}, opset)
+                             or v.numel() * v.element_size() <= SHAPE_VALUE_BYTES}, opset)
 
     with _patched((torch._C, "_jit_pass_onnx_graph_shape_type_inference", light)):
         yield

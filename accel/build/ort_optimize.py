@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from ..progress import NullProgress, Progress
-from .export import META, _load, _patched, save_model
+from .export import META, SHAPE_VALUE_BYTES, _load, _patched, save_model
 
 # fp16 conversion clamps to what fp16 holds; the weight map repeats the same conversion, so both must agree.
 FP16_MIN_POSITIVE, FP16_MAX = 5.96e-08, 65504.0
@@ -76,8 +76,6 @@ class _StageBar:
         self.progress.advance(n)
 
 
-# Initializers up to this many bytes, and all of rank < 2, are kept whole in the graph shape inference sees.
-_SHAPE_VIEW_BYTES = 1024
 _LEFT_OUT = "sd-accel: bytes left out for shape inference"
 
 
@@ -100,7 +98,7 @@ def _shape_view(model, concrete: bool = True):
         _concrete_inputs(g, {p.key[len(META):]: p.value for p in model.metadata_props if p.key.startswith(META)})
     floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
     for init in src.initializer:
-        if init.data_type in floats and len(init.dims) >= 2 and 2 * math.prod(init.dims) > _SHAPE_VIEW_BYTES:
+        if init.data_type in floats and len(init.dims) >= 2 and 2 * math.prod(init.dims) > SHAPE_VALUE_BYTES:
             t = g.initializer.add()
             t.name, t.data_type, t.doc_string = init.name, init.data_type, _LEFT_OUT
             t.dims.extend(init.dims)

@@ -51,9 +51,7 @@ def _transform(kind: str, arrays: list, heads: int):
 def _as(a, dtype: str):
     import numpy as np
 
-    if dtype == "float16":
-        return to_float16(np.asarray(a, np.float32))
-    return np.asarray(a, dtype)
+    return to_float16(a) if dtype == "float16" else np.asarray(a, dtype)
 
 
 def _candidates(module: nn.Module, params: dict) -> Iterator[tuple[str, tuple[str, ...], int]]:
@@ -188,15 +186,16 @@ def write_initializers(model_path: Path, values: dict, out: Path) -> Path:
                 external = {}
                 break
             external[init.name] = (int(where.get("offset", 0)), int(where["length"]))
+    def set_inline(model, skip: dict) -> None:
+        for init in model.graph.initializer:
+            if init.name in values and init.name not in skip:
+                init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+
     if not external or out.name != model_path.name:
         model = onnx.load(str(model_path), load_external_data=True)
-        for init in model.graph.initializer:
-            if init.name in values:
-                init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+        set_inline(model, {})
         return save_model(model, out, external=True)
-    for init in model.graph.initializer:
-        if init.name in values and init.name not in external:
-            init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+    set_inline(model, external)
     target = out.with_name(out.name + ".data")
     for stale in (out, target):
         if stale.exists():

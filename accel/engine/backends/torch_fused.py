@@ -9,7 +9,6 @@ the same changes but keeps the CUDA graphs, so a host's next sampling run replay
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any
 
@@ -214,8 +213,10 @@ class TorchEngine:
 
     def _compiling_ahead(self, fn, *args, **kwargs) -> torch.Tensor:
         """fn(*args, **kwargs) with the Triton kernels it has not compiled yet compiled in parallel first (a new
-        image size on a fresh machine), when the fused kernels run on a GPU."""
-        if not (self.options.parallel_compile and self.options.triton_kernels and self.on_gpu):
+        image size on a fresh machine), when the fused kernels run on a GPU. Only a plain call (no host patches in
+        kwargs, which may keep state between calls) is run twice."""
+        if kwargs or not (self.options.parallel_compile and self.options.triton_kernels and self.on_gpu
+                          and args[0].is_cuda):
             return fn(*args, **kwargs)
         from ....kernels import ahead
 
@@ -243,9 +244,7 @@ class TorchEngine:
         if guidance is not None and guidance.dim() == 0:
             guidance = guidance.expand(x.shape[0])
         if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device:
-            # A host's patches (kwargs) may keep state between calls: only a plain call is run twice.
-            run = self._run if kwargs or not x.is_cuda else functools.partial(self._compiling_ahead, self._run)
-            return run(x_in, timesteps, ctx, y, control, guidance, **kwargs).to(x.dtype)
+            return self._compiling_ahead(self._run, x_in, timesteps, ctx, y, control, guidance, **kwargs).to(x.dtype)
         ctrl, layout = _flatten_control(control)
         self._layout = (y is not None, guidance is not None, layout)
         tensors = ([x_in, timesteps, ctx] + ([y] if y is not None else []) + ([guidance] if guidance is not None else [])

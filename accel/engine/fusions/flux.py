@@ -26,6 +26,7 @@ from .transformer import EPS, covered, double_block, fused_call, linears, single
 
 FLUX = "comfy.ldm.flux"  # the package: its classes are in comfy.ldm.flux.layers
 
+
 def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
                     transformer_options={}):  # noqa: B006 (ComfyUI's signature)
     if not fused_call(img, transformer_options, attn_mask is not None, modulation_dims_img is not None,

@@ -18,6 +18,7 @@ What the tests need, each from the environment (the suite skips A1111's tests, n
 
 from __future__ import annotations
 
+import atexit
 import base64
 import functools
 import io
@@ -66,7 +67,9 @@ def hf_home() -> Path | None:
     home = _offline_cache()
     if home is None:
         return None
-    copy = Path(tempfile.mkdtemp(prefix="sd-accel-hf-")) / "hf"
+    folder = Path(tempfile.mkdtemp(prefix="sd-accel-hf-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the servers that read it are stopped by then
+    copy = folder / "hf"
     _writable_copy(home, copy)
     return copy
 
@@ -107,7 +110,9 @@ def host_env(extra: dict | None = None) -> dict:
     # The project's test settings are not A1111's: its own interpreter, and Triton's interpreter mode only where
     # a test asks for it. PYTHONPATH goes with the tests' link that makes `sd_accel` importable (tests/conftest.py):
     # the hosts load the pack from extensions/sd-accel by themselves, as they do for a user.
-    for var in ("PYTHONPATH", "SD_ACCEL_TEST_IMPORT_DIR", "TRITON_INTERPRET", "SD_ACCEL_CACHE", "VIRTUAL_ENV"):
+    # PYTHONPYCACHEPREFIX (.ci/run's) goes too: the host reads its environment's own bytecode and writes none.
+    for var in ("PYTHONPATH", "SD_ACCEL_TEST_IMPORT_DIR", "TRITON_INTERPRET", "SD_ACCEL_CACHE", "VIRTUAL_ENV",
+                "PYTHONPYCACHEPREFIX"):
         env.pop(var, None)
     env.update(extra or {})
     return env
@@ -182,8 +187,9 @@ class Server(HostServer):
         cmd += ["--skip-torch-cuda-test", "--skip-prepare-environment", "--skip-install", "--skip-version-check",
                 "--api", "--nowebui", "--server-name", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data),
                 *flags]
-        self.start(cmd, cwd, host_env({"SD_ACCEL_CACHE": str(data / "accel")}), data / f"server-{self.port}.log",
-                   startup_timeout)
+        # gradio's temporary folder (GRADIO_TEMP_DIR, default <tmp>/gradio) goes with the data folder too.
+        env = host_env({"SD_ACCEL_CACHE": str(data / "accel"), "GRADIO_TEMP_DIR": str(data / "gradio-tmp")})
+        self.start(cmd, cwd, env, data / f"server-{self.port}.log", startup_timeout)
 
     def options(self, **values) -> None:
         self.post("/sdapi/v1/options", values)

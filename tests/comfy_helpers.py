@@ -8,8 +8,10 @@ patch. So it imports comfy only inside functions, and pytest not at all.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -56,13 +58,25 @@ _STUB_FILES = {
 }
 
 
+def _temporary_folder(prefix: str) -> str:
+    """A folder of this process's own, removed when it exits (the servers started with it are stopped by then)."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+_STUB: list[Path] = []  # this process's stub folder, once made
+
+
 def torchvision_stub() -> Path | None:
     """ComfyUI imports torchvision at module level in a few model files the tests never use; where torchvision is
     not installed (its PyPI wheels pin another torch), a stub package stands in. None when it is installed."""
-    folder = Path(tempfile.gettempdir()) / "sd-accel-torchvision-stub"
     found = importlib.util.find_spec("torchvision")
-    if found is not None and not str(found.origin).startswith(str(folder)):
+    if found is not None and not (_STUB and (found.origin or "").startswith(str(_STUB[0]))):
         return None
+    if not _STUB:
+        _STUB.append(Path(_temporary_folder("sd-accel-torchvision-stub-")))
+    folder = _STUB[0]
     for name, text in _STUB_FILES.items():
         path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +102,7 @@ def import_comfy() -> None:
 
     comfy.cli_args.args.cpu = not torch.cuda.is_available()
     if not comfy.cli_args.args.base_directory and "folder_paths" not in sys.modules:
-        comfy.cli_args.args.base_directory = tempfile.mkdtemp(prefix="sd-accel-comfyui-base-")
+        comfy.cli_args.args.base_directory = _temporary_folder("sd-accel-comfyui-base-")
 
 
 def load_pack():

@@ -5,7 +5,7 @@ Settings > sd-accel > backend off and auto.
 Forge has no SD Unet routing: the extension clones forge_objects.unet with a model function wrapper for every
 sampling. Proven here: every step runs the engine (counted), the images equal Forge's own, LoRAs through Forge's own
 LoRA code reach the weights the engine reads, hires fix (two shapes), and another extension's UNet patch (FreeU) runs
-Forge's forward with one message.
+Forge's forward with one message; every image is a picture (not blank).
 """
 
 from __future__ import annotations
@@ -19,13 +19,17 @@ pytestmark = pytest.mark.skipif(a1.forge_missing() is not None, reason=f"Forge t
 
 BASE = {"steps": 3, "width": 64, "height": 64, "seed": 5, "sampler_name": "Euler", "cfg_scale": 7.0, "prompt": "a cat"}
 FREEU = {"FreeU Integrated (SD 1.x, SD 2.x, SDXL)": {"args": [True, 1.5, 1.6, 0.9, 0.2, 0.0, 1.0]}}
+# FreeU at 128x128: at 64x64 the UNet's deepest features are 1x1, where FreeU's normalisation (max - min) divides by
+# zero and every pixel is NaN (a black image, with the backend off as well).
+BASE_128 = {**BASE, "width": 128, "height": 128}
 # name: (request, UNet calls through the engine, UNet calls on Forge's forward)
 CASES = {
     "txt2img": (BASE, 3, 0),
     "lora": ({**BASE, "prompt": "a cat <lora:testlora:1>"}, 3, 0),
     "hires fix": ({**BASE, "enable_hr": True, "hr_scale": 2, "hr_upscaler": "Latent", "denoising_strength": 0.6,
                    "hr_second_pass_steps": 2, "hr_additional_modules": ["Use same choices"]}, 3 + 2, 0),
-    "freeu": ({**BASE, "alwayson_scripts": FREEU}, 0, 3),
+    "txt2img 128": (BASE_128, 3, 0),
+    "freeu": ({**BASE_128, "alwayson_scripts": FREEU}, 0, 3),
 }
 
 
@@ -62,9 +66,17 @@ def test_images_equal_forges_own_and_the_engine_serves_what_it_can(runs, name):
     assert calls == CASES[name][1:], (name, calls)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_image_is_a_picture(runs, name):
+    """Not blank, not one colour (NaN latents decode to black): the comparisons above compare pictures."""
+    for backend in ("off", "auto"):
+        image = runs[backend, name][0]
+        assert image.std() > 10 and image.max() - image.min() > 64, (backend, name, image.mean(), image.std())
+
+
 def test_the_comparisons_can_fail(runs):
     assert psnr(runs["off", "lora"][0], runs["off", "txt2img"][0]) < 40
-    assert psnr(runs["off", "freeu"][0], runs["off", "txt2img"][0]) < 40
+    assert psnr(runs["off", "freeu"][0], runs["off", "txt2img 128"][0]) < 40
 
 
 def test_a_patch_from_another_extension_is_named_once(runs):

@@ -5,6 +5,8 @@ Hosts adapt it: tqdm in the CLI, comfy.utils.ProgressBar in ComfyUI, gradio's pr
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -54,7 +56,8 @@ class CallbackProgress:
 
 
 class TqdmProgress:
-    """Progress on the terminal for the CLI."""
+    """Progress on the terminal for the CLI. Bars are drawn only on a terminal (a pipe or a log file would keep
+    every redraw), and each is erased when its stage ends."""
 
     def __init__(self) -> None:
         self._bar = None
@@ -63,7 +66,7 @@ class TqdmProgress:
         from tqdm import tqdm
 
         self.done()
-        self._bar = tqdm(total=total, desc=name, leave=False)
+        self._bar = tqdm(total=total, desc=name, leave=False, disable=None)
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
@@ -95,3 +98,21 @@ class StageLog:
         if self._name is not None:
             self.write(f"{self.prefix}{self._name}: {time.perf_counter() - self._start:.1f} s")
             self._name = None
+
+
+class _ClearBars(logging.Filter):
+    """Erases the open tqdm bars before a record is written, so the line starts on its own rather than after a
+    bar's text (a host sampler's bar is open while the first step builds the engine); each bar redraws itself at
+    its next update."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        tqdm = sys.modules.get("tqdm.std")  # no bar is open when tqdm was never imported
+        for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+            bar.clear()
+        return True
+
+
+def keep_logs_off_bars(logger: logging.Logger) -> None:
+    """Make `logger`'s lines start on a line of their own while tqdm bars are open (once per logger)."""
+    if not any(isinstance(f, _ClearBars) for f in logger.filters):
+        logger.addFilter(_ClearBars())

@@ -79,11 +79,11 @@ def _prune(cache: EngineCache, verify: bool) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "sd-accel cache") -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", default=argparse.SUPPRESS,
                         help="cache folder (default: SD_ACCEL_CACHE, else ~/.cache/sd-accel)")
-    p = argparse.ArgumentParser(prog="python -m sd_accel cache", parents=[common],
+    p = argparse.ArgumentParser(prog=prog, parents=[common],
                                 description="The engine cache: built engines, their keys, sizes and last use.")
     sub = p.add_subparsers(dest="action", required=True)
     sub.add_parser("ls", parents=[common], help="list the entries, most recently used first")
@@ -103,6 +103,6 @@ def main(argv: list[str]) -> int:
         if args.action == "clear":
             return _clear(cache)
         return _prune(cache, verify=not args.no_verify)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except BadInput as e:  # the user's input: say what is wrong and what to do, as every command does
+        print(f"sd-accel: {e}", file=sys.stderr)
+        return 2

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+from ..progress import keep_logs_off_bars
+
 
 def _doctor_info(backend: str | None) -> dict:
     """What `doctor` reports, as data: the text and the --json form are both made from it."""
@@ -140,8 +142,30 @@ def _demo(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def prog_name() -> str:
+    """The command as the user typed it: `python -m sd_accel` (the package's __main__.py), else the console script
+    (`sd-accel`) that pip installs."""
+    if os.path.basename(sys.argv[0]) == "__main__.py":
+        return f"python -m {__package__.split('.')[0]}"
+    return "sd-accel"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sd_accel", description="sd-accel: fast diffusion models (SD UNets, Flux, SD3.5) and VAE.")
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader that is gone shows here, not as a traceback in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        # The reader stopped early (`doctor --json | head`): what it did not read is not wanted. Later writes, and
+        # the flush at exit, go nowhere instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
+    prog = prog_name()
+    p = argparse.ArgumentParser(prog=prog,
+                                description="sd-accel: fast diffusion models (SD UNets, Flux, SD3.5) and VAE.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="the GPU, its family, the installed backends, the chosen plan and why, the "
                                       "cache folder, the SD_ACCEL_* settings and the versions")
@@ -202,10 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["cache"]:  # its own parser owns every argument after the word, -h included
         from .cache import main as cache_main
 
-        return cache_main(argv[1:])
+        return cache_main(argv[1:], prog=f"{prog} cache")
     args = p.parse_args(argv)
     args.argv = list(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    keep_logs_off_bars(logging.getLogger("sd-accel"))
     from ..errors import AccelError
 
     try:

@@ -73,4 +73,12 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     except (KeyError, RuntimeError) as e:  # a pruned or merged file without some of the weights the model needs
         raise UnsupportedModel(f"{path.name} is laid out as an {arch} checkpoint but lacks weights that model "
                                "needs.", "Use a complete single-file checkpoint (UNet and VAE included).") from e
-    return arch, unet.to(device, dtype).eval(), vae.to(device, dtype).eval()
+    return arch, _cast(unet, device, dtype).eval(), _cast(vae, device, dtype).eval()
+
+
+def _cast(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """model.to(device, dtype). diffusers' own to() warns at every dtype cast about the model's modules that should
+    stay in float32, even when it has none ("...: []"): only a model that has some goes through it."""
+    if getattr(model, "_keep_in_fp32_modules", None):
+        return model.to(device, dtype)
+    return nn.Module.to(model, device, dtype)

@@ -60,9 +60,9 @@ class AcceleratedUNet:
         n = self.unet.size_multiple
         if x.shape[-1] % n or x.shape[-2] % n:
             self.tell_once(f"multiple-of-{n}", (
-                f"latent size {x.shape[-2]}x{x.shape[-1]} is not a multiple of {n} (image size not a multiple of "
-                f"{8 * n}); this call runs on the plain model. Pick a width and height that are multiples of "
-                f"{8 * n} to accelerate."))
+                f"the latent's width x height {x.shape[-1]}x{x.shape[-2]} is not a multiple of {n} (image "
+                f"{8 * x.shape[-1]}x{8 * x.shape[-2]} px, not a multiple of {8 * n}); this call runs on the plain "
+                f"model. Pick a width and height that are multiples of {8 * n} to accelerate."))
             return self.unet(x, timesteps, context, y, control, **kwargs)
         try:
             return self.engine(x, timesteps, context, y, control, **kwargs)

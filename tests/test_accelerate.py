@@ -56,6 +56,7 @@ def test_latent_not_multiple_of_8_runs_plain_and_says_why(tiny, caplog):
     assert torch.equal(out, unet(x, t, ctx, y))
     said = [r.message for r in caplog.records if "multiple of 8" in r.message]
     assert len(said) == 1 and "multiples of 64" in said[0]
+    assert "width x height 20x12" in said[0] and "image 160x96 px" in said[0]  # as ComfyUI's nodes give sizes
 
 
 def test_not_a_unet_is_refused_with_what_to_do():

@@ -203,9 +203,9 @@ class EngineSlot:
             runner = acc
             if acc.backend != "torch" and self.profile is not None and not self.profile.contains(tuple(x.shape)):
                 self.tell("profile", (
-                    f"a call of batch {x.shape[0]} at {x.shape[-2] * LATENT_SCALE}x{x.shape[-1] * LATENT_SCALE} px "
-                    f"is outside the engine's profile ({self.profile.describe()}); such calls run on the torch "
-                    "path. Widen the profile on the node to cover it."))
+                    f"a call of batch {x.shape[0]} at {x.shape[-1] * LATENT_SCALE}x{x.shape[-2] * LATENT_SCALE} px "
+                    f"(width x height) is outside the engine's profile ({self.profile.describe()}); such calls run "
+                    "on the torch path. Widen the profile on the node to cover it."))
                 runner = acc.fallback or acc.unet
             extra = {"guidance": guidance} if guidance is not None else {}
             out = self._first_at_size(x, lambda: runner(x, timesteps, context, y, control, **extra))

@@ -19,23 +19,29 @@ from __future__ import annotations
 from typing import Any
 
 from ..accel.errors import AccelError, BadInput
-from ..accel.hosts.support import EngineSlot, SlotStatus, shape_profile, transformer_patches
+from ..accel.hosts.support import EngineSlot, shape_profile, transformer_patches
 from ..accel.models.dit import inspect_dit, is_dit
 from ..accel.models.spec import inspect_unet
 from ..accel.plan.options import PRECISION
-from .comfy_ui import CATEGORY, cache_root, node_progress, publish, say
+from .comfy_ui import CATEGORY, cache_root, current_prompt, node_progress, publish, say
 
 KEY = "sd-accel"
 BACKENDS = ["auto", "torch", "onnxruntime"]
 FAMILIES = ("sd1", "sd2", "sdxl")
+_BOUND = {"min": "The smallest {} the ONNX Runtime engine is built for",
+          "opt": "The {} the ONNX Runtime engine is tuned for (the one used most)",
+          "max": "The largest {} the ONNX Runtime engine is built for"}
+_OUTSIDE = "; calls outside min-max run on the torch path, which serves any size and batch."
 
 
-def _size(default: int) -> tuple[str, dict]:
-    return ("INT", {"default": default, "min": 64, "max": 8192, "step": 8})
+def _size(bound: str, side: str, default: int) -> tuple[str, dict]:
+    return ("INT", {"default": default, "min": 64, "max": 8192, "step": 8,
+                    "tooltip": _BOUND[bound].format(f"image {side} in pixels") + _OUTSIDE})
 
 
-def _batch(default: int) -> tuple[str, dict]:
-    return ("INT", {"default": default, "min": 1, "max": 64})
+def _batch(bound: str, default: int) -> tuple[str, dict]:
+    return ("INT", {"default": default, "min": 1, "max": 64,
+                    "tooltip": _BOUND[bound].format("image batch") + _OUTSIDE})
 
 
 class AcceleratedUNetNode:
@@ -53,16 +59,20 @@ class AcceleratedUNetNode:
     def INPUT_TYPES(cls) -> dict:
         return {
             "required": {
-                "model": ("MODEL",),
+                "model": ("MODEL", {"tooltip": "The model to accelerate (SD1.x, SD2.x, SDXL, Flux.1, Chroma, "
+                                    "SD3/SD3.5); it is not changed: the output is an accelerated copy."}),
                 "backend": (BACKENDS, {"default": "auto", "tooltip": "auto picks the fastest installed path "
                                        "for this GPU; the others ask for one (the torch path runs when it cannot)."}),
                 "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": "Replay each shape as a CUDA/HIP graph "
-                                            "(torch path). Calls with per-step patches run without it."}),
+                                            "where the GPU supports it (torch path; not on the CPU). Calls with "
+                                            "per-step patches run without it. Off: never."}),
                 "torch_compile": ("BOOLEAN", {"default": False, "tooltip": "Compile the UNet's repeated blocks "
                                               "with torch.compile (torch path; the first run takes minutes)."}),
-                "min_width": _size(512), "opt_width": _size(1024), "max_width": _size(1536),
-                "min_height": _size(512), "opt_height": _size(1024), "max_height": _size(1536),
-                "min_batch": _batch(1), "opt_batch": _batch(1), "max_batch": _batch(4),
+                "min_width": _size("min", "width", 512), "opt_width": _size("opt", "width", 1024),
+                "max_width": _size("max", "width", 1536),
+                "min_height": _size("min", "height", 512), "opt_height": _size("opt", "height", 1024),
+                "max_height": _size("max", "height", 1536),
+                "min_batch": _batch("min", 1), "opt_batch": _batch("opt", 1), "max_batch": _batch("max", 4),
             },
             # Optional, so that workflows saved before it still validate.
             "optional": {"precision": (list(PRECISION), {"default": "auto", "tooltip": (
@@ -88,7 +98,11 @@ class AcceleratedUNetNode:
             profile = None
             notes.append(say(unique_id, f"{e} Until then the torch path runs, which needs no profile."))
             backend = "torch"
-        options = {"cuda_graphs": cuda_graphs, "compile": torch_compile, "precision": precision}
+        # On (the default) leaves graphs to the plan, which uses them where the GPU can; only off is the user's
+        # choice. Passing on as a request would make every node on a CPU or graph-less GPU say it cannot be honoured.
+        options = {"compile": torch_compile, "precision": precision}
+        if not cuda_graphs:
+            options["cuda_graphs"] = False
         try:
             plan = _plan(backend, options)
         except AccelError as e:
@@ -98,9 +112,11 @@ class AcceleratedUNetNode:
             say(unique_id, " ".join(asked) or f"the {backend} path cannot run here; the {plan.backend} path runs.")
         notes.append(plan.summary())
         slot = EngineSlot(_preference(backend), options, profile, progress=lambda: node_progress(unique_id),
-                          on_change=lambda status: publish(unique_id, status_payload(status)), cache_root=cache_root())
+                          on_change=lambda _status: publish(unique_id, status_payload(session)),
+                          cache_root=cache_root())
+        session = Session(slot, unique_id)
         out = model.clone()
-        attach(out, Session(slot, unique_id))
+        attach(out, session)
         publish(unique_id, {"kind": "planned", "backend": plan.backend, "text": "\n".join(notes)})
         return _result(out, notes)
 
@@ -196,10 +212,12 @@ def session_of(model) -> "Session | None":
     return None
 
 
-def status_payload(status: SlotStatus) -> dict[str, Any]:
+def status_payload(session: "Session") -> dict[str, Any]:
+    """The node's status for web/sd_accel.js, with the calls of the current (or last) run, as it shows them."""
+    status = session.slot.status
+    engine_calls, plain_calls = session.run_calls()
     return {"kind": "status", "backend": status.backend, "source": status.source,
-            "engine_calls": status.engine_calls, "plain_calls": status.plain_calls,
-            "messages": list(status.messages)}
+            "engine_calls": engine_calls, "plain_calls": plain_calls, "messages": list(status.messages)}
 
 
 class Session:
@@ -210,11 +228,28 @@ class Session:
         self.node_id = node_id
         self.patcher = None  # the ModelPatcher sampling now; None between runs
         self._objects: tuple | None = None  # the last run's object patches (see outer_sample)
+        # A run is one prompt's sampling with this model (a hires fix samples twice): its prompt id, and the slot's
+        # call counts when it began. The slot counts over the session's life, which spans many prompts.
+        self.sampled = False
+        self.prompt: str | None = None
+        self._counts_before = (0, 0)
+
+    def _begin_run(self) -> None:
+        prompt = current_prompt()
+        if not self.sampled or prompt is None or prompt != self.prompt:
+            status = self.slot.status
+            self.sampled, self.prompt, self._counts_before = True, prompt, (status.engine_calls, status.plain_calls)
+
+    def run_calls(self) -> tuple[int, int]:
+        """(engine calls, plain calls) of the current run, or of the last one between runs."""
+        status = self.slot.status
+        return status.engine_calls - self._counts_before[0], status.plain_calls - self._counts_before[1]
 
     def outer_sample(self, executor, *args, **kwargs):
         outer = self.patcher  # set when a sampler runs inside another sampler's run of this model
         self.patcher = getattr(executor.class_obj, "model_patcher", None)
         if outer is None:
+            self._begin_run()
             # Kept CUDA graphs replay the modules as they were captured; object patches (other nodes' replaced
             # submodules or methods) that differ from the last run's need the torch path prepared again.
             objects = tuple(sorted((k, id(v)) for k, v in getattr(self.patcher, "object_patches", {}).items()))
@@ -227,7 +262,7 @@ class Session:
             self.patcher = outer
             if outer is None:
                 self.slot.end_run(keep_graphs=_memory_to_spare())
-                publish(self.node_id, status_payload(self.slot.status))
+                publish(self.node_id, status_payload(self))
 
     def on_detach(self, patcher, unpatch_all: bool) -> None:
         """ComfyUI unloads the model (not the detach and load it does before every run): free the kept graphs."""

@@ -9,9 +9,10 @@ import os
 import sys
 from typing import Any
 
-from ..accel.progress import CallbackProgress
+from ..accel.progress import CallbackProgress, keep_logs_off_bars
 
 log = logging.getLogger("sd-accel")
+keep_logs_off_bars(log)  # ComfyUI's samplers draw tqdm bars on its console while the engine logs
 
 CATEGORY = "sd-accel"
 STATUS_EVENT = "sd-accel.status"  # web/sd_accel.js listens for it
@@ -28,6 +29,12 @@ def publish(node_id: str | None, payload: dict[str, Any]) -> None:
         instance.send_sync(STATUS_EVENT, {"node": str(node_id), **payload})
     except Exception as e:  # a closed socket must not fail a run
         log.debug("sd-accel: could not send status to the UI: %s", e)
+
+
+def current_prompt() -> str | None:
+    """The id of the prompt ComfyUI's server is running; None without a server (tests, scripts)."""
+    server = sys.modules.get("server")
+    return getattr(getattr(getattr(server, "PromptServer", None), "instance", None), "last_prompt_id", None)
 
 
 def node_progress(node_id: str | None, what: str = "build") -> CallbackProgress:

@@ -3,8 +3,8 @@ Accelerated UNet node) the path that model runs on, as a STRING output and as te
 
 from __future__ import annotations
 
-from .accelerated_unet import BACKENDS, session_of
-from .comfy_ui import CATEGORY, cache_root
+from .accelerated_unet import BACKENDS, Session, session_of
+from .comfy_ui import CATEGORY, cache_root, current_prompt
 
 
 def cache_state(root: str) -> str:
@@ -46,9 +46,87 @@ def report(backend: str = "auto", model=None) -> str:
             lines.append(f"plan for backend={backend}: {e}")
     lines.append(cache_state(cache_root()))
     if model is not None:
-        lines.append("model: " + ("not accelerated (connect it through an Accelerated UNet node)" if session is None
-                                  else "accelerated\n" + session.slot.status.describe()))
+        lines.append("model: not accelerated (connect it through an Accelerated UNet node)" if session is None
+                     else model_state(session, on_cpu=_runs_on_cpu(model)))
     return "\n".join(lines)
+
+
+def _runs_on_cpu(model) -> bool:
+    """Where ComfyUI runs the model (its --cpu runs it there on a machine with a GPU too)."""
+    import torch
+
+    return torch.device(model.load_device).type == "cpu"
+
+
+def model_state(session: Session, on_cpu: bool) -> str:
+    """The path a model from an Accelerated UNet node runs on, and how the calls of this prompt's run went."""
+    status = session.slot.status
+    plain_torch = on_cpu and status.backend in ("torch", "not built yet")
+    if plain_torch:
+        head = ("model: through an Accelerated UNet node, on the CPU: the torch path runs the plain model there, "
+                "so nothing is sped up and no speed-up is claimed")
+    elif status.backend == "plain":
+        head = "model: through an Accelerated UNet node, but the plain model runs (see why below)"
+    else:
+        head = "model: accelerated"
+    engine, plain = session.run_calls()
+    counts = (f"{engine} on the torch path (the plain model's computation on the CPU), {plain} on ComfyUI's own "
+              "forward" if plain_torch else f"{engine} accelerated, {plain} on the plain model")
+    prompt = current_prompt()
+    if not session.sampled:
+        calls = "calls: none yet: the model has not sampled"
+    elif prompt is not None and session.prompt != prompt:
+        calls = ("calls this run: none: the model did not sample in this run (ComfyUI reused its sampler's cached "
+                 f"output); its last run: {counts}")
+    else:
+        calls = f"calls this run: {counts}"
+    lines = [head, f"path: {status.backend}" + (f" ({status.source})" if status.source else ""), calls]
+    if status.plan:
+        lines.append(status.plan)
+    lines += [f"note: {m}" for m in status.messages]
+    return "\n".join(lines)
+
+
+def _is_link(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int)
+
+
+def samplers_of(prompt: dict, me: str) -> list[list]:
+    """Links to what this prompt computes last, on each branch, from the model that Accel Info `me` reports on:
+    the samplers and what follows them. ComfyUI orders nodes only by their links, so without `after` the report
+    could run before the model samples; waiting on these makes it report on this prompt's run. Only nodes that
+    ComfyUI runs (on the way to an output node) count, and none that needs the report itself."""
+    import nodes as comfy_nodes  # ComfyUI's node registry
+
+    source = prompt.get(me, {}).get("inputs", {}).get("model")
+    if not _is_link(source):
+        return []
+    children: dict[str, set[str]] = {}
+    parents: dict[str, set[str]] = {}
+    for node_id, node in prompt.items():
+        for value in node.get("inputs", {}).values():
+            if _is_link(value) and str(value[0]) in prompt:
+                children.setdefault(str(value[0]), set()).add(node_id)
+                parents.setdefault(node_id, set()).add(str(value[0]))
+
+    def reach(start: set[str], edges: dict[str, set[str]]) -> set[str]:
+        seen, todo = set(), list(start)
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    def node_class(node_id: str):
+        return comfy_nodes.NODE_CLASS_MAPPINGS.get(prompt[node_id].get("class_type"))
+
+    mine = reach({me}, children) | {me}
+    outputs = {n for n in prompt if n != me and getattr(node_class(n), "OUTPUT_NODE", False)}
+    runs = outputs | reach(outputs, parents)
+    users = {n for n in reach({str(source[0])}, children) - mine
+             if n in runs and getattr(node_class(n), "RETURN_TYPES", ())}
+    return [[n, 0] for n in sorted(users) if not reach({n}, children) & users]
 
 
 class AccelInfo:
@@ -58,20 +136,37 @@ class AccelInfo:
     FUNCTION = "info"
     OUTPUT_NODE = True
     DESCRIPTION = ("Shows the detected GPU, the acceleration plan and its reasons, the engine cache, and the path "
-                   "a connected model runs on.")
+                   "a connected model runs on, with the calls of this run (it waits for the samplers of the "
+                   "connected model).")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
-        return {"required": {"backend": (BACKENDS, {"default": "auto"})},
+        return {"required": {"backend": (BACKENDS, {"default": "auto", "tooltip": (
+                    "The backend whose plan is shown when no model from an Accelerated UNet node is connected "
+                    "(auto: the one that node would choose).")})},
                 "optional": {"model": ("MODEL", {"tooltip": "A model from an Accelerated UNet node: shows its "
-                                                 "path and how its last run went."}),
-                             "after": ("LATENT", {"tooltip": "The sampler's output: this node then reports after "
-                                                  "the run, not before it (ComfyUI orders nodes by their inputs)."})}}
+                                                 "path and how the calls of this run went."}),
+                             "after": ("LATENT", {"tooltip": "The sampler's output, to report after it. Without "
+                                                  "it, the report waits for every sampler of the connected "
+                                                  "model in this workflow."})},
+                "hidden": {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"}}
 
     @classmethod
     def IS_CHANGED(cls, **_kwargs) -> float:
         return float("nan")  # the cache and the model's state change between runs: always report afresh
 
-    def info(self, backend: str, model=None, after=None) -> dict:
+    def info(self, backend: str, model=None, after=None, unique_id: str | None = None, prompt: dict | None = None,
+             **_waited) -> dict:
+        if after is None and prompt is not None and unique_id in prompt and model is not None \
+                and session_of(model) is not None:
+            waits = samplers_of(prompt, unique_id)
+            if waits:
+                # ComfyUI's node expansion: a copy of this node that runs after those nodes gives the result; the
+                # links beyond `after` only order it (info() takes them in _waited).
+                copy = {"backend": backend, "model": prompt[unique_id]["inputs"]["model"], "after": waits[0],
+                        **{f"after_{i}": link for i, link in enumerate(waits[1:], 2)}}
+                copy_id = f"{unique_id}.after-sampling"
+                return {"expand": {copy_id: {"class_type": "SDAccelInfo", "inputs": copy}},
+                        "result": ([copy_id, 0],)}
         text = report(backend, model)
         return {"ui": {"text": [text]}, "result": (text,)}

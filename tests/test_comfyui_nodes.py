@@ -331,9 +331,41 @@ def test_accel_info_reports_gpu_plan_cache_and_model(pack, tiny, tmp_path, monke
     assert text.startswith("GPU: ") and "plan for backend" not in text  # the model's own plan, once
     assert text.count("\nbackend: torch") == 1
     assert f"engine cache: {tmp_path / 'cache'} (empty" in text
-    assert "model: accelerated\npath: torch" in text and "2 accelerated, 0 on the plain model" in text
+    if torch.cuda.is_available():
+        assert "model: accelerated\npath: torch" in text
+        assert "calls this run: 2 accelerated, 0 on the plain model" in text
+    else:  # the torch path is the plain model on the CPU: nothing is called accelerated
+        assert "on the CPU: the torch path runs the plain model there, so nothing is sped up and no speed-up is " \
+               "claimed\npath: torch" in text and "accelerated" not in text.split("model: ")[1]
+        assert "calls this run: 2 on the torch path (the plain model's computation on the CPU), 0 on ComfyUI's " \
+               "own forward" in text
+    sample(acc, pos, neg, steps=3)  # the next run's calls, not the sum of both
+    assert "calls this run: 3 " in info.info("auto", acc)["result"][0]
     plain = info.info("auto", tiny)["result"][0]
     assert "model: not accelerated" in plain and "plan for backend=auto:\nbackend: torch" in plain
+
+
+def test_cuda_graphs_left_on_is_not_a_request_the_node_reports(pack, tiny):
+    """On (the default) means graphs where the GPU has them: a CPU or a graph-less GPU says nothing about it."""
+    _, text = accelerate(pack, tiny)
+    assert "cuda_graphs" not in text
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+    off = node.apply(tiny, "torch", False, False, **PROFILE, unique_id="1")["result"][0]
+    assert accelerated_unet.session_of(off).slot.options["cuda_graphs"] is False
+
+
+def test_every_widget_of_every_node_has_a_tooltip(pack):
+    """ComfyUI shows an input's tooltip on hover: every value a user sets on a node says what it does."""
+    widgets = ("INT", "FLOAT", "BOOLEAN", "STRING")
+    missing = []
+    for name, cls in pack.NODE_CLASS_MAPPINGS.items():
+        inputs = cls.INPUT_TYPES()
+        for group in ("required", "optional"):
+            for key, spec in inputs.get(group, {}).items():
+                is_widget = isinstance(spec[0], list) or spec[0] in widgets
+                if is_widget and not (len(spec) > 1 and spec[1].get("tooltip")):
+                    missing.append(f"{name}.{key}")
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("channels", [4, 16])  # SD's latents; Flux's and SD3's

@@ -7,6 +7,7 @@ Skipped unless COMFYUI_ROOT names a ComfyUI checkout.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -74,11 +75,55 @@ def test_workflow_with_all_nodes_matches_the_plain_model(server):
     assert accel.shape == (64, 64, 3) and accel.std() > 5  # a picture, not a flat fill
     assert np.abs(accel - plain).max() <= 1
     assert image(server, entry, "12").shape == (64, 64, 3)
-    info = "\n".join(entry["outputs"]["13"]["text"])
-    assert info.startswith("GPU: ") and "engine cache: " in info and "model: accelerated" in info
+    info = info_text(entry, "13")
+    assert info.startswith("GPU: ") and "engine cache: " in info and "calls this run: 2 " in info
     first_run = server.log().split("Prompt executed")[0]
     assert "the torch path is ready" in first_run
     assert "plain model" not in first_run and "own forward" not in first_run
+    # The line starts on its own, not after the text of the sampler's open progress bar.
+    assert re.search(r"[^\r\n]sd-accel: the torch path is ready", first_run) is None
+    # cuda_graphs is on, the node's default: graphs where the GPU has them; nothing to say where it has none.
+    assert "cuda_graphs" not in first_run and "cuda_graphs" not in info
+
+
+def info_text(entry: dict, node: str) -> str:
+    """Accel Info's report in a history entry: the node's own, or that of the copy it made to wait for the samplers
+    (ComfyUI files it under the copy's id and shows it on the node)."""
+    (key,) = [k for k, meta in entry["meta"].items()
+              if meta["display_node"] == node and "text" in entry["outputs"][k]]
+    return "\n".join(entry["outputs"][key]["text"])
+
+
+def calls_line(info: str) -> str:
+    return next(line for line in info.splitlines() if line.startswith("calls"))
+
+
+def test_accel_info_counts_the_calls_of_this_run_with_and_without_after(server):
+    """Without `after` ComfyUI may run Accel Info before the sampler; it waits for the model's samplers itself.
+    Either way it reports the calls of this run: not the last run's, not a sum over runs. (The server runs ComfyUI
+    on the CPU, where the torch path's calls are the plain model's computation.)"""
+    for seed, steps, after in ((21, 2, False), (22, 3, False), (23, 4, True), (24, 2, True)):
+        prompt = base_prompt(f"info{seed}")
+        prompt["4"]["inputs"].update(seed=seed, steps=steps)
+        if after:
+            prompt["13"]["inputs"]["after"] = ["4", 0]
+        entry = server.run(prompt)
+        calls = calls_line(info_text(entry, "13"))
+        assert calls.startswith(f"calls this run: {steps} on the torch path"), (seed, after, calls)
+    # Two samplers of the model (a second pass on the first one's latent): the report waits for both.
+    prompt = base_prompt("info-two")
+    prompt["4"]["inputs"].update(seed=25, steps=2)
+    prompt["14"] = {"class_type": "KSampler", "inputs": {**prompt["4"]["inputs"], "latent_image": ["4", 0],
+                                                         "steps": 3, "denoise": 0.5}}
+    prompt["15"] = {"class_type": "SaveImage", "inputs": {"images": ["16", 0], "filename_prefix": "info_two"}}
+    prompt["16"] = {"class_type": "VAEDecode", "inputs": {"samples": ["14", 0], "vae": ["1", 1]}}
+    info = info_text(server.run(prompt), "13")
+    assert calls_line(info).startswith(f"calls this run: 5 on the torch path")
+    # The same prompt again: ComfyUI reuses the samplers' outputs, and the report says the model did not sample.
+    again = calls_line(info_text(server.run(prompt), "13"))
+    assert again.startswith("calls this run: none: the model did not sample in this run") and "last run: 5 " in again
+    # The server runs ComfyUI on the CPU (--cpu), where the torch path is the plain model: no speed-up is claimed.
+    assert "the torch path runs the plain model there, so nothing is sped up and no speed-up is claimed" in info
 
 
 def test_lora_downstream_and_upstream_of_the_node(server):

@@ -3,6 +3,8 @@ Accelerated UNet node) the path that model runs on, as a STRING output and as te
 
 from __future__ import annotations
 
+import sys
+
 from .accelerated_unet import BACKENDS, Session, session_of
 from .comfy_ui import CATEGORY, cache_root, current_prompt
 
@@ -96,7 +98,9 @@ def samplers_of(prompt: dict, me: str) -> list[list]:
     the samplers and what follows them. ComfyUI orders nodes only by their links, so without `after` the report
     could run before the model samples; waiting on these makes it report on this prompt's run. Only nodes that
     ComfyUI runs (on the way to an output node) count, and none that needs the report itself."""
-    import nodes as comfy_nodes  # ComfyUI's node registry
+    # ComfyUI's own `nodes` module, its node registry, loaded before any custom node. Taken from sys.modules, not
+    # imported by that name, which is also this pack's folder of nodes.
+    registry = sys.modules["nodes"].NODE_CLASS_MAPPINGS
 
     source = prompt.get(me, {}).get("inputs", {}).get("model")
     if not _is_link(source):
@@ -119,7 +123,7 @@ def samplers_of(prompt: dict, me: str) -> list[list]:
         return seen
 
     def node_class(node_id: str):
-        return comfy_nodes.NODE_CLASS_MAPPINGS.get(prompt[node_id].get("class_type"))
+        return registry.get(prompt[node_id].get("class_type"))
 
     mine = reach({me}, children) | {me}
     outputs = {n for n in prompt if n != me and getattr(node_class(n), "OUTPUT_NODE", False)}

@@ -419,6 +419,25 @@ def test_unpack_gives_each_weight_its_own_storage_back(monkeypatch, way):
     assert all(torch.equal(p, v) and p.is_contiguous() for p, v in zip(params, values))
 
 
+@pytest.mark.parametrize("way", ["in place", "through host memory"])
+def test_unpack_skips_a_pack_whose_weights_the_host_replaced(monkeypatch, way):
+    """ComfyUI's LoRA patching replaces Parameters and its unpatching puts others back: a pack can end with no layer
+    reading it (SDXL's shared K/V pack, unpacked through host memory, when the model is unloaded after a LoRA)."""
+    from sd_accel.accel.engine.fusions import packing
+
+    if way == "through host memory":
+        monkeypatch.setattr(packing, "UNPACK_IN_PLACE_BYTES", 0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(8, 6))
+    packing.pack(model, list(model))
+    replaced = [nn.Parameter(m.weight.detach().clone()) for m in model] + [nn.Parameter(m.bias.detach().clone())
+                                                                          for m in model]
+    for m, w, b in zip(model, replaced[:2], replaced[2:]):
+        m.weight, m.bias = w, b
+    packing.unpack(model)
+    assert list(model.parameters()) == [replaced[0], replaced[2], replaced[1], replaced[3]]
+    assert fusions.base.drop_packs(model) == []
+
+
 def _cross_attention_module(form: str, device: str, dim_head: int = 64) -> nn.Module:
     """A cross-attention with 64-wide heads (SDXL's) unless told, as diffusers and ComfyUI build it, in fp16."""
     torch.manual_seed(40)

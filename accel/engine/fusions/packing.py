@@ -107,6 +107,8 @@ def unpack(model: nn.Module) -> None:
                  if t is not None and t.untyped_storage().data_ptr() in storages]
         in_place = p.weight.nbytes <= UNPACK_IN_PLACE_BYTES
         del p
+        if not views:  # the host replaced every weight of the pack (a LoRA patched, then unpatched): nothing to give back
+            continue
         if in_place:
             for t in views:
                 t.data = t.data.clone()

@@ -289,3 +289,49 @@ def test_precision_is_checked():
     assert parse(TorchOptions, {"precision": "fp8"}).precision == "fp8"
     with pytest.raises(BadInput, match="Use one of: auto, 16bit, fp8"):
         parse(TorchOptions, {"precision": "int4"})
+
+
+def test_fp8_operands_stay_where_a_graph_read_them_and_follow_weight_changes(comfy_pytorch_attention):
+    """A CUDA graph replays the fp8 copies and scales at the addresses it captured: they must outlive the end of a
+    host's run (suspend/resume), and a weight changed between runs (in place, replaced, or an inference tensor the
+    host says it patched) must be quantized again into that same memory before the next replay."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fp8
+    from sd_accel.accel.engine.backends import torch_fused
+    from sd_accel.accel.plan.options import TorchOptions
+
+    model = _dit_bf16("tiny-flux")
+    engine = torch_fused.build(CanonicalDiT(model), TorchOptions(triton_kernels=True, precision="fp8"))
+    inp = _bf16_inputs("tiny-flux")
+    layer = model.double_blocks[0].img_attn.qkv
+    first = engine(**inp)
+    copy = fp8._weight(layer)
+    where = (copy.fp8.data_ptr(), copy.scale.data_ptr())
+    engine.suspend()  # the host's run ends; the graphs stay
+    engine.resume()
+    engine._fp8.refresh()  # what runs before a replay
+    kept = fp8._weight(layer)
+    assert (kept.fp8.data_ptr(), kept.scale.data_ptr()) == where and torch.equal(kept.fp8.float(), copy.fp8.float())
+    assert torch.equal(engine(**inp), first)
+
+    def requantized() -> torch.Tensor:
+        engine._fp8.refresh()
+        now = fp8._weight(layer)
+        assert (now.fp8.data_ptr(), now.scale.data_ptr()) == where  # same memory: a captured graph reads it
+        return (now.fp8.float() * now.scale.t()).to(torch.bfloat16)
+
+    with torch.no_grad():
+        layer.weight.mul_(1.5)  # a LoRA merged in place: same address, new version
+    assert rel(requantized(), layer.weight) < 0.07
+    with torch.no_grad():  # a LoRA the ComfyUI way: the Parameter replaced
+        layer.weight = torch.nn.Parameter(layer.weight * -0.5, requires_grad=False)
+    assert rel(requantized(), layer.weight) < 0.07
+    with torch.inference_mode():  # a weight made in a host's inference_mode keeps no version: the host says so
+        layer.weight = torch.nn.Parameter(layer.weight * 2, requires_grad=False)
+    assert rel(requantized(), layer.weight) < 0.07
+    with torch.inference_mode():
+        layer.weight.mul_(0.25)
+    engine.weights_changed()
+    assert rel(requantized(), layer.weight) < 0.07
+    engine.release()
+    assert not fp8.marked(layer)

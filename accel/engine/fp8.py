@@ -4,13 +4,20 @@ activation row scaled on the fly (kernels/quant.py), each weight output channel 
 Which projections take them follows the torch path's `precision` option:
 - "auto": the layers whose weights the host loaded in fp8 (ComfyUI's fp8_e4m3fn weight dtype: its cast-on-the-fly
   layers, which would otherwise widen every weight to 16 bits at every call); 16-bit weights stay 16-bit;
-- "fp8": every block projection; 16-bit weights are quantized into a copy kept beside them (+50% of their memory),
-  made again whenever a weight changes (a LoRA merged in place bumps its version, a replaced weight its address);
+- "fp8": every block projection; 16-bit weights are quantized into a copy kept beside them (+50% of their memory);
 - "16bit": none (fp8-loaded weights are widened per call, as the host does).
 The adaLN modulation projections (one row per sample) take fp8 products only where their weights are stored in fp8
 (widening billions of them per call costs more than the product); 16-bit ones stay 16-bit. Layers with weight or
 bias functions (lowvram, a LoRA applied per call) are never taken: their forward applies them. A marked layer's own
 forward makes the fp8 product, so every caller gets it: the fused blocks and the modules they call.
+
+The quantized copies (and the per-channel scales, also those of weights stored in fp8) are derived tensors that an
+engine's CUDA graphs read where they were at capture. So they belong to the engine (`Copies`), not to the marks:
+they outlive suspend() (the host's next run replays the graphs), and `Copies.refresh()`, called before every graph
+replay, quantizes a changed weight again into the same memory. A weight counts as changed when the Parameter object,
+its address or its version differs (a LoRA merged in place bumps the version; ComfyUI's patching replaces the
+Parameter), or when the host says its weights changed (`Copies.stale()`: inference tensors, which ComfyUI's loaders
+make, keep no version counter).
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ MODULATION = ("img_mod", "txt_mod", "modulation", "adaLN_modulation", "norm1", "
 
 
 class _Weight(NamedTuple):
-    key: tuple  # what the copy was made from: address, version, dtype, shape of the weight
-    fp8: torch.Tensor  # (N, K) e4m3
+    source: weakref.ref  # the weight tensor it was made from
+    key: tuple  # and that tensor's address, version, dtype and shape then, and its scale_weight's
+    fp8: torch.Tensor  # (N, K) e4m3: the weight itself when it is stored in fp8, else a copy owned here
     scale: torch.Tensor  # (1, N) float32: weight = fp8 * scale per output channel
+    owned: bool  # fp8 is a copy of ours (may be written to), not the host's weight
 
 
 class Rows(NamedTuple):
@@ -50,7 +59,83 @@ class Rows(NamedTuple):
     dtype: torch.dtype  # the 16-bit dtype the products return
 
 
-_MARKED: weakref.WeakKeyDictionary[nn.Module, _Weight | None] = weakref.WeakKeyDictionary()
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+def _key(layer: nn.Linear) -> tuple:
+    w, s = layer.weight, getattr(layer, "scale_weight", None)
+    return (w.data_ptr(), _version(w), w.dtype, tuple(w.shape),
+            None if s is None else (s.data_ptr(), _version(s), tuple(s.shape)))
+
+
+def _quantize(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's weight as (e4m3 (N, K), float32 scale (1, N)); a weight stored in fp8 as it is, with the scale of a
+    scaled-fp8 checkpoint if it has one."""
+    w = layer.weight
+    if w.dtype == FP8:
+        scale = getattr(layer, "scale_weight", None)
+        scale = scale.float().reshape(1, -1) if scale is not None else torch.ones(1, 1, device=w.device)
+        return w, scale.expand(1, w.shape[0]).contiguous()
+    amax = w.float().abs().amax(dim=1).clamp_min(1e-12)
+    scale = (amax / 448.0).reshape(1, -1)
+    return (w.float() / scale.t()).clamp(-448.0, 448.0).to(FP8), scale
+
+
+class Copies:
+    """The fp8 operands of one engine's marked layers: quantized copies of 16-bit weights and every layer's scales.
+
+    Kept from one call and one run to the next, and brought up to date in place (same memory), so that CUDA graphs
+    captured on them stay right across LoRA changes without a new capture; freed with the engine (`clear`)."""
+
+    def __init__(self) -> None:
+        self.layers: list[nn.Linear] = []
+        self._entries: weakref.WeakKeyDictionary[nn.Module, _Weight] = weakref.WeakKeyDictionary()
+        self._stale = False
+
+    def weight(self, layer: nn.Linear) -> _Weight:
+        entry = self._entries.get(layer)
+        w, key = layer.weight, _key(layer)
+        if entry is not None and entry.source() is w and entry.key == key:
+            return entry
+        # inference_mode: the copies may be inference tensors (made inside a host's inference_mode), which only an
+        # inference-mode op may write to.
+        with torch.inference_mode():
+            fp8, scale = _quantize(layer)
+            if entry is not None and entry.scale.shape == scale.shape and entry.scale.device == scale.device:
+                entry.scale.copy_(scale)
+                scale = entry.scale
+                if fp8 is not w and entry.owned and entry.fp8.shape == fp8.shape and entry.fp8.device == fp8.device:
+                    entry.fp8.copy_(fp8)
+                    fp8 = entry.fp8
+        entry = _Weight(weakref.ref(w), key, fp8, scale, fp8 is not w)
+        self._entries[layer] = entry
+        return entry
+
+    def stale(self) -> None:
+        """The host changed the weights in a way their versions may not show: quantize every layer again at the next
+        refresh."""
+        self._stale = True
+
+    def refresh(self) -> None:
+        """Every marked layer's copy up to date, in place where one exists. Called before a CUDA graph replays (the
+        replay itself runs no Python that could notice a changed weight) and outside any capture (so that a capture
+        never allocates a copy in the graph's private pool)."""
+        if self._stale:
+            self._stale = False
+            for layer in list(self._entries.keys()):
+                entry = self._entries[layer]
+                self._entries[layer] = entry._replace(key=())
+        for layer in self.layers:
+            self.weight(layer)
+
+    def clear(self) -> None:
+        self.layers = []
+        self._entries = weakref.WeakKeyDictionary()
+
+
+# The layers that make fp8 products now, each with the Copies of the engine that marked it.
+_MARKED: weakref.WeakKeyDictionary[nn.Module, Copies] = weakref.WeakKeyDictionary()
 
 
 def supported(device: torch.device) -> tuple[bool, str]:
@@ -87,8 +172,9 @@ def projections(model: nn.Module) -> list[tuple[nn.Linear, bool]]:
     return out
 
 
-def apply(model: nn.Module, precision: str, undo: Undo) -> int:
-    """Mark the projections `precision` gives fp8 products; returns how many."""
+def apply(model: nn.Module, precision: str, undo: Undo, copies: Copies | None = None) -> int:
+    """Mark the projections `precision` gives fp8 products, their operands kept in `copies` (the engine's, which
+    outlive the marks); returns how many."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     if precision == "16bit":
@@ -103,8 +189,10 @@ def apply(model: nn.Module, precision: str, undo: Undo) -> int:
             log.warning("sd-accel: fp8 matrix products cannot run: %s; the fp8 weights are widened to 16 bits per "
                         "call, as the host does.", why)
         return 0
+    copies = copies if copies is not None else Copies()
+    copies.layers = chosen
     for layer in chosen:
-        _MARKED[layer] = None
+        _MARKED[layer] = copies
         undo.add(lambda layer=layer: _MARKED.pop(layer, None))
         patch_forward(layer, _forward, undo)
     return len(chosen)
@@ -117,22 +205,7 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _weight(layer: nn.Linear) -> _Weight:
-    w = layer.weight
-    key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
-    entry = _MARKED.get(layer)
-    if entry is not None and entry.key == key:
-        return entry
-    with torch.no_grad():
-        if w.dtype == FP8:  # loaded in fp8: used as stored, with the scale of a scaled-fp8 checkpoint if it has one
-            scale = getattr(layer, "scale_weight", None)
-            scale = (scale.float().reshape(1, -1) if scale is not None else torch.ones(1, 1, device=w.device))
-            entry = _Weight(key, w, scale.expand(1, w.shape[0]).contiguous())
-        else:
-            amax = w.float().abs().amax(dim=1).clamp_min(1e-12)
-            scale = (amax / 448.0).reshape(1, -1)
-            entry = _Weight(key, (w.float() / scale.t()).clamp(-448.0, 448.0).to(FP8), scale)
-    _MARKED[layer] = entry
-    return entry
+    return _MARKED[layer].weight(layer)
 
 
 def marked(layer: nn.Module) -> bool:

@@ -242,8 +242,12 @@ class EngineSlot:
             self._module, self._failed = module, None
         if self._failed is not None:
             return None
-        if self.acc is not None and self.acc.backend != "torch" and weights_key != self._weights_key:
-            self._refresh_weights(weights_key)
+        if self.acc is not None and weights_key != self._weights_key:
+            if self.acc.backend == "torch":
+                self.acc.engine.weights_changed()
+                self._weights_key = weights_key
+            else:
+                self._refresh_weights(weights_key)
         if self.acc is None:
             self._build(module, weights_key)
         elif self.acc.fallback is None and self.acc.backend not in ("torch", "off"):

@@ -4,6 +4,21 @@ torch.compile. The fallback for every other path, so it must run wherever torch 
 Everything it changes on the user's module is recorded and undone by `release()`, like ComfyUI's
 ModelPatcher: attention processors, the memory format of the weights and the fused kernels. `suspend()` undoes
 the same changes but keeps the CUDA graphs, so a host's next sampling run replays them after `resume()`.
+
+A captured graph replays the memory it was captured with, so every tensor it reads that is derived from the weights
+is either updated in place when the weights change (the graph stays valid, no new capture) or part of the token that
+decides a recapture (`_weights.token()`: the address of every parameter and buffer, and the set of them):
+- the weights themselves, fp8-stored ones included, and the host's buffers: in the token; in-place updates (A1111's
+  LoRA merge, ComfyUI's weight_inplace_update) are read by the replay as they are;
+- packed projections (fusions/packing.py): the layers' weights are views of the pack, so in-place updates write
+  where the packed GEMM reads; a replaced Parameter is no view any more and its layer runs on its own (and changes
+  the token); the packs outlive suspend() and are unpacked by release();
+- fp8 copies of 16-bit weights and every fp8 layer's scales (fp8.Copies): kept by the engine across suspend(),
+  quantized again in place before each replay when their weight changed (object, address or version) or the host
+  said so (`weights_changed`);
+- folded biases, the time embedding's SiLU and shared K/V or time projections (fusions/resnet.py, packing.py): made
+  from the parameters inside each call, so they are part of what the graph captured, not kept tensors;
+- norm weights cast to the activations' dtype (fusions/transformer.py): cast inside each call, likewise.
 """
 
 from __future__ import annotations
@@ -103,6 +118,7 @@ class TorchEngine:
         self.on_gpu = unet.device.type == "cuda"
         self.suspended = False
         self.fusion_counts: dict[str, int] | None = None  # modules each fused kernel took, once applied
+        self._fp8 = None  # the fp8 operands (accel/engine/fp8.py Copies) of a transformer's marked projections
         self._layout_at_suspend: list | None = None
         progress.stage("prepare torch path", total=3)
         self._apply(progress)
@@ -148,7 +164,9 @@ class TorchEngine:
                 from .. import fp8
 
                 marks = fusions.Undo()
-                counts["fp8"] = fp8.apply(module, options.precision, marks)
+                if self._fp8 is None:
+                    self._fp8 = fp8.Copies()
+                counts["fp8"] = fp8.apply(module, options.precision, marks, self._fp8)
                 self._undo.append(marks)
             if self.fusion_counts is None:
                 log.info("sd-accel: fused kernels in %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
@@ -185,6 +203,12 @@ class TorchEngine:
         if self._layout_at_suspend is not None and self._tensor_layout() != self._layout_at_suspend:
             self.graphs.clear()
         self._layout_at_suspend = None
+
+    def weights_changed(self) -> None:
+        """The host says the module's weights changed (its patches did): derived tensors whose sources may not show
+        it (inference tensors keep no version) are made again, in place, before the next call."""
+        if self._fp8 is not None:
+            self._fp8.stale()
 
     def _compile_blocks(self, module: torch.nn.Module) -> None:
         blocks = [m for m in module.modules() if type(m).__name__ in REPEATED_BLOCKS]
@@ -249,6 +273,8 @@ class TorchEngine:
         self._layout = (y is not None, guidance is not None, layout)
         tensors = ([x_in, timesteps, ctx] + ([y] if y is not None else []) + ([guidance] if guidance is not None else [])
                    + [c.to(dtype) for c in ctrl])
+        if self._fp8 is not None:
+            self._fp8.refresh()
         # The layout is part of the signature: the same shapes with another control structure is another graph.
         sig_token = (self._weights.token(), self._layout)
         return self.graphs(tensors, sig_token).to(x.dtype)
@@ -258,6 +284,8 @@ class TorchEngine:
         if self.graphs is not None:
             self.graphs.clear()
         self._undo_changes()
+        if self._fp8 is not None:
+            self._fp8.clear()
         # Packed projection weights outlive suspend() (the graphs read them where they are); not release().
         from ..fusions import packing
 

@@ -1,0 +1,342 @@
+"""Run after run as a ComfyUI user works: ComfyUI's own model classes, ModelPatcher and `comfy.sample.sample`, in this
+process, each run of the Accelerated UNet node compared with plain ComfyUI's same run.
+
+One model, one sequence per node setting (precision, CUDA graphs; compile off) in one process: 20 steps, then 1, 3
+and 7, 20 again, a second sampler and scheduler, another image size, a batch of 2 and back, a LoRA added through
+ModelPatcher.add_patches at strength 1 and 0.4 and removed, the model unloaded and sampled again. Then, once per
+model, a node widget changed between runs (a new node output on the same model, as ComfyUI makes when a widget
+changes) and two nodes on one model, alternately.
+
+The yardstick is how far plain ComfyUI's own 16-bit run lies from its fp32 run of the same model (1 step and 20
+steps; the larger): an accelerated run may differ from plain's by 1.5 times that in 16 bits, 3 times with fp8
+products, and never hold a NaN or inf.
+
+Full size (the published architectures, seeded well-conditioned weights) on a GPU; `size="tiny"` runs the same
+sequences on tiny models, which is how the CPU tests keep this file honest.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import comfy_helpers as H
+
+# name: (ComfyUI's supported_models class, config name in accel/models/configs.py, 16-bit dtype, cfg, base size W x H,
+# another size W x H, text tokens)
+MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int, int], int]] = {
+    "sd15": ("SD15", "sd15", torch.float16, 7.0, (512, 512), (768, 512), 77),
+    "sdxl": ("SDXL", "sdxl", torch.float16, 7.0, (1024, 1024), (832, 1216), 77),
+    "flux-dev": ("Flux", "flux-dev", torch.bfloat16, 1.0, (1024, 1024), (1024, 768), 512),
+    "sd35-medium": ("SD3", "sd35-medium", torch.bfloat16, 4.5, (1024, 1024), (1024, 768), 333),
+    "chroma": ("Chroma", "chroma", torch.bfloat16, 4.0, (1024, 1024), (1024, 768), 512),
+}
+TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "flux-dev": "tiny-flux", "sd35-medium": "tiny-sd3",
+        "chroma": "tiny-chroma"}
+QUICK = ("sd15", "flux-dev")
+UNETS = ("sd15", "sdxl")
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    steps: int = 7
+    sampler: str = "euler"
+    scheduler: str = "simple"
+    size: str = "base"  # or "other"
+    batch: int = 1
+    lora: float = 0.0  # a LoRA's strength, 0: none
+
+    def config(self) -> "Run":
+        """The run without its label: what decides the latents (noise seed included)."""
+        return Run("", self.steps, self.sampler, self.scheduler, self.size, self.batch, self.lora)
+
+
+def sequence(unet: bool) -> list[Run]:
+    second = ("dpmpp_2m", "karras") if unet else ("dpmpp_2m", "beta")
+    return [Run("20 steps", 20), Run("1 step", 1), Run("3 steps", 3), Run("7 steps", 7), Run("20 steps again", 20),
+            Run(f"{second[0]}/{second[1]}", 7, *second), Run("other size", 7, size="other"),
+            Run("batch 2", 7, batch=2), Run("back to batch 1", 3), Run("LoRA 1.0", 7, lora=1.0),
+            Run("LoRA 0.4", 7, lora=0.4), Run("LoRA removed", 7), Run("after unload", 7)]
+
+
+@dataclass
+class Row:
+    model: str
+    setting: str
+    run: str
+    error: float  # relative L2 of the node's latents from plain ComfyUI's
+    limit: float
+    finite: bool
+    seconds: float = 0.0  # the node's run, wall clock
+    plain_seconds: float = 0.0
+    engine_calls: int = 0  # the run's calls the node's engine served
+    plain_calls: int = 0  # and those it left to the plain model (a comparison with plain then proves nothing)
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and self.error <= self.limit and self.engine_calls > 0 and self.plain_calls == 0
+
+
+@dataclass
+class Report:
+    model: str
+    yardstick: float = 0.0
+    lora_effect: float = 0.0  # how far plain's LoRA run lies from its run without: a LoRA must change the image
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        bad = [f"{r.setting} / {r.run}" for r in self.rows if not r.ok]
+        return bad + ([] if self.lora_effect > 1e-3 else [f"the LoRA changed plain's image by {self.lora_effect:.1e}"])
+
+    def table(self) -> str:
+        lines = [f"== {self.model}: yardstick (plain 16-bit vs fp32) {self.yardstick:.2e}; LoRA's effect on plain "
+                 f"{self.lora_effect:.2e}",
+                 f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "
+                 f"{'calls':>7}  ok"]
+        for r in self.rows:
+            lines.append(f"{r.setting:<20} {r.run:<18} {r.error:>9.2e} {r.limit:>9.2e} {r.seconds:>7.3f} "
+                         f"{r.plain_seconds:>7.3f} {r.engine_calls:>3}/{r.plain_calls:<3}  "
+                         f"{'ok' if r.ok else 'FAIL' + ('' if r.finite else ' (NaN/inf)')}")
+        return "\n".join(lines + [f"   note: {n}" for n in self.notes])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _seed(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+class Harness:
+    """One model of ComfyUI's classes on `device`, its plain runs (kept per run configuration) and the node's."""
+
+    def __init__(self, name: str, size: str = "full", device: str = "cuda") -> None:
+        self.name, self.size, self.device = name, size, torch.device(device)
+        cls, config, self.dtype, self.cfg, self.base, self.other, self.tokens = MODELS[name]
+        if size == "tiny":
+            config = TINY[name]
+            self.base, self.other, self.tokens = (64, 64), (128, 64), 7
+            if not self.device.type == "cuda":
+                self.dtype = torch.float32  # the CPU runs the plain model's float32 kernels
+        self.cls, self.config = cls, config
+        self.unet = name in UNETS
+        self.report = Report(name)
+        self.pack = H.load_pack()
+        self._plain: dict[Run, tuple[torch.Tensor, float]] = {}
+        self._conditioning = self._make_conditioning()
+        self.model = None
+
+    # ------------------------------------------------------------------ models and runs
+
+    def build(self, dtype: torch.dtype):
+        """A ModelPatcher around ComfyUI's own model of this architecture, seeded (same seed: same weights)."""
+        import comfy.model_management as mm
+        import comfy.model_patcher
+        import comfy.supported_models
+
+        from sd_accel.accel.models import configs
+
+        if self.unet:
+            unet_config = dict(configs.LDM_UNET_CONFIGS[self.config])
+        else:
+            unet_config = dict(configs.COMFY_DIT_CONFIGS[self.config][1])
+        config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
+        config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
+        config.set_inference_dtype(dtype, None)
+        model = config.get_model({}, device=self.device)
+        configs.seed_dit_parameters(model.diffusion_model, 0)
+        return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                                offload_device=mm.unet_offload_device())
+
+    def _make_conditioning(self):
+        from sd_accel.accel.models import configs
+
+        g = torch.Generator().manual_seed(_seed(self.name, "text"))
+        if self.unet:
+            dim = configs.LDM_UNET_CONFIGS[self.config]["context_dim"]
+            pooled = 1280 if self.name == "sdxl" else None
+        else:
+            family, cfg = configs.COMFY_DIT_CONFIGS[self.config]
+            dim = cfg["context_in_dim"] if family != "sd3" else cfg["context_embedder_config"]["params"]["in_features"]
+            pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
+
+        def cond(scale: float):
+            extra = {"pooled_output": torch.randn(1, pooled, generator=g) * scale} if pooled else {}
+            if self.name == "flux-dev":
+                extra["guidance"] = 3.5
+            if self.name == "sdxl":
+                extra.update(width=self.base[0], height=self.base[1], target_width=self.base[0],
+                             target_height=self.base[1])
+            return [[torch.randn(1, self.tokens, dim, generator=g) * scale, extra]]
+
+        return cond(1.0), cond(0.5)
+
+    def lora(self, model, strength: float):
+        """A clone of model with a seeded rank-4 LoRA (ComfyUI's lora_unet_* format, loaded by comfy.lora) on the
+        attention and MLP projections of the first blocks, at `strength`."""
+        import comfy.lora
+
+        key_map = comfy.lora.model_lora_keys_unet(model.model, {})
+        g = torch.Generator().manual_seed(_seed(self.name, "lora"))
+        names = ("attn1.to_", "attn2.to_", "ff.net", "img_attn.", "txt_attn.", "linear1", "linear2", "attn.qkv",
+                 "attn.proj", "img_mlp.", "mlp.fc")
+        sd, taken = {}, 0
+        for key, w in model.model.diffusion_model.state_dict().items():
+            if w.dim() != 2 or not key.endswith(".weight") or not any(n in key for n in names) or taken >= 48:
+                continue
+            name = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
+            rank = 4
+            sd[f"{name}.lora_up.weight"] = torch.randn(w.shape[0], rank, generator=g) * (0.3 / rank ** 0.5)
+            sd[f"{name}.lora_down.weight"] = torch.randn(rank, w.shape[1], generator=g) / w.shape[1] ** 0.5
+            sd[f"{name}.alpha"] = torch.tensor(float(rank))
+            taken += 1
+        patched = model.clone()
+        patched.add_patches(comfy.lora.load_lora(sd, key_map, log_missing=False), strength)
+        return patched
+
+    def sample(self, model, run: Run) -> tuple[torch.Tensor, float]:
+        import comfy.sample
+
+        w, h = self.base if run.size == "base" else self.other
+        channels = 4 if self.unet else 16
+        shape = (run.batch, channels, h // 8, w // 8)
+        seed = _seed(self.name, run.config())
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        latent = torch.zeros(shape)
+        pos, neg = self._conditioning
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = comfy.sample.sample(model, noise, run.steps, self.cfg, run.sampler, run.scheduler, pos, neg, latent,
+                                  disable_pbar=True, seed=seed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return out.float().cpu(), time.perf_counter() - start
+
+    def _with_lora(self, model, run: Run):
+        return self.lora(model, run.lora) if run.lora else model
+
+    def plain(self, run: Run) -> tuple[torch.Tensor, float]:
+        """Plain ComfyUI's latents for this run configuration (once per configuration)."""
+        key = run.config()
+        if key not in self._plain:
+            self._plain[key] = self.sample(self._with_lora(self.model, run), run)
+        return self._plain[key]
+
+    def node(self, model, precision: str = "auto", cuda_graphs: bool = True):
+        node = self.pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+        w, h = self.base
+        out = node.apply(model, "torch", cuda_graphs, False, min_width=64, opt_width=w, max_width=2048,
+                         min_height=64, opt_height=h, max_height=2048, min_batch=1, opt_batch=1, max_batch=4,
+                         precision=precision, unique_id=f"gpu-{precision}-{cuda_graphs}")
+        return out["result"][0]
+
+    def check(self, setting: str, model, run: Run, fp8: bool) -> None:
+        status = self._status(model)
+        before = (status.engine_calls, status.plain_calls)
+        out, seconds = self.sample(self._with_lora(model, run), run)
+        ref, plain_seconds = self.plain(run)
+        if run.label == "20 steps again":  # the timed pair: plain warm too, not its first (cached) run
+            plain_seconds = self.sample(self.model, run)[1]
+        limit = self.report.yardstick * (3.0 if fp8 else 1.5)
+        self.report.rows.append(Row(self.name, setting, run.label, rel(out, ref), limit,
+                                    bool(torch.isfinite(out).all()), seconds, plain_seconds,
+                                    status.engine_calls - before[0], status.plain_calls - before[1]))
+        print(self.report.table().splitlines()[-1 - len(self.report.notes)], flush=True)
+        for message in status.messages:
+            if message not in self.report.notes:
+                self.report.notes.append(message)
+
+    @staticmethod
+    def _status(model):
+        from sd_accel.nodes import accelerated_unet
+
+        return accelerated_unet.session_of(model).slot.status
+
+    # ------------------------------------------------------------------ the sequences
+
+    def settings(self, quick: bool = False) -> list[tuple[str, str, bool]]:
+        """(label, precision, cuda_graphs) of each node setting that applies to this model. quick: graphs on, and a
+        transformer's fp8 only (its 16-bit path runs in the widget changes and as the second of two nodes)."""
+        graphs = ((True,) if quick else (True, False)) if self.device.type == "cuda" else (False,)
+        precisions = ("auto",) if self.unet else (("fp8",) if quick else ("auto", "fp8"))
+        return [(f"{p}, graphs {'on' if g else 'off'}", p, g) for p in precisions for g in graphs]
+
+    def measure_yardstick(self) -> None:
+        """Plain ComfyUI in fp32 against plain ComfyUI in 16 bits, 1 step and 20 steps; the fp32 model goes before
+        the 16-bit one is made (a full-size Flux in fp32 takes 48 GB)."""
+        import comfy.model_management as mm
+
+        runs = [Run("1 step", 1), Run("20 steps", 20)]
+        model32 = self.build(torch.float32)
+        ref32 = [self.sample(model32, r)[0] for r in runs]
+        del model32  # ComfyUI holds loaded models by weak reference: this frees it, with no copy to the CPU
+        gc.collect()
+        mm.cleanup_models()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.model = self.build(self.dtype)
+        self.report.yardstick = max(rel(self.plain(r)[0], ref) for r, ref in zip(runs, ref32))
+        print(f"{self.name}: yardstick {self.report.yardstick:.2e} (plain {self.dtype} vs float32)", flush=True)
+
+    def run_all(self, quick: bool = False, only: str = "") -> Report:
+        """Every setting's sequence, then the widget changes; only: just the settings whose label contains it."""
+        import comfy.model_management as mm
+
+        self.measure_yardstick()
+        lora = Run("LoRA 1.0", 7, lora=1.0)
+        self.report.lora_effect = rel(self.plain(lora)[0], self.plain(Run("7 steps", 7))[0])
+        try:
+            for label, precision, graphs in self.settings(quick):
+                if only not in label:
+                    continue
+                acc = self.node(self.model, precision, graphs)
+                for run in sequence(self.unet):
+                    if run.label == "after unload":
+                        mm.unload_all_models()
+                    self.check(label, acc, run, precision == "fp8")
+                del acc
+                gc.collect()
+            self.widget_changes()
+        except Exception as e:  # a broken run (an illegal address ends the CUDA context) ends the sequence: say where
+            self.report.rows.append(Row(self.name, "error", type(e).__name__, float("inf"), 0.0, False))
+            self.report.notes.append(f"stopped after {len(self.report.rows) - 1} runs: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else ''}")
+        return self.report
+
+    def widget_changes(self) -> None:
+        """A widget changed between runs (ComfyUI then runs the node again: a new output on the same model), and two
+        nodes on one model, alternately."""
+        fp8 = not self.unet
+        other = dict(precision="fp8") if fp8 else dict(cuda_graphs=False)
+        run = Run("7 steps", 7)
+        first = self.node(self.model)
+        self.check("widget: default", first, run, False)
+        changed = self.node(self.model, **other)
+        self.check(f"widget: {'fp8' if fp8 else 'graphs off'}", changed, run, fp8)
+        back = self.node(self.model)
+        self.check("widget: back", back, run, False)
+        del first, changed, back
+        a, b = self.node(self.model, **other), self.node(self.model)
+        for label, model, is_fp8 in (("two nodes: A", a, fp8), ("two nodes: B", b, False), ("two nodes: A", a, fp8)):
+            self.check(label, model, Run("3 steps", 3), is_fp8)
+
+
+def run_model(name: str, size: str = "full", device: str = "cuda", quick: bool = False, only: str = "") -> Report:
+    H.import_comfy()
+    harness = Harness(name, size, device)
+    report = harness.run_all(quick, only)
+    harness.model = None
+    gc.collect()
+    if report.rows and report.rows[-1].setting != "error" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return report

@@ -1,0 +1,42 @@
+"""The GPU suite's sequences (tests/gpu/sequences.py) on tiny models on the CPU: the same harness, ComfyUI's own
+classes and sampler, every run of the node against plain ComfyUI's. On the CPU the torch path runs the plain
+model's float32 kernels, so each run must equal plain's exactly (the yardstick is 0) and go through the engine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import comfy_helpers as H
+
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+import sequences  # noqa: E402
+
+pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+
+
+@pytest.mark.parametrize("name", ["sd15", "flux-dev"])
+def test_every_run_of_the_sequence_equals_plain_comfyui(name):
+    report = sequences.run_model(name, size="tiny", device="cpu")
+    runs, settings = {r.run for r in report.rows}, {r.setting for r in report.rows}
+    assert {"20 steps again", "LoRA 0.4", "LoRA removed", "after unload", "other size", "batch 2"} <= runs
+    assert {"widget: back", "two nodes: B"} <= settings
+    assert report.yardstick == 0.0 and not report.failures(), report.table()
+    assert report.lora_effect > 1e-3  # the LoRA runs compare images the LoRA changed
+    print(report.table())
+
+
+def test_a_run_off_plain_fails():
+    row = sequences.Row("m", "s", "r", error=2e-3, limit=1e-3, finite=True, engine_calls=3)
+    assert not row.ok
+    assert not dataclasses_replace(row, error=0.0, finite=False).ok
+    assert not dataclasses_replace(row, error=0.0, plain_calls=1).ok  # the plain model ran: nothing was compared
+    assert dataclasses_replace(row, error=0.0).ok
+
+
+def dataclasses_replace(row, **changes):
+    import dataclasses
+
+    return dataclasses.replace(row, **changes)

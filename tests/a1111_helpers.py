@@ -105,8 +105,11 @@ def forge_missing() -> str | None:
 
 def host_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
+    # gradio's temporary folder (GRADIO_TEMP_DIR, default <tmp>/gradio, made when the host imports gradio) goes with
+    # the copy of the HF cache, which goes when the test run ends.
     env.update({"HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"})
+                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
+                "GRADIO_TEMP_DIR": str(hf_home().parent / "gradio")})
     # The project's test settings are not A1111's: its own interpreter, and Triton's interpreter mode only where
     # a test asks for it. PYTHONPATH goes with the tests' link that makes `sd_accel` importable (tests/conftest.py):
     # the hosts load the pack from extensions/sd-accel by themselves, as they do for a user.
@@ -187,9 +190,8 @@ class Server(HostServer):
         cmd += ["--skip-torch-cuda-test", "--skip-prepare-environment", "--skip-install", "--skip-version-check",
                 "--api", "--nowebui", "--server-name", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data),
                 *flags]
-        # gradio's temporary folder (GRADIO_TEMP_DIR, default <tmp>/gradio) goes with the data folder too.
-        env = host_env({"SD_ACCEL_CACHE": str(data / "accel"), "GRADIO_TEMP_DIR": str(data / "gradio-tmp")})
-        self.start(cmd, cwd, env, data / f"server-{self.port}.log", startup_timeout)
+        self.start(cmd, cwd, host_env({"SD_ACCEL_CACHE": str(data / "accel")}), data / f"server-{self.port}.log",
+                   startup_timeout)
 
     def options(self, **values) -> None:
         self.post("/sdapi/v1/options", values)

@@ -29,3 +29,10 @@ if "SD_ACCEL_CACHE" not in os.environ:
     _CACHE = tempfile.mkdtemp(prefix="sd-accel-test-cache-")
     os.environ["SD_ACCEL_CACHE"] = _CACHE
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+# torch.compile's cache (default <tmp>/torchinductor_<user>, kept) goes with the run too, as every temporary folder the
+# tests make does.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _INDUCTOR = tempfile.mkdtemp(prefix="sd-accel-test-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR
+    atexit.register(shutil.rmtree, _INDUCTOR, ignore_errors=True)

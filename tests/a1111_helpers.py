@@ -61,15 +61,23 @@ def _offline_cache() -> Path | None:
 
 
 @functools.cache
+def _run_folder() -> Path:
+    """This test run's folder for the hosts' processes (the copy of the HF cache, their temporary folder), removed
+    when the run ends; the servers that use it are stopped by then."""
+    folder = Path(tempfile.mkdtemp(prefix="sd-accel-hosts-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    (folder / "tmp").mkdir()
+    return folder
+
+
+@functools.cache
 def hf_home() -> Path | None:
     """A copy of the offline cache for this test run: diffusers writes a version file into HF_HOME on import, and
     the shared cache stays as it is."""
     home = _offline_cache()
     if home is None:
         return None
-    folder = Path(tempfile.mkdtemp(prefix="sd-accel-hf-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the servers that read it are stopped by then
-    copy = folder / "hf"
+    copy = _run_folder() / "hf"
     _writable_copy(home, copy)
     return copy
 
@@ -105,11 +113,10 @@ def forge_missing() -> str | None:
 
 def host_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    # gradio's temporary folder (GRADIO_TEMP_DIR, default <tmp>/gradio, made when the host imports gradio) goes with
-    # the copy of the HF cache, which goes when the test run ends.
+    # The hosts' temporary files go to this run's folder, which goes when the run ends: gradio's upload folder, and
+    # <tmp>/gradio, which Forge's built-in ControlNet extension makes at import whatever GRADIO_TEMP_DIR says.
     env.update({"HF_HOME": str(hf_home()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1",
-                "GRADIO_TEMP_DIR": str(hf_home().parent / "gradio")})
+                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(_run_folder() / "tmp")})
     # The project's test settings are not A1111's: its own interpreter, and Triton's interpreter mode only where
     # a test asks for it. PYTHONPATH goes with the tests' link that makes `sd_accel` importable (tests/conftest.py):
     # the hosts load the pack from extensions/sd-accel by themselves, as they do for a user.

@@ -16,6 +16,7 @@ while this model samples. Two wrappers:
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from ..accel.errors import AccelError, BadInput
@@ -48,9 +49,8 @@ class AcceleratedUNetNode:
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
-    DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1, Chroma or SD3/SD3.5 "
-                   "(transformer) "
-                   "checkpoint through the fastest path for this GPU (fused torch kernels with CUDA graphs; ONNX "
+    DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1, Chroma, SD3/SD3.5, Wan "
+                   "2.1/2.2 or Qwen-Image (transformer) checkpoint through the fastest path for this GPU (fused torch kernels with CUDA graphs; ONNX "
                    "Runtime for UNets), built on the first sampling step and cached. LoRA, ControlNet and other "
                    "nodes' patches keep working: calls an engine cannot serve run on the torch path or the plain "
                    "model, and the node says why.")
@@ -76,7 +76,7 @@ class AcceleratedUNetNode:
             },
             # Optional, so that workflows saved before it still validate.
             "optional": {"precision": (list(PRECISION), {"default": "auto", "tooltip": (
-                "Flux, Chroma and SD3 transformers: auto runs weights loaded in fp8 as fp8 matrix products (Hopper and "
+                "Flux, Chroma, SD3, Wan and Qwen-Image transformers: auto runs weights loaded in fp8 as fp8 matrix products (Hopper and "
                 "later) "
                 "and 16-bit weights in 16 bits; fp8 also quantizes 16-bit weights (faster, +50% weight memory, "
                 "slightly different images); 16bit widens fp8 weights per call, as ComfyUI does.")})},
@@ -150,23 +150,27 @@ def unsupported(model) -> str | None:
     from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
 
-    try:
-        from comfy.ldm.chroma.model import Chroma
-    except ImportError:  # a ComfyUI from before Chroma
-        Chroma = Flux
+    transformers = [Flux, OpenAISignatureMMDITWrapper]
+    for module, name in (("comfy.ldm.chroma.model", "Chroma"), ("comfy.ldm.wan.model", "WanModel"),
+                         ("comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel")):
+        try:  # a ComfyUI from before the model has no such class
+            transformers.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
     base = getattr(model, "model", None)
     unet = getattr(base, "diffusion_model", None)
     what = f"{type(base).__name__} ({type(unet).__name__})"
-    # Subclasses (SVD's VideoUNet, Chroma Radiance's Chroma) take other inputs or have other blocks.
-    if type(unet) in (Flux, Chroma, OpenAISignatureMMDITWrapper):
+    # Subclasses (SVD's VideoUNet, Chroma Radiance's Chroma, VACE's and the camera models' Wan) take other inputs or
+    # have other blocks.
+    if type(unet) in transformers:
         try:
             inspect_dit(unet)
         except AccelError as e:
             return f"{e} It passes through unaccelerated."
         return None
     if type(unet) is not UNetModel:
-        return (f"{what} is not an SD1.x, SD2.x or SDXL UNet or a Flux.1, Chroma or SD3 transformer; it passes "
-                "through unaccelerated.")
+        return (f"{what} is not an SD1.x, SD2.x or SDXL UNet or a Flux.1, Chroma, SD3, Wan 2.1/2.2 or Qwen-Image "
+                "transformer; it passes through unaccelerated.")
     try:
         family = inspect_unet(unet).family
     except AccelError as e:
@@ -183,6 +187,8 @@ def attach(model, session: "Session") -> None:
     serve = {"unet": (WrappersMP.DIFFUSION_MODEL, session.diffusion_model),
              "flux": (WrappersMP.DIFFUSION_MODEL, session.flux_diffusion_model),
              "chroma": (WrappersMP.DIFFUSION_MODEL, session.chroma_diffusion_model),
+             "wan": (WrappersMP.DIFFUSION_MODEL, session.wan_diffusion_model),
+             "qwen-image": (WrappersMP.DIFFUSION_MODEL, session.qwen_image_diffusion_model),
              "sd3": (WrappersMP.APPLY_MODEL, session.apply_model)}[_kind(model)]
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, KEY)
@@ -292,6 +298,33 @@ class Session:
             return executor(x, timesteps, context, guidance, control, transformer_options, **kwargs)
 
         extra = {k: v for k, v in kwargs.items() if k != "y"}  # a pooled input Chroma's forward ignores
+        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
+                           plain, x, timesteps, context, None, control, guidance)
+
+    def wan_diffusion_model(self, executor, x, timestep=None, context=None, clip_fea=None, time_dim_concat=None,
+                            transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's own signature)
+        def plain():
+            return executor(x, timestep, context, clip_fea, time_dim_concat, transformer_options, **kwargs)
+
+        # Image-to-video's CLIP features and Wan 2.2's concatenated frames are inputs the engine does not take yet:
+        # such calls run ComfyUI's own forward (why_plain says so once).
+        extra = {k: v for k, v in kwargs.items() if not (k == "control" and v is None)}  # Wan has no ControlNet
+        extra.update({k: v for k, v in (("clip_fea", clip_fea), ("time_dim_concat", time_dim_concat))
+                      if v is not None})
+        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
+                           plain, x, timestep, context, None, None)
+
+    def qwen_image_diffusion_model(self, executor, x, timesteps=None, context=None, attention_mask=None,
+                                   guidance=None, ref_latents=None, transformer_options={},
+                                   **kwargs):  # noqa: B006 (ComfyUI's own signature)
+        def plain():
+            return executor(x, timesteps, context, attention_mask, guidance, ref_latents, transformer_options,
+                            **kwargs)
+
+        control = kwargs.get("control")
+        extra = {k: v for k, v in kwargs.items() if k != "control"}
+        extra.update({k: v for k, v in (("attention_mask", attention_mask), ("ref_latents", ref_latents))
+                      if v is not None})
         return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
                            plain, x, timesteps, context, None, control, guidance)
 

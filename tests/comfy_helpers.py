@@ -157,7 +157,8 @@ def tiny_dit(family: str = "flux", seed: int = 0):
 
     _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
     config = {"flux": comfy.supported_models.Flux, "chroma": comfy.supported_models.Chroma,
-              "sd3": comfy.supported_models.SD3}[family](dict(cfg))
+              "sd3": comfy.supported_models.SD3, "wan": comfy.supported_models.WAN21_T2V,
+              "qwen-image": comfy.supported_models.QwenImage}[family](dict(cfg))
     config.unet_config.update(cfg)
     model = config.get_model({})
     configs.seed_dit_parameters(model.diffusion_model, seed)
@@ -174,7 +175,8 @@ def tiny_dit_conditioning(family: str = "flux", seed: int = 0, tokens: int = 7):
 
     _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
     flow = family in ("flux", "chroma")
-    ctx = cfg["context_in_dim"] if flow else cfg["context_embedder_config"]["params"]["in_features"]
+    ctx = (cfg["context_in_dim"] if flow else cfg.get("text_dim") or cfg.get("joint_attention_dim")
+           or cfg["context_embedder_config"]["params"]["in_features"])
     pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
     g = torch.Generator().manual_seed(seed)
 

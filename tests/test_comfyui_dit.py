@@ -167,4 +167,62 @@ def test_other_transformers_pass_through_with_a_reason(pack):
     model.model.diffusion_model.__class__ = FluxVariant
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
     out = node.apply(model, "auto", True, False, **PROFILE, unique_id="8")
-    assert out["result"][0] is model and "Flux.1, Chroma or SD3 transformer" in out["ui"]["text"][0]
+    text = out["ui"]["text"][0]
+    assert out["result"][0] is model and "Flux.1, Chroma, SD3, Wan 2.1/2.2 or Qwen-Image transformer" in text
+
+
+def sample_frames(model, positive, negative, frames, steps=2, size=8, seed=1, cfg=3.0):
+    """comfy.sample.sample on (batch, 16, frames, h, w) latents: Wan's video latents, and Qwen-Image's one frame (the
+    KSampler node makes its 4-D latent 5-D for models whose latent format has 3 dimensions)."""
+    import comfy.sample
+
+    shape = (1, 16, frames, size, size)
+    noise = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, torch.zeros(shape),
+                               disable_pbar=True, seed=seed)
+
+
+@pytest.mark.parametrize("family,frames", [("wan", 3), ("qwen-image", 1)])
+def test_wan_and_qwen_image_are_accelerated_and_equal_plain(pack, family, frames):
+    """ComfyUI's WanModel (text-to-video, through supported_models.WAN21_T2V) and Qwen-Image through the node: every
+    call served by the engine, the latents plain ComfyUI's; a LoRA after the node changes them as it does plain's."""
+    import comfy.sd
+
+    model = H.tiny_dit(family, 7)
+    pos, neg = H.tiny_dit_conditioning(family, 8)
+    acc, text = accelerate(pack, model)
+    assert "backend: torch" in text
+    plain = sample_frames(model, pos, neg, frames)
+    assert H.same(sample_frames(acc, pos, neg, frames), plain)
+    s = status(acc)
+    assert s.engine_calls == 2 and s.plain_calls == 0, s.describe()
+    g = torch.Generator().manual_seed(9)
+    lora = {}
+    for key, w in model.model.diffusion_model.state_dict().items():
+        if w.ndim == 2 and key.endswith((".q.weight", "to_q.weight", "ffn.0.weight", "img_mlp.net.0.proj.weight")):
+            name = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
+            lora[f"{name}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.2
+            lora[f"{name}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.2
+            lora[f"{name}.alpha"] = torch.tensor(4.0)
+    assert lora
+
+    def with_lora(m):
+        return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0.0)[0]
+
+    plain_lora = sample_frames(with_lora(model), pos, neg, frames)
+    assert not torch.allclose(plain_lora, plain, atol=1e-3)  # the LoRA reaches the transformer
+    after = with_lora(acc)
+    assert H.same(sample_frames(after, pos, neg, frames), plain_lora)
+    assert status(after).engine_calls == 4
+
+
+def test_wan_image_to_video_inputs_run_comfyuis_own_forward_and_say_so(pack):
+    """Wan's image-to-video CLIP features are an input the engine does not take: ComfyUI's forward serves those calls,
+    the image is plain's, and the node says why."""
+    model = H.tiny_dit("wan", 10)
+    pos, neg = H.tiny_dit_conditioning("wan", 11)
+    acc, _ = accelerate(pack, model)
+    session = accelerated_unet.session_of(acc)
+    session.patcher = acc
+    why = session.why_plain(0, {}, {"clip_fea": torch.zeros(1, 257, 1280)})
+    assert why is not None and "clip_fea" in why[1]

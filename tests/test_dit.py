@@ -237,7 +237,8 @@ def _bf16_inputs(name):
 
 
 @pytest.mark.parametrize("form,name,projections", [("comfy", "tiny-flux", 20), ("comfy", "tiny-sd3", 15),
-                                                  ("comfy", "tiny-chroma", 20), ("diffusers", "tiny-flux", 34),
+                                                  ("comfy", "tiny-chroma", 20), ("comfy", "tiny-wan", 20),
+                                                  ("comfy", "tiny-qwen-image", 24), ("diffusers", "tiny-flux", 34),
                                                   ("diffusers", "tiny-sd3", 25)])
 def test_fp8_products_only_where_precision_says(request, form, name, projections):
     """precision auto leaves 16-bit weights 16-bit; fp8 takes every block projection (not the modulation) and stays
@@ -254,8 +255,10 @@ def test_fp8_products_only_where_precision_says(request, form, name, projections
     assert 1e-4 < rel(out, ref) <= 5e-2  # fp8 products: different, and close
     again, _ = _fused_output(model, inp, "fp8")
     assert torch.equal(again, out)
-    if form == "diffusers":
+    if form == "diffusers" or name == "tiny-qwen-image":
         layer = model.transformer_blocks[0].attn.to_q
+    elif name == "tiny-wan":
+        layer = model.blocks[0].self_attn.q
     else:
         layer = model.joint_blocks[0].x_block.attn.qkv if name == "tiny-sd3" else model.double_blocks[0].img_attn.qkv
     with torch.no_grad():

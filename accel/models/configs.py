@@ -313,6 +313,15 @@ def _comfy_mmdit(depth: int, pos_max: int, x_attn_layers: list[int], context: in
                 qk_norm="rms", x_block_self_attn_layers=x_attn_layers)
 
 
+# Wan (ComfyUI's WanModel, as its model detection configures it for the published checkpoints): 2.1 T2V 14B and
+# 1.3B, 2.2 TI2V 5B (48 latent channels). Qwen-Image: ComfyUI's class defaults are the published 20B MMDiT.
+_COMFY_WAN21_14B = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16,
+                        dim=5120, ffn_dim=13824, freq_dim=256, text_dim=4096, out_dim=16, num_heads=40,
+                        num_layers=40, eps=1e-6)
+_COMFY_QWEN_IMAGE = dict(image_model="qwen_image", patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                         attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
+                         pooled_projection_dim=768, axes_dims_rope=(16, 56, 56))
+
 COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     "flux-dev": ("flux", _COMFY_FLUX_DEV),
     "flux-schnell": ("flux", {**_COMFY_FLUX_DEV, "guidance_embed": False}),
@@ -325,6 +334,15 @@ COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     "tiny-chroma": ("chroma", {**_COMFY_CHROMA, "context_in_dim": 32, "hidden_size": 64, "num_heads": 4, "depth": 2,
                                "depth_single_blocks": 2, "axes_dim": [4, 6, 6], "out_dim": 64, "hidden_dim": 96,
                                "n_layers": 2}),
+    "wan21-14b": ("wan", _COMFY_WAN21_14B),
+    "wan21-1.3b": ("wan", {**_COMFY_WAN21_14B, "dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30}),
+    "wan22-5b": ("wan", {**_COMFY_WAN21_14B, "image_model": "wan2.2", "in_dim": 48, "out_dim": 48, "dim": 3072,
+                         "ffn_dim": 14336, "num_heads": 24, "num_layers": 30}),
+    "qwen-image": ("qwen-image", _COMFY_QWEN_IMAGE),
+    "tiny-wan": ("wan", {**_COMFY_WAN21_14B, "dim": 64, "ffn_dim": 128, "text_dim": 32, "num_heads": 4,
+                         "num_layers": 2}),
+    "tiny-qwen-image": ("qwen-image", {**_COMFY_QWEN_IMAGE, "num_layers": 2, "attention_head_dim": 16,
+                                       "num_attention_heads": 4, "joint_attention_dim": 32, "axes_dims_rope": (4, 6, 6)}),
 }
 
 # diffusers' form: the transformer/config.json of black-forest-labs/FLUX.1-dev and stabilityai/stable-diffusion-3.5-*.
@@ -348,10 +366,16 @@ DIFFUSERS_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
                          "caption_projection_dim": 128, "joint_attention_dim": 32, "pooled_projection_dim": 24,
                          "pos_embed_max_size": 16, "dual_attention_layers": (0,)}),
 }
-DIT_NAMES = tuple(COMFY_DIT_CONFIGS)
+# What the bench times (Wan and Qwen-Image: not yet).
+DIT_NAMES = tuple(n for n, (family, _) in COMFY_DIT_CONFIGS.items() if family in ("flux", "chroma", "sd3"))
 # (text tokens, latent size at 1024x1024) as the bench runs them: T5's 512 tokens for Flux, CLIP-L+G then T5 for SD3.
 DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": (333, 128), "sd35-medium": (333, 128),
-              "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8)}
+              "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8),
+              "wan21-14b": (512, (60, 104)), "wan21-1.3b": (512, (60, 104)), "wan22-5b": (512, (44, 80)),
+              "qwen-image": (512, 166), "tiny-wan": (7, 8), "tiny-qwen-image": (7, 8)}
+# Latent frames of a video DiT's native clip: Wan 2.1's 81 frames at 480x832 (its VAE keeps 1 + 80/4), Wan 2.2 5B's
+# 121 frames at 704x1280 (1 + 120/4); its VAE compresses 16x in space, so 44x80.
+VIDEO_FRAMES = {"wan21-14b": 21, "wan21-1.3b": 21, "wan22-5b": 31, "tiny-wan": 3}
 
 # Trained DiTs start each block near the identity: the adaLN modulation and the projections back into the residual
 # stream are small. Drawn like the other matrices, 57 blocks amplify rounding until bf16 and fp32 disagree entirely,
@@ -426,6 +450,10 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     family, cfg = COMFY_DIT_CONFIGS[name]
     if family == "flux":
         from comfy.ldm.flux.model import Flux as cls
+    elif family == "wan":
+        from comfy.ldm.wan.model import WanModel as cls
+    elif family == "qwen-image":
+        from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel as cls
     elif family == "chroma":
         from comfy.ldm.chroma.model import Chroma as cls
     else:
@@ -441,11 +469,17 @@ def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] 
     """Seeded canonical-call inputs (x, timesteps, context, y, guidance) for the DiT `name`."""
     family, cfg = COMFY_DIT_CONFIGS[name]
     tokens, native = DIT_SHAPES[name]
-    h, w = (latent, latent) if isinstance(latent, int) else (latent or (native, native))
+    native = native if isinstance(native, tuple) else (native, native)
+    h, w = (latent, latent) if isinstance(latent, int) else (latent or native)
     g = torch.Generator().manual_seed(seed)
-    flow = family in ("flux", "chroma")
-    ctx_dim = cfg["context_in_dim"] if flow else cfg["context_embedder_config"]["params"]["in_features"]
+    flow = family in ("flux", "chroma", "wan", "qwen-image")
     move = lambda v: v.to(device=device, dtype=dtype)  # noqa: E731
+    if family in ("wan", "qwen-image"):
+        ctx_dim = cfg["text_dim"] if family == "wan" else cfg["joint_attention_dim"]
+        shape = (batch, cfg["in_dim"], VIDEO_FRAMES[name], h, w) if family == "wan" else (batch, 16, 1, h, w)
+        return {"x": move(torch.randn(*shape, generator=g)), "timesteps": torch.full((batch,), 0.6, device=device),
+                "context": move(torch.randn(batch, tokens, ctx_dim, generator=g))}
+    ctx_dim = cfg["context_in_dim"] if flow else cfg["context_embedder_config"]["params"]["in_features"]
     out = {"x": move(torch.randn(batch, 16, h, w, generator=g)),
            "timesteps": torch.full((batch,), 0.6 if flow else 600.0, device=device),
            "context": move(torch.randn(batch, tokens, ctx_dim, generator=g))}

@@ -1,4 +1,5 @@
-"""Diffusion transformers (Flux.1 and Chroma, SD3/SD3.5 MMDiT) behind the same canonical call as the UNets.
+"""Diffusion transformers (Flux.1 and Chroma, SD3/SD3.5 MMDiT, Wan 2.1/2.2 video, Qwen-Image) behind the same
+canonical call as the UNets.
 
 The canonical call is `dit(x, timesteps, context, y=None, control=None, guidance=None)`: x the latent image
 (batch, channels, height, width), timesteps as the host's sampler passes them (Flux: sigma; SD3: 1000 * sigma),
@@ -7,6 +8,9 @@ ControlNet dict. Two forms: ComfyUI's own classes (comfy.ldm.flux.model.Flux, co
 modules.diffusionmodules.mmdit.MMDiT) and diffusers' (FluxTransformer2DModel, SD3Transformer2DModel), whose
 packed-token call the adapter makes. Chroma is Flux's architecture without the pooled text input, its blocks'
 modulation computed once per call by a small network (the "approximator") instead of a projection in every block.
+Wan (ComfyUI's comfy.ldm.wan.model.WanModel) takes video latents (batch, channels, frames, height, width) and
+Qwen-Image (comfy.ldm.qwen_image.model.QwenImageTransformer2DModel) latents of one frame, (batch, channels, 1, height,
+width) as ComfyUI passes them, or (batch, channels, height, width).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from .spec import Canonical
 @dataclass(frozen=True)
 class DiTSpec:
     form: str  # "comfy" | "diffusers"
-    family: str  # "flux" | "chroma" | "sd3"
+    family: str  # "flux" | "chroma" | "sd3" | "wan" | "qwen-image"
     in_channels: int  # latent channels
     hidden_size: int
     heads: int
@@ -56,6 +60,11 @@ def _kind(m: nn.Module) -> tuple[str, str] | None:
     if hasattr(m, "joint_blocks") and hasattr(m, "x_embedder") and hasattr(m, "context_embedder") \
             and not hasattr(m, "config"):
         return "comfy", "sd3"
+    if name == "WanModel" and hasattr(m, "blocks") and hasattr(m, "patch_embedding") and hasattr(m, "head"):
+        return "comfy", "wan"
+    if name == "QwenImageTransformer2DModel" and hasattr(m, "transformer_blocks") and hasattr(m, "txt_in") \
+            and not hasattr(m, "config"):
+        return "comfy", "qwen-image"
     if name == "FluxTransformer2DModel":
         return "diffusers", "flux"
     if name == "SD3Transformer2DModel":
@@ -69,7 +78,8 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
     if kind is None:
         raise UnsupportedModel(
             f"{type(m).__name__} is not a supported diffusion transformer (Flux.1, Chroma or SD3/SD3.5, in "
-            "ComfyUI's or diffusers' form).", "Other model types run unaccelerated.")
+            "ComfyUI's or diffusers' form; Wan 2.1/2.2 or Qwen-Image in ComfyUI's).", "Other model types run "
+            "unaccelerated.")
     n = sum(p.numel() for p in m.parameters())
     form, family = kind
     if form == "comfy" and family == "flux":
@@ -80,6 +90,13 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
         p = m.params
         return DiTSpec(form, family, p.in_channels // p.patch_size ** 2, p.hidden_size, p.num_heads, p.depth,
                        p.depth_single_blocks, p.context_in_dim, 0, True, p.patch_size, n)
+    if family == "wan":
+        return DiTSpec(form, family, m.in_dim, m.dim, m.num_heads, len(m.blocks), 0, m.text_dim, 0, False,
+                       m.patch_size[-1], n)
+    if family == "qwen-image":  # its in_channels count a 2x2 patch's values
+        block = m.transformer_blocks[0]
+        return DiTSpec(form, family, m.in_channels // m.patch_size ** 2, m.inner_dim, block.num_attention_heads,
+                       len(m.transformer_blocks), 0, m.txt_in.in_features, 0, False, m.patch_size, n)
     if form == "comfy":
         hidden = m.x_embedder.proj.out_features if hasattr(m.x_embedder.proj, "out_features") \
             else m.x_embedder.proj.out_channels
@@ -111,9 +128,11 @@ class CanonicalDiT(Canonical):
 
     def check(self, x: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None) -> None:
         s = self.spec
-        if x.dim() != 4 or x.shape[1] != s.in_channels:
+        dims = {"wan": (5,), "qwen-image": (4, 5)}.get(s.family, (4,))
+        if x.dim() not in dims or x.shape[1] != s.in_channels:
+            frames = "frames, " if s.family == "wan" else ""
             raise BadInput(f"latent has shape {tuple(x.shape)}; this {s.family} transformer takes (batch, "
-                           f"{s.in_channels}, height, width).", "Feed it latents made for this model's VAE.")
+                           f"{s.in_channels}, {frames}height, width).", "Feed it latents made for this model's VAE.")
         if context.dim() != 3 or context.shape[-1] != s.context_dim:
             raise BadInput(f"conditioning has shape {tuple(context.shape)}; this {s.family} transformer takes "
                            f"(batch, tokens, {s.context_dim}).", "Use the text encoders that belong to this model.")
@@ -130,6 +149,13 @@ class CanonicalDiT(Canonical):
             if guidance is None:  # ComfyUI's Chroma model passes 0 unless a node sets it
                 guidance = torch.zeros(x.shape[0], device=x.device)
             return self.unet(x, timesteps, context, guidance, control=control, **kwargs)
+        if s.family == "wan":
+            return self.unet(x, timesteps, context, **kwargs)
+        if s.family == "qwen-image":
+            extra = {"control": control} if control is not None else {}
+            if x.dim() == 4:  # ComfyUI's class takes one frame's latents as (batch, channels, 1, height, width)
+                return self.unet(x.unsqueeze(2), timesteps, context, guidance=guidance, **extra, **kwargs).squeeze(2)
+            return self.unet(x, timesteps, context, guidance=guidance, **extra, **kwargs)
         if s.form == "comfy":
             # The class's forward: while the ComfyUI node serves an SD3 call, the instance's own is the node's.
             return type(self.unet).forward(self.unet, x, timesteps, context=context, y=y, control=control, **kwargs)

@@ -42,7 +42,8 @@ log = logging.getLogger("sd-accel")
 # model lets one compiled graph serve every instance of the same shape, so compile time is a fraction.
 REPEATED_BLOCKS = ("BasicTransformerBlock", "ResnetBlock2D", "ResBlock", "Transformer2DModel", "SpatialTransformer",
                    "DoubleStreamBlock", "SingleStreamBlock", "JointBlock", "FluxTransformerBlock",
-                   "FluxSingleTransformerBlock", "JointTransformerBlock")
+                   "FluxSingleTransformerBlock", "JointTransformerBlock", "WanAttentionBlock",
+                   "QwenImageTransformerBlock")
 
 
 def available(gpu) -> tuple[bool, str]:

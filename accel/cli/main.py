@@ -175,8 +175,9 @@ def _main(argv: list[str] | None) -> int:
     b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD UNets and diffusion transformers")
     b.add_argument("--models", default="sd15,sdxl",
                    help="comma-separated: sd15, sd21, sdxl (fp16, batch 2); flux-dev, flux-schnell (bf16, batch 1), "
-                        "sd35-large, sd35-medium, chroma (bf16, batch 2; chroma with --comfyui only), with their FLOP "
-                        "count and floor (default: sd15,sdxl)")
+                        "sd35-large, sd35-medium, chroma (bf16, batch 2; chroma with --comfyui only); wan21-14b, "
+                        "wan21-1.3b (832x480, 81 frames), wan22-5b (1280x704, 121 frames), qwen-image (1328x1328) "
+                        "(bf16, batch 2, --comfyui only), with their FLOP count and floor (default: sd15,sdxl)")
     b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "

@@ -366,8 +366,7 @@ DIFFUSERS_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
                          "caption_projection_dim": 128, "joint_attention_dim": 32, "pooled_projection_dim": 24,
                          "pos_embed_max_size": 16, "dual_attention_layers": (0,)}),
 }
-# What the bench times (Wan and Qwen-Image: not yet).
-DIT_NAMES = tuple(n for n, (family, _) in COMFY_DIT_CONFIGS.items() if family in ("flux", "chroma", "sd3"))
+DIT_NAMES = tuple(COMFY_DIT_CONFIGS)
 # (text tokens, latent size at 1024x1024) as the bench runs them: T5's 512 tokens for Flux, CLIP-L+G then T5 for SD3.
 DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": (333, 128), "sd35-medium": (333, 128),
               "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8),
@@ -421,7 +420,8 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     if name not in COMFY_DIT_CONFIGS:
         raise ValueError(f"unknown DiT config {name!r}; choose one of {', '.join(COMFY_DIT_CONFIGS)}")
     if form == "diffusers" and name not in DIFFUSERS_DIT_CONFIGS:
-        raise ValueError(f"{name} is built in ComfyUI's form only; choose one of {', '.join(DIFFUSERS_DIT_CONFIGS)}")
+        raise ValueError(f"{name} is built in ComfyUI's form only (bench: --comfyui DIR); in diffusers' form, choose "
+                         f"one of {', '.join(DIFFUSERS_DIT_CONFIGS)}")
     if form == "diffusers":
         from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
         from diffusers.utils import logging

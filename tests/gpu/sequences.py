@@ -35,10 +35,15 @@ MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int
     "flux-dev": ("Flux", "flux-dev", torch.bfloat16, 1.0, (1024, 1024), (1024, 768), 512),
     "sd35-medium": ("SD3", "sd35-medium", torch.bfloat16, 4.5, (1024, 1024), (1024, 768), 333),
     "chroma": ("Chroma", "chroma", torch.bfloat16, 4.0, (1024, 1024), (1024, 768), 512),
+    # A short clip keeps a sequence of runs within minutes: 17 frames (5 latent frames) at 480p.
+    "wan21-1.3b": ("WAN21_T2V", "wan21-1.3b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
+    "qwen-image": ("QwenImage", "qwen-image", torch.bfloat16, 2.5, (1024, 1024), (1024, 768), 512),
 }
 TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "flux-dev": "tiny-flux", "sd35-medium": "tiny-sd3",
-        "chroma": "tiny-chroma"}
+        "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image"}
+FRAMES = {"wan21-1.3b": 5}  # latent frames; the others are images (Qwen-Image's latents have one frame)
 QUICK = ("sd15", "flux-dev")
+NOT_IN_FULL = ("wan21-1.3b", "qwen-image")  # named alone until their first GPU run has been read
 UNETS = ("sd15", "sdxl")
 
 
@@ -166,7 +171,9 @@ class Harness:
             pooled = 1280 if self.name == "sdxl" else None
         else:
             family, cfg = configs.COMFY_DIT_CONFIGS[self.config]
-            dim = cfg["context_in_dim"] if family != "sd3" else cfg["context_embedder_config"]["params"]["in_features"]
+            dim = {"sd3": lambda: cfg["context_embedder_config"]["params"]["in_features"],
+                   "wan": lambda: cfg["text_dim"], "qwen-image": lambda: cfg["joint_attention_dim"]}.get(
+                family, lambda: cfg["context_in_dim"])()
             pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
 
         def cond(scale: float):
@@ -188,7 +195,7 @@ class Harness:
         key_map = comfy.lora.model_lora_keys_unet(model.model, {})
         g = torch.Generator().manual_seed(_seed(self.name, "lora"))
         names = ("attn1.to_", "attn2.to_", "ff.net", "img_attn.", "txt_attn.", "linear1", "linear2", "attn.qkv",
-                 "attn.proj", "img_mlp.", "mlp.fc")
+                 "attn.proj", "img_mlp.", "mlp.fc", "self_attn.", "cross_attn.", "ffn.", "attn.to_")
         sd, taken = {}, 0
         for key, w in model.model.diffusion_model.state_dict().items():
             if w.dim() != 2 or not key.endswith(".weight") or not any(n in key for n in names) or taken >= 48:
@@ -208,7 +215,8 @@ class Harness:
 
         w, h = self.base if run.size == "base" else self.other
         channels = 4 if self.unet else 16
-        shape = (run.batch, channels, h // 8, w // 8)
+        frames = (FRAMES.get(self.name, 1),) if self.name in FRAMES or self.name == "qwen-image" else ()
+        shape = (run.batch, channels, *frames, h // 8, w // 8)
         seed = _seed(self.name, run.config())
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
         latent = torch.zeros(shape)

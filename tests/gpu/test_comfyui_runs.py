@@ -29,7 +29,7 @@ def _chosen() -> tuple[str, ...]:
     if wanted == "quick":
         return sequences.QUICK
     if wanted == "full":
-        return tuple(sequences.MODELS)
+        return tuple(n for n in sequences.MODELS if n not in sequences.NOT_IN_FULL)
     names = tuple(n.strip() for n in wanted.split(",") if n.strip())
     unknown = [n for n in names if n not in sequences.MODELS]
     if unknown:

@@ -303,6 +303,22 @@ class SDAccelTestTinySD:
         return tiny_model(seed), tiny_vae(seed + 1), pos, neg
 
 
+class SDAccelTestTinyWan:
+    """The tiny Wan 2.1 text-to-video model (ComfyUI's WanModel, tiny_dit("wan")) and its conditioning, seeded."""
+
+    CATEGORY = "sd-accel/testing"
+    RETURN_TYPES = ("MODEL", "CONDITIONING", "CONDITIONING")
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+
+    def build(self, seed):
+        pos, neg = tiny_dit_conditioning("wan", seed + 1)
+        return tiny_dit("wan", seed), pos, neg
+
+
 class SDAccelTestControlNet:
     CATEGORY = "sd-accel/testing"
     RETURN_TYPES = ("CONTROL_NET",)
@@ -331,6 +347,7 @@ class SDAccelTestStepAttention:
 
 NODE_CLASS_MAPPINGS = {
     "SDAccelTestTinySD": SDAccelTestTinySD,
+    "SDAccelTestTinyWan": SDAccelTestTinyWan,
     "SDAccelTestControlNet": SDAccelTestControlNet,
     "SDAccelTestStepAttention": SDAccelTestStepAttention,
 }

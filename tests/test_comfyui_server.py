@@ -1,6 +1,7 @@
 """ComfyUI started headless (main.py --cpu, loopback) with this pack as a custom node: workflows posted to /prompt
 run the Accelerated UNet, the tiled VAE nodes and Accel Info on a tiny seeded model (built by the test-only nodes
-in comfy_helpers.py), and the saved images of the accelerated branch equal those of the plain branch.
+in comfy_helpers.py), and the saved images of the accelerated branch equal those of the plain branch (for a tiny
+Wan video model, the saved latents).
 Skipped unless COMFYUI_ROOT names a ComfyUI checkout.
 """
 
@@ -11,6 +12,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 import comfy_helpers as H
 from comfy_server import Server
@@ -189,3 +191,47 @@ def test_example_workflows_use_nodes_and_inputs_the_server_knows(server):
             assert not unknown, f"{path.name} node {node_id} ({node['class_type']}): unknown inputs {unknown}"
             missing = set(spec.get("required", {})) - set(node["inputs"])
             assert not missing, f"{path.name} node {node_id} ({node['class_type']}): missing inputs {missing}"
+
+
+def latent(server, entry: dict, node: str):
+    """The latent a SaveLatent node wrote (ComfyUI's .latent file: safetensors)."""
+    from safetensors.torch import load_file
+
+    (saved,) = entry["outputs"][node]["latents"]
+    return load_file(str(server.base / "output" / saved["subfolder"] / saved["filename"]))["latent_tensor"]
+
+
+def test_tiny_wan_video_through_the_node_equals_plain(server):
+    """ComfyUI's WanModel (text-to-video) as workflows/wan21_t2v_api.json runs it: the node after the loader,
+    ModelSamplingSD3 after the node, video latents from EmptyHunyuanLatentVideo, uni_pc. The accelerated branch's
+    latents are the plain branch's (the server runs on the CPU, where the torch path runs the plain model's
+    computation: exactly), and the engine served every call."""
+    steps = 3
+    sampler = {"seed": 5, "steps": steps, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple",
+               "denoise": 1.0, "positive": ["1", 1], "negative": ["1", 2], "latent_image": ["3", 0]}
+    prompt = {
+        "1": {"class_type": "SDAccelTestTinyWan", "inputs": {"seed": 3}},
+        "2": {"class_type": "SDAccelAcceleratedUNet", "inputs": {
+            "model": ["1", 0], "backend": "torch", "cuda_graphs": True, "torch_compile": False,
+            "min_width": 64, "opt_width": 64, "max_width": 512, "min_height": 64, "opt_height": 64,
+            "max_height": 512, "min_batch": 1, "opt_batch": 1, "max_batch": 2}},
+        "3": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 5,
+                                                                  "batch_size": 1}},
+        "4": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["2", 0], "shift": 8.0}},
+        "5": {"class_type": "KSampler", "inputs": {"model": ["4", 0], **sampler}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "wan_accel"}},
+        "7": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 8.0}},
+        "8": {"class_type": "KSampler", "inputs": {"model": ["7", 0], **sampler}},
+        "9": {"class_type": "SaveLatent", "inputs": {"samples": ["8", 0], "filename_prefix": "wan_plain"}},
+        "10": {"class_type": "SDAccelInfo", "inputs": {"backend": "auto", "model": ["2", 0], "after": ["5", 0]}},
+    }
+    before = len(server.log())
+    entry = server.run(prompt)
+    accel, plain = latent(server, entry, "6"), latent(server, entry, "9")
+    assert accel.shape == (1, 16, 2, 8, 8)  # (batch, channels, 1 + (5 - 1) / 4 frames, 64 / 8, 64 / 8)
+    assert plain.std() > 0.1  # sampled, not the empty latent
+    assert torch.equal(accel, plain)
+    info = info_text(entry, "10")
+    assert calls_line(info).startswith(f"calls this run: {steps} on the torch path"), info
+    log = server.log()[before:]
+    assert "plain model" not in log and "own forward" not in log, log

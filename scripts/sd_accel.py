@@ -1,7 +1,11 @@
 """A1111 and Forge extension entry. Thin: the work is in accel/.
 
-A1111: an "sd-accel" choice under Settings > Stable Diffusion > SD Unet, the settings under Settings > sd-accel, the
-tiled VAE decode, and GET /sd-accel/status.
+A1111: an "sd-accel (fastest path for this GPU)" choice under Settings > Stable Diffusion > SD Unet (ACCEL_LABEL: the
+sd_unet option takes that exact text; any other runs A1111's built-in UNet, and a value that names sd-accel otherwise
+is told once on the console and in the status), the settings under Settings > sd-accel, the tiled VAE decode, and
+GET /sd-accel/status: whether sd-accel serves the UNet now (or why not), its path, the calls served since start, the
+attention that ran, and every message. The console says once per model, path and size that the engine served a
+call and how long that first call took.
 
 Forge routes nothing to an SdUnet (the choice would do nothing, so it is not offered): every generation's
 forge_objects.unet is cloned with a model function wrapper (accel/hosts/forge.py), as Forge's own extensions patch it,
@@ -22,6 +26,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
+import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -38,12 +45,15 @@ _load_pack()
 
 from sd_accel.accel.build.cache import default_root  # noqa: E402
 from sd_accel.accel.hosts.a1111 import LoraSync  # noqa: E402
-from sd_accel.accel.hosts.support import EngineSlot  # noqa: E402
-from sd_accel.accel.progress import CallbackProgress  # noqa: E402
+from sd_accel.accel.hosts.support import LATENT_SCALE, EngineSlot, SlotStatus  # noqa: E402
+from sd_accel.accel.progress import CallbackProgress, keep_logs_off_bars  # noqa: E402
 
 BACKENDS = ["auto", "torch", "onnxruntime", "off"]
 TILED_VAE = ["auto", "always", "off"]
 SECTION = ("sd_accel", "sd-accel")
+ACCEL_NAME = "sd-accel"  # the SD Unet option's model_name: "Automatic" picks it for a checkpoint of that name
+ACCEL_LABEL = "sd-accel (fastest path for this GPU)"  # the SD Unet option's text, the value sd_unet must have
+keep_logs_off_bars(logging.getLogger("sd-accel"))  # the engine's messages come while the sampler's bars are open
 
 
 def _option(name: str, default):
@@ -79,7 +89,7 @@ class AccelUnet(sd_unet.SdUnet):
         if not _lowvram():
             # A1111 parks the built-in UNet on the CPU before activating an option; ours runs that same module.
             shared.sd_model.model.diffusion_model.to(devices.device)
-        print("sd-accel: active; the engine is prepared on the first sampling step.")
+        print(f"sd-accel: active (SD Unet '{ACCEL_LABEL}'); the engine is prepared on the first sampling step.")
 
     def forward(self, x, timesteps=None, context=None, *args, **kwargs):
         unet = shared.sd_model.model.diffusion_model
@@ -129,9 +139,90 @@ class AccelUnet(sd_unet.SdUnet):
             _active = None
 
 
-def _slot(backend: str) -> EngineSlot:
-    return EngineSlot(None if backend == "auto" else backend, progress=lambda: CallbackProgress(_show_progress),
-                      cache_root=str(default_root(_models_dir())))
+class HostSlot(EngineSlot):
+    """The EngineSlot of A1111's and Forge's UNet, which also says on the console, once per model, path and size,
+    that the engine served a call and how long that first call took (as the ComfyUI node's progress says why it
+    waits), and keeps the attention that ran for the status."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.attention: tuple | None = None  # (host's attention, sd-accel's SDPA kernel order, on CUDA, path)
+
+    def call(self, module, weights_key, x, *args, **kwargs):
+        served, engine, start = self.status.engine_calls, self.acc, time.perf_counter()
+        out = super().call(module, weights_key, x, *args, **kwargs)
+        if self.status.engine_calls == served:  # the plain model ran it: said already, where there is a reason
+            return out
+        self.attention = (_host_attention(), self.acc.plan.torch.attention, x.is_cuda, self.status.backend)
+        key = (_model_name(), self.status.backend, x.shape[0], *x.shape[-2:])
+        if key not in _served:
+            _served.add(key)
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            seconds = time.perf_counter() - start
+            prepared = f"; the path was prepared for this model: {self.status.source}" if self.acc is not engine else ""
+            cpu = (" On the CPU the torch path runs the plain model's computation: no speed-up."
+                   if x.device.type == "cpu" and self.status.backend == "torch" else "")
+            _console(f"sd-accel: the {self.status.backend} path served {key[0]}'s UNet at "
+                     f"{key[4] * LATENT_SCALE}x{key[3] * LATENT_SCALE} px (width x height), batch {key[2]}; its first "
+                     f"call at this size took {seconds:.1f} s{prepared} (once per model, path and size: later calls "
+                     f"do not wait).{cpu}")
+        return out
+
+
+def _slot(backend: str) -> HostSlot:
+    slot = HostSlot(None if backend == "auto" else backend, progress=lambda: CallbackProgress(_show_progress),
+                    cache_root=str(default_root(_models_dir())))
+    _statuses.append(slot.status)
+    return slot
+
+
+def _console(message: str) -> None:
+    """One line on the host's console, on a line of its own: the sampler's open progress bars (A1111's step and
+    total bars, on stderr) are cleared first and redrawn after."""
+    tqdm = sys.modules.get("tqdm.std")  # no bar is open when tqdm was never imported
+    bars = list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()))
+    for bar in bars:
+        bar.clear()
+    print(message, flush=True)
+    for bar in bars:
+        bar.refresh()
+
+
+def _model_name() -> str:
+    info = getattr(getattr(shared, "sd_model", None), "sd_checkpoint_info", None)
+    return getattr(info, "model_name", None) or "the model"
+
+
+def _host_attention() -> str:
+    """The attention the host's UNet calls: A1111's cross-attention optimization (its CrossAttention forward), or
+    Forge's attention function. The torch path keeps it (in A1111 and Forge no fusion replaces it)."""
+    forge = sys.modules.get("backend.attention")
+    if forge is not None:
+        fn = getattr(forge, "attention_function", None)
+        return f"Forge's {getattr(fn, '__name__', 'attention')}"
+    hijack = sys.modules.get("modules.sd_hijack")
+    optimizer = getattr(hijack, "current_optimizer", None)
+    if optimizer is None:
+        return "A1111's CrossAttention without an optimization"
+    return f"A1111's {optimizer.name}"
+
+
+def _attention_ran(slot: HostSlot) -> str | None:
+    """What ran the attention of the last engine call, in words; None before the engine served one."""
+    if slot.attention is None:
+        return None
+    host, kernel, cuda, path = slot.attention
+    if path == "onnxruntime":
+        return f"ONNX Runtime's, from the exported {host}"
+    # PyTorch's scaled_dot_product_attention takes sd-accel's kernel order on CUDA/ROCm only (the torch path).
+    if cuda and host in ("A1111's sdp", "Forge's attention_pytorch"):
+        return f"{host} (PyTorch SDPA, {kernel} kernel first)"
+    return host
+
+
+_served: set[tuple] = set()  # (model, path, UNet batch, latent height, latent width) the console was told about
+_statuses: list[SlotStatus] = []  # every slot's status since start (a slot per activation or path): the totals
 
 
 def _lowvram() -> bool:
@@ -145,6 +236,7 @@ def _models_dir() -> str:
 
 
 _active = None  # what serves the UNet now, for GET /sd-accel/status: the A1111 SdUnet, or Forge's script class
+_told: set[str] = set()  # SD Unet values the console was told do not choose sd-accel
 _tiled_decodes = 0
 
 
@@ -156,8 +248,8 @@ def _show_progress(stage: str, fraction: float, eta: float | None) -> None:
 
 
 class AccelUnetOption(sd_unet.SdUnetOption):
-    model_name = "sd-accel"
-    label = "sd-accel (fastest path for this GPU)"
+    model_name = ACCEL_NAME
+    label = ACCEL_LABEL
 
     def create_unet(self) -> AccelUnet:
         return AccelUnet()
@@ -232,15 +324,71 @@ def _dropdown():
         return None
 
 
+def _sd_unet_choice() -> str | None:
+    """None when A1111's SD Unet setting chooses sd-accel; else why not, in words (A1111 then runs its built-in UNet).
+    Read as sd_unet.get_unet_option reads it, without loading a model."""
+    value = str(_option("sd_unet", "Automatic"))
+    if value == ACCEL_LABEL:
+        return None
+    choose = f"Choose '{ACCEL_LABEL}' under Settings > Stable Diffusion > SD Unet (sd_unet takes that exact text)."
+    if value == "Automatic":
+        loaded = getattr(importlib.import_module("modules.sd_models").model_data, "sd_model", None)
+        if getattr(getattr(loaded, "sd_checkpoint_info", None), "model_name", None) == ACCEL_NAME:
+            return None
+        return ("SD Unet is 'Automatic', which takes a UNet named after the checkpoint (none is): A1111 runs its "
+                f"built-in UNet. {choose}")
+    if value == "None":
+        return f"SD Unet is 'None': A1111 runs its built-in UNet. {choose}"
+    if value in [o.label for o in sd_unet.unet_options]:
+        return f"SD Unet is '{value}', another extension's UNet. {choose}"
+    return f"SD Unet is '{value}', which is no SD Unet option: A1111 runs its built-in UNet. {choose}"
+
+
+def _names_sd_accel(value: str) -> bool:
+    """Whether an sd_unet value means sd-accel without being its option's text (A1111 accepts any text)."""
+    return value != ACCEL_LABEL and "sdaccel" in "".join(c for c in value.lower() if c.isalnum())
+
+
+def _inactive_reason() -> str | None:
+    """None when sd-accel serves the host's UNet now; else why not."""
+    if FORGE:
+        if _option("sd_accel_backend", "auto") == "off":
+            return "Settings > sd-accel > backend is off: Forge runs its own UNet."
+        if _active is None:
+            return "no generation yet: sd-accel serves Forge's UNet from the first generation on."
+        return None
+    why = _sd_unet_choice()
+    if why is not None:
+        return why
+    if _active is None or sd_unet.current_unet is not _active:
+        return (f"SD Unet is '{ACCEL_LABEL}': sd-accel serves the UNet from the next generation on (A1111 applies "
+                "the setting then).")
+    return None
+
+
+def _status() -> dict:
+    why = _inactive_reason()
+    last = _active.slot if _active is not None else None
+    s = last.status if last is not None else (_statuses[-1] if _statuses else SlotStatus())
+    out = {"active": why is None, "backend": s.backend if why is None else "inactive",
+           "engine_calls": sum(x.engine_calls for x in _statuses), "plain_calls": sum(x.plain_calls for x in _statuses),
+           "source": s.source, "plan": s.plan, "messages": list(s.messages), "tiled_decodes": _tiled_decodes}
+    if why is not None:
+        out["reason"] = why
+        if _statuses:
+            out["last_backend"] = s.backend
+    ran = _attention_ran(last) if last is not None else None
+    if ran is not None:
+        out["attention"] = ran
+        # The plan names the SDPA kernel sd-accel prefers; the attention that ran is the host's (see _host_attention).
+        out["plan"] = s.plan.replace(f"attention {last.attention[1]},", f"attention {ran},", 1)
+    return out
+
+
 def _status_api(_demo, app) -> None:
     @app.get("/sd-accel/status")
     def status() -> dict:
-        if _active is None:
-            return {"backend": "not active", "tiled_decodes": _tiled_decodes}
-        s = _active.slot.status
-        return {"backend": s.backend, "source": s.source, "engine_calls": s.engine_calls,
-                "plain_calls": s.plain_calls, "messages": list(s.messages), "plan": s.plan,
-                "tiled_decodes": _tiled_decodes}
+        return _status()
 
 
 FORGE = importlib.util.find_spec("modules_forge") is not None
@@ -266,6 +414,7 @@ if FORGE:
             backend = _option("sd_accel_backend", "auto")
             if backend == "off":
                 self.postprocess(p, None)
+                _active = None
                 return
             if AccelForge.slot is None or backend != AccelForge.backend:
                 if AccelForge.slot is not None:
@@ -281,6 +430,24 @@ if FORGE:
             # first call redoes it and replays the kept CUDA graphs.
             if AccelForge.slot is not None:
                 AccelForge.slot.end_run(keep_graphs=True)
+
+else:  # A1111 (Forge has no SD Unet routing)
+    class AccelSdUnetCheck(scripts.Script):
+        """Says once on the console when the SD Unet setting names sd-accel in other words than its option's
+        (A1111 accepts any text there and runs its built-in UNet)."""
+
+        def title(self) -> str:
+            return "sd-accel SD Unet check"
+
+        def show(self, is_img2img):
+            return scripts.AlwaysVisible
+
+        def process(self, p, *args) -> None:
+            value = str(_option("sd_unet", "Automatic"))
+            if _names_sd_accel(value) and value not in _told:
+                _told.add(value)
+                print(f"sd-accel: not active: {_sd_unet_choice()}")
+
 
 shared.options_templates.update(shared.options_section(SECTION, _settings()))
 script_callbacks.on_app_started(_status_api)

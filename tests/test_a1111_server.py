@@ -6,12 +6,16 @@ On the CPU the torch path runs the module as it is, so these tests prove the int
 call to the extension (counted by the extension), the engine's own calls reach A1111's original forward (no
 recursion), the Lora extension's networks reach the weights the engine reads (both of its modes), hires fix,
 batches and img2img, the settings with --nowebui, the tiled VAE decode and --medvram; images equal the built-in
-ones. Kernels are proven against their references elsewhere (test_kernels, test_fusions) and on the GPU.
+ones. What the user is told: an sd_unet value that is not the option's text, the status once A1111 switched away
+(totals kept), the console's line per model and size, the attention that ran. Kernels are proven against their
+references elsewhere (test_kernels, test_fusions) and on the GPU.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -107,7 +111,8 @@ def test_install_py_changes_no_package_of_a1111_and_a1111_then_starts(installed,
 def test_settings_exist_without_the_ui(server):
     options = server.get("/sdapi/v1/options")
     assert options["sd_accel_backend"] == "auto" and options["sd_accel_tiled_vae"] == "auto"
-    assert server.status()["backend"] == "not active"
+    status = server.status()
+    assert status["backend"] == "inactive" and not status["active"] and "'Automatic'" in status["reason"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -133,12 +138,14 @@ def test_functional_lora_mode_runs_the_builtin_unet_and_says_so_once(builtin, ac
 def test_backend_off_runs_the_builtin_unet(server, builtin, accelerated):
     server.options(sd_unet=ACCEL_UNET, sd_accel_backend="off")  # takes effect on the next image
     try:
+        before = server.status()
         image = _run(server, CASES["txt2img"])
         status = server.status()
     finally:
         server.options(sd_accel_backend="auto")
     assert psnr(image, builtin["txt2img"]) >= 60
-    assert status["backend"] == "plain" and status["plain_calls"] == 4 and status["engine_calls"] == 0
+    assert status["backend"] == "plain" and status["active"]
+    assert (status["engine_calls"] - before["engine_calls"], status["plain_calls"] - before["plain_calls"]) == (0, 4)
     assert any("off" in m for m in [status["source"], *status["messages"]])
 
 
@@ -180,3 +187,75 @@ def test_medvram_runs_the_builtin_unet_with_one_message(tmp_path, server, builti
     assert psnr(image, builtin["txt2img"]) >= 60 and psnr(image2, image) == float("inf")
     assert status["engine_calls"] == 0 and status["plain_calls"] == 8
     assert sum("--medvram" in m for m in status["messages"]) == 1
+
+
+# -- what the user is told (issue 36 item 5)
+
+def test_sd_unet_set_to_sd_accel_in_other_words_says_not_active(server, accelerated):
+    """A1111 accepts any text as sd_unet and runs its built-in UNet for one that names no option: the status says
+    sd-accel is not active and which text chooses it; the console says so once."""
+    server.options(sd_unet="sd-accel")
+    try:
+        before = server.status()
+        for _ in range(2):
+            _run(server, CASES["txt2img"])
+        status = server.status()
+    finally:
+        server.options(sd_unet=ACCEL_UNET)
+    assert status["backend"] == "inactive" and not status["active"], status
+    assert "'sd-accel'" in status["reason"] and f"'{ACCEL_UNET}'" in status["reason"], status["reason"]
+    assert status["engine_calls"] == before["engine_calls"]  # the built-in UNet ran
+    said = [ln for ln in server.log().splitlines() if "SD Unet is 'sd-accel'" in ln]
+    assert len(said) == 1 and said[0].startswith("sd-accel: not active") and ACCEL_UNET in said[0], said
+
+
+def test_status_says_inactive_once_a1111_switched_away_and_keeps_the_totals(server, accelerated):
+    server.options(sd_unet=ACCEL_UNET)
+    _run(server, CASES["txt2img"])
+    active = server.status()
+    server.options(sd_unet="None")  # A1111 applies it at the next generation
+    switched = server.status()
+    _run(server, CASES["txt2img"])
+    builtin_ran = server.status()
+    server.options(sd_unet=ACCEL_UNET)
+    chosen = server.status()
+    _run(server, CASES["txt2img"])
+    again = server.status()
+    calls = lambda s: (s["engine_calls"], s["plain_calls"])  # noqa: E731
+    assert active["backend"] == "torch" and switched["backend"] == "inactive", (active, switched)
+    assert calls(again) == (active["engine_calls"] + 4, active["plain_calls"]), (active, again)
+    assert calls(switched) == calls(builtin_ran) == calls(active)
+    assert active["active"] and not switched["active"] and "'None'" in switched["reason"]
+    assert switched["last_backend"] == "torch"
+    assert not chosen["active"] and "next generation" in chosen["reason"]
+    assert again["active"] and again["backend"] == "torch"
+
+
+SERVED = re.compile(r"sd-accel: the torch path served tiny's UNet at (\d+)x(\d+) px \(width x height\), batch (\d+); "
+                    r"its first call at this size took \d+\.\d s")
+
+
+def test_console_says_once_per_model_and_size_that_the_engine_served(server, accelerated):
+    # A line of its own: the open bars are cleared before it (the log keeps the cursor moves a terminal obeys).
+    lines = [ln for ln in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", server.log()).splitlines() if SERVED.match(ln)]
+    sizes = Counter(SERVED.match(ln).groups() for ln in lines)
+    # UNet batches: the prompt and the negative prompt together (2), batch_size 2 (4); hires fix's second pass.
+    assert sizes == {("64", "64", "2"): 1, ("64", "64", "4"): 1, ("128", "128", "2"): 1}, lines
+    assert "the path was prepared for this model" in lines[0] and "no speed-up" in lines[0], lines[0]
+
+
+def test_status_reports_the_attention_that_ran(server, accelerated):
+    """On the CPU A1111's Automatic cross-attention optimization is InvokeAI's; the torch path keeps it."""
+    assert "Applying attention optimization: InvokeAI" in server.log()
+    server.options(sd_unet=ACCEL_UNET)
+    _run(server, CASES["txt2img"])
+    invoke = server.status()
+    server.options(cross_attention_optimization="Doggettx")
+    try:
+        _run(server, CASES["txt2img"])
+        doggettx = server.status()
+    finally:
+        server.options(cross_attention_optimization="Automatic")
+    assert invoke["attention"] == "A1111's InvokeAI", invoke
+    assert "attention A1111's InvokeAI," in invoke["plan"] and "attention math" not in invoke["plan"], invoke["plan"]
+    assert doggettx["attention"] == "A1111's Doggettx", doggettx

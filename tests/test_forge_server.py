@@ -5,10 +5,14 @@ Settings > sd-accel > backend off and auto.
 Forge has no SD Unet routing: the extension clones forge_objects.unet with a model function wrapper for every
 sampling. Proven here: every step runs the engine (counted), the images equal Forge's own, LoRAs through Forge's own
 LoRA code reach the weights the engine reads, hires fix (two shapes), and another extension's UNet patch (FreeU) runs
-Forge's forward with one message; every image is a picture (not blank).
+Forge's forward with one message; every image is a picture (not blank). The status says sd-accel is inactive while
+the backend is off and names the attention that ran; the console says once per size that the engine served a call.
 """
 
 from __future__ import annotations
+
+import re
+from collections import Counter
 
 import pytest
 
@@ -89,3 +93,31 @@ def test_no_sd_unet_option_on_forge_and_a_clean_console(server, runs):
     log = server.log()
     assert "Traceback" not in log, log[log.find("Traceback") - 1500:log.find("Traceback") + 1500]
     assert "sd-accel (fastest path" not in log
+
+
+# What Forge's console says it chose (backend/attention.py) and the attention function that is.
+FORGE_ATTENTION = {"Using xformers cross attention": "attention_xformers",
+                   "Using pytorch cross attention": "attention_pytorch",
+                   "Using split optimization for cross attention": "attention_split",
+                   "Using sub quadratic optimization for cross attention": "attention_sub_quad"}
+
+
+def test_status_says_inactive_while_the_backend_is_off_and_names_the_attention_that_ran(server, runs):
+    off, auto = runs["off", "txt2img"][2], runs["auto", "txt2img"][2]
+    assert off["backend"] == "inactive" and not off["active"] and "backend is off" in off["reason"], off
+    assert auto["active"] and auto["backend"] == "torch", auto
+    # Forge's UNet calls the attention function Forge chose at start-up (sub-quadratic on the CPU); no fusion
+    # replaces it, and the plan's preferred SDPA kernel is not what ran.
+    chosen = [fn for line, fn in FORGE_ATTENTION.items() if line in server.log()]
+    assert len(chosen) == 1 and auto["attention"] == f"Forge's {chosen[0]}", (chosen, auto)
+    assert f"attention Forge's {chosen[0]}," in auto["plan"] and "attention math" not in auto["plan"], auto["plan"]
+
+
+def test_console_says_once_per_size_that_the_engine_served(server, runs):
+    served = re.compile(r"sd-accel: the torch path served sd15's UNet at (\d+)x(\d+) px \(width x height\), "
+                        r"batch (\d+); its first call at this size took \d+\.\d s")
+    lines = [ln for ln in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", server.log()).splitlines() if served.match(ln)]
+    sizes = Counter(served.match(ln).groups() for ln in lines)
+    # Forge decides from free memory whether the prompt and the negative prompt run as one batch.
+    assert set(sizes.values()) == {1} and {size[:2] for size in sizes} == {("64", "64"), ("128", "128")}, lines
+    assert "the path was prepared for this model" in lines[0], lines[0]

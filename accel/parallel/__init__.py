@@ -1,0 +1,1 @@
+"""One sample over several processes (GPUs): sequence parallelism for the video and image transformers."""

@@ -1,0 +1,89 @@
+"""Sequence parallelism (accel/parallel/sequence.py) over 2, 3 and 4 processes with gloo on the CPU: ComfyUI's own
+WanModel (tiny, 12 heads, seeded) gives on every rank the output of one process, in float32."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import comfy_helpers as H
+
+pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wan():
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    from sd_accel.accel.models import configs
+
+    _, cfg = configs.COMFY_DIT_CONFIGS["tiny-wan"]
+    cfg = {k: v for k, v in cfg.items() if k != "image_model"}
+    model = comfy.ldm.wan.model.WanModel(**{**cfg, "dim": 96, "ffn_dim": 192, "num_heads": 12},
+                                         operations=comfy.ops.disable_weight_init)
+    return configs.seed_dit_parameters(model, 0).eval()
+
+
+def _rank(rank: int, world: int, port: int, report: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        H.import_comfy()
+        from sd_accel.accel.errors import BadInput
+        from sd_accel.accel.parallel.sequence import Group, sequence_parallel
+
+        model = _wan()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(2, 16, 3, 8, 8, generator=g)  # 3 x 4 x 4 = 48 tokens per sample
+        t = torch.tensor([0.3, 0.8])
+        ctx = torch.randn(2, 7, 32, generator=g)
+        with torch.no_grad():
+            ref = model(x, t, ctx)
+            with sequence_parallel(model, Group()):
+                out = model(x, t, ctx)
+                try:  # 5 x 4 x 4 = 80 tokens: 3 processes do not split them
+                    model(torch.randn(2, 16, 5, 8, 8, generator=g), t, ctx)
+                    refused = ""
+                except BadInput as e:
+                    refused = str(e)
+            again = model(x, t, ctx)
+        result = {"rel": float((out - ref).norm() / ref.norm()), "refused": refused,
+                  "restored": bool(torch.equal(again, ref))}
+        with open(f"{report}.{rank}", "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_wan_over_several_processes_equals_one_process(tmp_path, world):
+    out = str(tmp_path / "result")
+    mp.spawn(_rank, args=(world, _free_port(), out), nprocs=world)
+    results = [json.loads(open(f"{out}.{r}").read()) for r in range(world)]
+    for r in results:
+        assert r["rel"] <= 1e-5 and r["restored"], results
+        assert ("do not split over 3 processes" in r["refused"]) == (world == 3), results
+
+
+def test_a_world_that_does_not_divide_the_heads_is_refused(monkeypatch):
+    H.import_comfy()
+    from sd_accel.accel.errors import BadInput
+    from sd_accel.accel.parallel import sequence
+
+    monkeypatch.setattr(sequence.Group, "world", property(lambda self: 5))
+    with pytest.raises(BadInput, match="5 processes do not divide the model's 12 attention heads"):
+        with sequence.sequence_parallel(_wan(), sequence.Group()):
+            pass

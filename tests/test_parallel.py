@@ -1,5 +1,6 @@
 """Sequence parallelism (accel/parallel/sequence.py) over 2, 3 and 4 processes with gloo on the CPU: ComfyUI's own
-WanModel (tiny, 12 heads, seeded) gives on every rank the output of one process, in float32."""
+WanModel (tiny, 12 heads, seeded) gives on every rank the output of one process, in float32; so does batch (CFG)
+parallelism over 2."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _rank(rank: int, world: int, port: int, report: str) -> None:
     try:
         H.import_comfy()
         from sd_accel.accel.errors import BadInput
-        from sd_accel.accel.parallel.sequence import Group, sequence_parallel
+        from sd_accel.accel.parallel.sequence import Group, batch_parallel, sequence_parallel
 
         model = _wan()
         g = torch.Generator().manual_seed(1)
@@ -61,8 +62,11 @@ def _rank(rank: int, world: int, port: int, report: str) -> None:
                 except BadInput as e:
                     refused = str(e)
             again = model(x, t, ctx)
-        result = {"rel": max(float((out - ref).norm() / ref.norm()),
-                             float((frames - ref_frames).norm() / ref_frames.norm())), "refused": refused,
+            outputs = [(out, ref), (frames, ref_frames)]
+            if world == 2:  # CFG parallel: one sample of the batch per process
+                outputs += [(batch_parallel(model, Group(), x, t, ctx), ref),
+                            (batch_parallel(model, Group(), x, per_frame, ctx), ref_frames)]
+        result = {"rel": max(float((a - b).norm() / b.norm()) for a, b in outputs), "refused": refused,
                   "restored": bool(torch.equal(again, ref))}
         with open(f"{report}.{rank}", "w") as f:
             json.dump(result, f)

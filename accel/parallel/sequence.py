@@ -1,4 +1,4 @@
-"""Sequence parallelism (Ulysses) for ComfyUI's Wan transformer: every rank calls the model with the same full
+"""Sequence parallelism (Ulysses) for ComfyUI's Wan transformer, and batch (CFG) parallelism for any model: every rank calls the model with the same full
 inputs; the transformer blocks run on each rank's share of the tokens, and the output is the full one on every rank.
 
 Inside a block everything but self-attention works token by token (modulation, q/k RMSNorm over the channels, the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -146,3 +146,13 @@ def sequence_parallel(model: nn.Module, g: Group) -> Iterator[None]:
         wan.optimized_attention = host_attention
         for h in handles:
             h.remove()
+
+
+def batch_parallel(call: Callable[..., torch.Tensor], g: Group, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """call(*inputs) with the batch spread over the ranks (CFG parallelism: the conditional and unconditional halves
+    of a CFG batch on two GPUs): each rank runs its share of every input's batch, and every rank gets the whole
+    output. None inputs stay None; a batch the world does not divide is BadInput (the caller runs it whole)."""
+    batch = inputs[0].shape[0]
+    if batch % g.world:
+        raise BadInput(f"a batch of {batch} does not split over {g.world} processes.", "Run this call on one GPU.")
+    return gather(call(*(None if t is None else shard(t, 0, g) for t in inputs)), 0, g)

@@ -338,3 +338,18 @@ def test_fp8_operands_stay_where_a_graph_read_them_and_follow_weight_changes(com
     assert rel(requantized(), layer.weight) < 0.07
     engine.release()
     assert not fp8.marked(layer)
+
+
+@pytest.mark.parametrize("name,projections", [("tiny-wan", 20), ("tiny-qwen-image", 28)])
+def test_wan_and_qwen_image_weights_loaded_in_fp8_run_as_fp8_products(comfy_pytorch_attention, name, projections):
+    """Wan and Qwen-Image loaded with ComfyUI's fp8_e4m3fn weight dtype: precision auto takes their block projections
+    (Qwen-Image's modulation projections too: stored in fp8) as fp8 products, close to ComfyUI's own widening path."""
+    pytest.importorskip("triton")
+    model = _dit_bf16(name, dtype=torch.float8_e4m3fn)
+    model.dtype = torch.bfloat16
+    inp = _bf16_inputs(name)
+    with torch.no_grad():
+        own = CanonicalDiT(model)(**inp)
+    out, counts = _fused_output(model, inp, "auto")
+    assert counts["fp8"] == projections and rel(out, own) <= 5e-2
+    assert _fused_output(model, inp, "16bit")[1]["fp8"] == 0

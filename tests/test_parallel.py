@@ -1,6 +1,6 @@
 """Sequence parallelism (accel/parallel/sequence.py) over 2, 3 and 4 processes with gloo on the CPU: ComfyUI's own
-WanModel (tiny, 12 heads, seeded) gives on every rank the output of one process, in float32; so does batch (CFG)
-parallelism over 2."""
+WanModel (tiny, 12 heads, seeded) gives on every rank the output of one process, in float32; so do batch (CFG)
+parallelism over 2, and both over 4 (2 x 2)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, report: str) -> None:
     try:
         H.import_comfy()
         from sd_accel.accel.errors import BadInput
-        from sd_accel.accel.parallel.sequence import Group, batch_parallel, sequence_parallel
+        from sd_accel.accel.parallel.sequence import Group, batch_parallel, mesh, sequence_parallel
 
         model = _wan()
         g = torch.Generator().manual_seed(1)
@@ -66,6 +66,11 @@ def _rank(rank: int, world: int, port: int, report: str) -> None:
             if world == 2:  # CFG parallel: one sample of the batch per process
                 outputs += [(batch_parallel(model, Group(), x, t, ctx), ref),
                             (batch_parallel(model, Group(), x, per_frame, ctx), ref_frames)]
+            if world == 4:  # both: CFG over 2 pairs of processes, sequence parallel inside each pair
+                batch, seq = mesh(2)
+                with sequence_parallel(model, seq):
+                    outputs += [(batch_parallel(model, batch, x, t, ctx), ref),
+                                (batch_parallel(model, batch, x, per_frame, ctx), ref_frames)]
         result = {"rel": max(float((a - b).norm() / b.norm()) for a, b in outputs), "refused": refused,
                   "restored": bool(torch.equal(again, ref))}
         with open(f"{report}.{rank}", "w") as f:

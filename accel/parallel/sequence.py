@@ -42,6 +42,28 @@ class Group:
         return dist.get_rank(self.group)
 
 
+def mesh(batch_ways: int) -> tuple[Group, Group]:
+    """(batch group, sequence group) of this process when the world is batch_ways x (world / batch_ways): CFG
+    parallelism over batch_ways, sequence parallelism inside each. Every process must call it (new_group's rule)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % batch_ways:
+        raise BadInput(f"{world} processes do not split into {batch_ways} batch groups.",
+                       "Use a number of GPUs that the CFG split divides.")
+    seq = world // batch_ways
+    mine: dict[str, dist.ProcessGroup] = {}
+    for c in range(batch_ways):  # sequence groups: consecutive ranks
+        ranks = list(range(c * seq, (c + 1) * seq))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["seq"] = group
+    for s in range(seq):  # batch groups: one rank of each sequence group
+        ranks = list(range(s, world, seq))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine["batch"] = group
+    return Group(mine["batch"]), Group(mine["seq"])
+
+
 def shard(x: torch.Tensor, dim: int, g: Group) -> torch.Tensor:
     """This rank's contiguous 1/world of x along dim (which the world divides)."""
     return x.chunk(g.world, dim)[g.rank].contiguous()

@@ -57,7 +57,7 @@ def test_transformer_is_accelerated_and_equals_plain(pack, family):
     assert acc is not model and "backend: torch" in text
     assert H.same(sample(acc, pos, neg), sample(model, pos, neg))
     s = status(acc)
-    assert s.backend == "torch" and s.engine_calls == 2 and s.plain_calls == 0, s.describe()
+    assert s.backend == "torch" and s.engine_calls == 2 and s.plain_calls == 0, s
     assert model.wrappers == wrappers_before
     # SD3's forward is served through a per-call instance attribute: none is left behind
     assert "forward" not in vars(model.model.diffusion_model)
@@ -195,7 +195,7 @@ def test_wan_and_qwen_image_are_accelerated_and_equal_plain(pack, family, frames
     plain = sample_frames(model, pos, neg, frames)
     assert H.same(sample_frames(acc, pos, neg, frames), plain)
     s = status(acc)
-    assert s.engine_calls == 2 and s.plain_calls == 0, s.describe()
+    assert s.engine_calls == 2 and s.plain_calls == 0, s
     g = torch.Generator().manual_seed(9)
     lora = {}
     for key, w in model.model.diffusion_model.state_dict().items():

@@ -79,14 +79,6 @@ class SlotStatus:
     engine_calls: int = 0
     plain_calls: int = 0
 
-    def describe(self) -> str:
-        lines = [f"path: {self.backend}" + (f" ({self.source})" if self.source else ""),
-                 f"calls: {self.engine_calls} accelerated, {self.plain_calls} on the plain model"]
-        if self.plan:
-            lines.append(self.plan)
-        lines += [f"note: {m}" for m in self.messages]
-        return "\n".join(lines)
-
 
 class _Collect(logging.Handler):
     """Keeps what the engine layer says (warnings and up) so the host can show it on its UI."""

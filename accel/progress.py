@@ -100,14 +100,29 @@ class StageLog:
             self._name = None
 
 
+def _open_bars() -> list:
+    """The tqdm bars open in this process (a host sampler's among them); none when tqdm was never imported."""
+    tqdm = sys.modules.get("tqdm.std")
+    return list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()))
+
+
+def print_off_bars(message: str) -> None:
+    """message on a console line of its own while tqdm bars are open: they are erased first and redrawn after."""
+    bars = _open_bars()
+    for bar in bars:
+        bar.clear()
+    print(message, flush=True)
+    for bar in bars:
+        bar.refresh()
+
+
 class _ClearBars(logging.Filter):
     """Erases the open tqdm bars before a record is written, so the line starts on its own rather than after a
     bar's text (a host sampler's bar is open while the first step builds the engine); each bar redraws itself at
     its next update."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        tqdm = sys.modules.get("tqdm.std")  # no bar is open when tqdm was never imported
-        for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        for bar in _open_bars():
             bar.clear()
         return True
 

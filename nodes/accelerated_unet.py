@@ -50,8 +50,8 @@ class AcceleratedUNetNode:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
     DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1, Chroma, SD3/SD3.5, Wan "
-                   "2.1/2.2 or Qwen-Image (transformer) checkpoint through the fastest path for this GPU (fused torch kernels with CUDA graphs; ONNX "
-                   "Runtime for UNets), built on the first sampling step and cached. LoRA, ControlNet and other "
+                   "2.1/2.2 or Qwen-Image (transformer) checkpoint through the fastest path for this GPU (fused torch "
+                   "kernels with CUDA graphs; ONNX Runtime for UNets), built on the first sampling step and cached. LoRA, ControlNet and other "
                    "nodes' patches keep working: calls an engine cannot serve run on the torch path or the plain "
                    "model, and the node says why.")
 
@@ -60,7 +60,7 @@ class AcceleratedUNetNode:
         return {
             "required": {
                 "model": ("MODEL", {"tooltip": "The model to accelerate (SD1.x, SD2.x, SDXL, Flux.1, Chroma, "
-                                    "SD3/SD3.5); it is not changed: the output is an accelerated copy."}),
+                                    "SD3/SD3.5, Wan 2.1/2.2, Qwen-Image); it is not changed: the output is an accelerated copy."}),
                 "backend": (BACKENDS, {"default": "auto", "tooltip": "auto picks the fastest installed path "
                                        "for this GPU; the others ask for one (the torch path runs when it cannot)."}),
                 "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": "Replay each shape as a CUDA/HIP graph "
@@ -76,9 +76,8 @@ class AcceleratedUNetNode:
             },
             # Optional, so that workflows saved before it still validate.
             "optional": {"precision": (list(PRECISION), {"default": "auto", "tooltip": (
-                "Flux, Chroma, SD3, Wan and Qwen-Image transformers: auto runs weights loaded in fp8 as fp8 matrix products (Hopper and "
-                "later) "
-                "and 16-bit weights in 16 bits; fp8 also quantizes 16-bit weights (faster, +50% weight memory, "
+                "Flux, Chroma, SD3, Wan and Qwen-Image transformers: auto runs weights loaded in fp8 as fp8 matrix "
+                "products (Hopper and later) and 16-bit weights in 16 bits; fp8 also quantizes 16-bit weights (faster, +50% weight memory, "
                 "slightly different images); 16bit widens fp8 weights per call, as ComfyUI does.")})},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -288,7 +287,7 @@ class Session:
         def plain():
             return executor(x, timesteps, context, y, guidance, ref_latents, control, transformer_options, **kwargs)
 
-        extra = dict(kwargs, **({"ref_latents": ref_latents} if ref_latents is not None else {}))
+        extra = dict(kwargs, ref_latents=ref_latents)
         return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
                            plain, x, timesteps, context, y, control, guidance)
 
@@ -308,9 +307,7 @@ class Session:
 
         # Image-to-video's CLIP features and Wan 2.2's concatenated frames are inputs the engine does not take yet:
         # such calls run ComfyUI's own forward (why_plain says so once).
-        extra = {k: v for k, v in kwargs.items() if not (k == "control" and v is None)}  # Wan has no ControlNet
-        extra.update({k: v for k, v in (("clip_fea", clip_fea), ("time_dim_concat", time_dim_concat))
-                      if v is not None})
+        extra = dict(kwargs, clip_fea=clip_fea, time_dim_concat=time_dim_concat)
         return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
                            plain, x, timestep, context, None, None)
 
@@ -321,10 +318,8 @@ class Session:
             return executor(x, timesteps, context, attention_mask, guidance, ref_latents, transformer_options,
                             **kwargs)
 
-        control = kwargs.get("control")
-        extra = {k: v for k, v in kwargs.items() if k != "control"}
-        extra.update({k: v for k, v in (("attention_mask", attention_mask), ("ref_latents", ref_latents))
-                      if v is not None})
+        extra = dict(kwargs, attention_mask=attention_mask, ref_latents=ref_latents)
+        control = extra.pop("control", None)
         return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
                            plain, x, timesteps, context, None, control, guidance)
 
@@ -382,8 +377,9 @@ class Session:
             patches.append("attention override")
         if inner_wrappers:
             patches.append(f"{inner_wrappers} diffusion-model wrapper(s) added after this node")
-        if kwargs:
-            patches.append("extra inputs " + ", ".join(sorted(kwargs)))
+        given = sorted(k for k, v in kwargs.items() if v is not None)  # an input passed as None carries nothing
+        if given:
+            patches.append("extra inputs " + ", ".join(given))
         if patches:
             names = ", ".join(patches)
             return (f"patches:{names}", f"other nodes patch the model ({names}); calls that carry these run on "

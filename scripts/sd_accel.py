@@ -46,7 +46,7 @@ _load_pack()
 from sd_accel.accel.build.cache import default_root  # noqa: E402
 from sd_accel.accel.hosts.a1111 import LoraSync  # noqa: E402
 from sd_accel.accel.hosts.support import LATENT_SCALE, EngineSlot, SlotStatus  # noqa: E402
-from sd_accel.accel.progress import CallbackProgress, keep_logs_off_bars  # noqa: E402
+from sd_accel.accel.progress import CallbackProgress, keep_logs_off_bars, print_off_bars  # noqa: E402
 
 BACKENDS = ["auto", "torch", "onnxruntime", "off"]
 TILED_VAE = ["auto", "always", "off"]
@@ -163,7 +163,7 @@ class HostSlot(EngineSlot):
             prepared = f"; the path was prepared for this model: {self.status.source}" if self.acc is not engine else ""
             cpu = (" On the CPU the torch path runs the plain model's computation: no speed-up."
                    if x.device.type == "cpu" and self.status.backend == "torch" else "")
-            _console(f"sd-accel: the {self.status.backend} path served {key[0]}'s UNet at "
+            print_off_bars(f"sd-accel: the {self.status.backend} path served {key[0]}'s UNet at "
                      f"{key[4] * LATENT_SCALE}x{key[3] * LATENT_SCALE} px (width x height), batch {key[2]}; its first "
                      f"call at this size took {seconds:.1f} s{prepared} (once per model, path and size: later calls "
                      f"do not wait).{cpu}")
@@ -175,18 +175,6 @@ def _slot(backend: str) -> HostSlot:
                     cache_root=str(default_root(_models_dir())))
     _statuses.append(slot.status)
     return slot
-
-
-def _console(message: str) -> None:
-    """One line on the host's console, on a line of its own: the sampler's open progress bars (A1111's step and
-    total bars, on stderr) are cleared first and redrawn after."""
-    tqdm = sys.modules.get("tqdm.std")  # no bar is open when tqdm was never imported
-    bars = list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()))
-    for bar in bars:
-        bar.clear()
-    print(message, flush=True)
-    for bar in bars:
-        bar.refresh()
 
 
 def _model_name() -> str:

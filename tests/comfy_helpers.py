@@ -270,14 +270,16 @@ def step_attention_patch(model, strength: float = 0.3):
     return patched
 
 
-def lora_patches(model, seed: int = 3, rank: int = 4, strength: float = 1.0) -> dict:
-    """A seeded LoRA in ComfyUI's file format (lora_unet_* keys) for every attention projection of the tiny UNet."""
+def lora_patches(model, seed: int = 3, rank: int = 4, take=None) -> dict:
+    """A seeded LoRA in ComfyUI's file format (lora_unet_* keys) for the 2-D weights `take(key)` chooses; by default
+    every attention projection of the tiny UNet."""
     import torch
 
+    take = take or (lambda key: ".attn1." in key or ".attn2." in key)
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for key, w in model.model.diffusion_model.state_dict().items():
-        if w.ndim == 2 and (".attn1." in key or ".attn2." in key) and key.endswith(".weight"):
+        if w.ndim == 2 and take(key) and key.endswith(".weight"):
             name = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
             sd[f"{name}.lora_up.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.2
             sd[f"{name}.lora_down.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.2

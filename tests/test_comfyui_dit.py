@@ -101,14 +101,7 @@ def test_flux_lora_after_the_node_matches_plain_lora(pack, family):
 
     model = H.tiny_dit(family, 4)
     pos, neg = H.tiny_dit_conditioning(family, 5)
-    g = torch.Generator().manual_seed(6)
-    lora = {}
-    for key, w in model.model.diffusion_model.state_dict().items():
-        if w.ndim == 2 and key.endswith(("qkv.weight", "linear1.weight")):
-            name = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
-            lora[f"{name}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.2
-            lora[f"{name}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.2
-            lora[f"{name}.alpha"] = torch.tensor(4.0)
+    lora = H.lora_patches(model, 6, take=lambda key: key.endswith(("qkv.weight", "linear1.weight")))
 
     def with_lora(m):
         return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0.0)[0]
@@ -196,14 +189,8 @@ def test_wan_and_qwen_image_are_accelerated_and_equal_plain(pack, family, frames
     assert H.same(sample_frames(acc, pos, neg, frames), plain)
     s = status(acc)
     assert s.engine_calls == 2 and s.plain_calls == 0, s
-    g = torch.Generator().manual_seed(9)
-    lora = {}
-    for key, w in model.model.diffusion_model.state_dict().items():
-        if w.ndim == 2 and key.endswith((".q.weight", "to_q.weight", "ffn.0.weight", "img_mlp.net.0.proj.weight")):
-            name = "lora_unet_" + key[: -len(".weight")].replace(".", "_")
-            lora[f"{name}.lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.2
-            lora[f"{name}.lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.2
-            lora[f"{name}.alpha"] = torch.tensor(4.0)
+    lora = H.lora_patches(model, 9, take=lambda key: key.endswith((".q.weight", "to_q.weight", "ffn.0.weight",
+                                                                     "img_mlp.net.0.proj.weight")))
     assert lora
 
     def with_lora(m):

@@ -472,13 +472,13 @@ def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] 
     native = native if isinstance(native, tuple) else (native, native)
     h, w = (latent, latent) if isinstance(latent, int) else (latent or native)
     g = torch.Generator().manual_seed(seed)
-    flow = family in ("flux", "chroma", "wan", "qwen-image")
     move = lambda v: v.to(device=device, dtype=dtype)  # noqa: E731
     if family in ("wan", "qwen-image"):
         ctx_dim = cfg["text_dim"] if family == "wan" else cfg["joint_attention_dim"]
         shape = (batch, cfg["in_dim"], VIDEO_FRAMES[name], h, w) if family == "wan" else (batch, 16, 1, h, w)
         return {"x": move(torch.randn(*shape, generator=g)), "timesteps": torch.full((batch,), 0.6, device=device),
                 "context": move(torch.randn(batch, tokens, ctx_dim, generator=g))}
+    flow = family in ("flux", "chroma")
     ctx_dim = cfg["context_in_dim"] if flow else cfg["context_embedder_config"]["params"]["in_features"]
     out = {"x": move(torch.randn(batch, 16, h, w, generator=g)),
            "timesteps": torch.full((batch,), 0.6 if flow else 600.0, device=device),

@@ -153,9 +153,9 @@ class CanonicalDiT(Canonical):
             return self.unet(x, timesteps, context, **kwargs)
         if s.family == "qwen-image":
             extra = {"control": control} if control is not None else {}
-            if x.dim() == 4:  # ComfyUI's class takes one frame's latents as (batch, channels, 1, height, width)
-                return self.unet(x.unsqueeze(2), timesteps, context, guidance=guidance, **extra, **kwargs).squeeze(2)
-            return self.unet(x, timesteps, context, guidance=guidance, **extra, **kwargs)
+            image = x.dim() == 4  # ComfyUI's class takes one frame's latents as (batch, channels, 1, height, width)
+            out = self.unet(x.unsqueeze(2) if image else x, timesteps, context, guidance=guidance, **extra, **kwargs)
+            return out.squeeze(2) if image else out
         if s.form == "comfy":
             # The class's forward: while the ComfyUI node serves an SD3 call, the instance's own is the node's.
             return type(self.unet).forward(self.unet, x, timesteps, context=context, y=y, control=control, **kwargs)

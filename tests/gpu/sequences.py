@@ -87,6 +87,11 @@ class Row:
     def ok(self) -> bool:
         return self.finite and self.error <= self.limit and self.engine_calls > 0 and self.plain_calls == 0
 
+    def line(self) -> str:
+        return (f"{self.setting:<20} {self.run:<18} {self.error:>9.2e} {self.limit:>9.2e} {self.seconds:>7.3f} "
+                f"{self.plain_seconds:>7.3f} {self.engine_calls:>3}/{self.plain_calls:<3}  "
+                f"{'ok' if self.ok else 'FAIL' + ('' if self.finite else ' (NaN/inf)')}")
+
 
 @dataclass
 class Report:
@@ -105,11 +110,7 @@ class Report:
                  f"{self.lora_effect:.2e}",
                  f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "
                  f"{'calls':>7}  ok"]
-        for r in self.rows:
-            lines.append(f"{r.setting:<20} {r.run:<18} {r.error:>9.2e} {r.limit:>9.2e} {r.seconds:>7.3f} "
-                         f"{r.plain_seconds:>7.3f} {r.engine_calls:>3}/{r.plain_calls:<3}  "
-                         f"{'ok' if r.ok else 'FAIL' + ('' if r.finite else ' (NaN/inf)')}")
-        return "\n".join(lines + [f"   note: {n}" for n in self.notes])
+        return "\n".join(lines + [r.line() for r in self.rows] + [f"   note: {n}" for n in self.notes])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -259,7 +260,7 @@ class Harness:
         self.report.rows.append(Row(self.name, setting, run.label, rel(out, ref), limit,
                                     bool(torch.isfinite(out).all()), seconds, plain_seconds,
                                     status.engine_calls - before[0], status.plain_calls - before[1]))
-        print(self.report.table().splitlines()[-1 - len(self.report.notes)], flush=True)
+        print(self.report.rows[-1].line(), flush=True)  # as it goes: a run that hangs or dies shows where
         for message in status.messages:
             if message not in self.report.notes:
                 self.report.notes.append(message)

@@ -178,7 +178,9 @@ class Harness:
             pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
 
         def cond(scale: float):
-            extra = {"pooled_output": torch.randn(1, pooled, generator=g) * scale} if pooled else {}
+            # as CLIPTextEncode gives it: the key is there, None for text encoders with no pooled output (Chroma's
+            # T5), which ComfyUI's Flux-derived classes read
+            extra = {"pooled_output": torch.randn(1, pooled, generator=g) * scale if pooled else None}
             if self.name == "flux-dev":
                 extra["guidance"] = 3.5
             if self.name == "sdxl":

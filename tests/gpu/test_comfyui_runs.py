@@ -45,6 +45,7 @@ def test_node_matches_plain_comfyui_run_after_run(name):
     print("\n" + table, flush=True)
     folder = os.environ.get("SD_ACCEL_GPU_REPORT")
     if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
         Path(folder, f"{name}.txt").write_text(table + "\n")
         Path(folder, f"{name}.json").write_text(json.dumps(
             {"model": name, "gpu": torch.cuda.get_device_name(), "yardstick": report.yardstick,

@@ -44,8 +44,8 @@ def test_every_layout_gives_the_one_process_output(worlds):
         if key[0] > 1:
             assert 0 <= row["rel_err"] <= 1e-5, row
             assert row["speedup"] == pytest.approx(base["ms"] / row["ms"]), row
-    for world, layout in timed:
-        assert f"{world} GPUs, {layout}: " in r.stderr if world > 1 else "1 GPU: " in r.stderr
+    progress = [f"[tiny-wan 64x64] {w} GPUs, {layout}: " for w, layout in timed if w > 1]
+    assert all(line in r.stderr for line in ["[tiny-wan 64x64] 1 GPU: ", *progress]), r.stderr
     assert "tiny-wan" in r.stdout and "CFG x sequence" in r.stdout
 
 

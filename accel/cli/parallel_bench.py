@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import BadInput
-from ..models.configs import COMFY_DIT_CONFIGS, DIT_SHAPES, VIDEO_FRAMES, cfg_batch
+from ..models.configs import COMFY_DIT_CONFIGS, DIT_SHAPES, cfg_batch
 from .bench import _peak_gb, _peak_reset, _sync, rel_l2
 
 # NVLink multicast (NVLS) off in NCCL, PyTorch and NVSHMEM: on shared multi-GPU hosts a program that uses it can put

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..models.configs import build_dit, dit_example_inputs
+from ..models.configs import build_dit, cfg_batch, dit_example_inputs
 from ..models.dit import CanonicalDiT
 from .bench import Row, _sync, time_ms, time_variants
 
@@ -45,7 +45,7 @@ def bench_dit(name: str, device: torch.device, iters: int, compile_modes: list[s
                          "leave --a1111/--forge out for them")
     form = "comfy" if host else "diffusers"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    batch = 1 if "flux" in name else 2
+    batch = cfg_batch(name)
     t0 = time.perf_counter()
     # The fp32 reference first, then the same weights rounded to bf16 in place: a full-size Flux in fp32 takes 48 GB,
     # and a second copy would not fit beside it.

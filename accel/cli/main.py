@@ -65,7 +65,7 @@ def _host_process(args: argparse.Namespace) -> int | None:
     as the host's start-up arranges: when its folders are not on this process's import path, the bench runs again in
     a process started with them on PYTHONPATH, and that process's exit code is returned. None: run here."""
     host = _host(args)
-    if host is None or (args.kernels or args.vae or args.first_call) and not args.unet:
+    if host is None or (args.kernels or args.vae or args.first_call) and not (args.unet or args.gpus):
         return None
     from ..models.configs import host_import_paths
 
@@ -84,6 +84,9 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if rerun is not None:
         return rerun
+    if args.iters is None:
+        args.iters = 3 if args.gpus else 20
+    models = [m for m in (args.models or ("wan21-14b" if args.gpus else "sd15,sdxl")).split(",") if m]
     out: dict = {}
     # With --json, stdout is the JSON alone (for a pipe); the tables go to stderr.
     say = sys.stderr if args.json else sys.stdout
@@ -104,7 +107,6 @@ def _bench(args: argparse.Namespace) -> int:
         from .first_call import bench_first_call
         from .first_call import table as first_call_table
 
-        models = [m for m in args.models.split(",") if m]
         try:
             out["first_call"] = bench_first_call([f"tiny-{m}" for m in models] if args.tiny else models, args.iters,
                                                  log=(lambda s: print(s, file=sys.stderr)))
@@ -115,13 +117,25 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 1
         print(first_call_table(out["first_call"]), file=say)
-    if not (args.kernels or args.vae or args.first_call) or args.unet:
+    if args.gpus:
+        from .parallel_bench import as_dicts, bench_parallel
+        from .parallel_bench import table as parallel_table
+
+        try:
+            rows = bench_parallel(models, args.gpus, args.video_sizes, args.iters, args.tiny, args.comfyui,
+                                  log=(lambda s: print(s, file=sys.stderr, flush=True)))
+        except RuntimeError as e:  # a rank failed: its own message, no stack trace
+            print(f"sd-accel bench: {e}", file=sys.stderr)
+            return 1
+        out["parallel"] = as_dicts(rows)
+        print(parallel_table(rows), file=say)
+    elif not (args.kernels or args.vae or args.first_call) or args.unet:
         from . import bench
 
         modes = [] if args.no_compile or args.tiny else ["default", "reduce-overhead"]
         paths = [p for p in args.paths.split(",") if p and not (p.endswith("-compile") and (args.no_compile or args.tiny))]
         try:
-            rows = bench.run([m for m in args.models.split(",") if m], args.tiny, args.iters, modes, paths,
+            rows = bench.run(models, args.tiny, args.iters, modes, paths,
                              log=(lambda s: print(s, file=sys.stderr)), profile=args.profile, host=_host(args))
         except ValueError as e:  # an unknown model name or a folder that is not the host's checkout
             print(f"sd-accel bench: {e}", file=sys.stderr)
@@ -173,11 +187,12 @@ def _main(argv: list[str] | None) -> int:
     d.add_argument("--json", action="store_true", help="print the same information as JSON")
     d.set_defaults(fn=_doctor)
     b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD UNets and diffusion transformers")
-    b.add_argument("--models", default="sd15,sdxl",
+    b.add_argument("--models",
                    help="comma-separated: sd15, sd21, sdxl (fp16, batch 2); flux-dev, flux-schnell (bf16, batch 1), "
                         "sd35-large, sd35-medium, chroma (bf16, batch 2; chroma with --comfyui only); wan21-14b, "
                         "wan21-1.3b (832x480, 81 frames), wan22-5b (1280x704, 121 frames), qwen-image (1328x1328) "
-                        "(bf16, batch 2, --comfyui only), with their FLOP count and floor (default: sd15,sdxl)")
+                        "(bf16, batch 2, --comfyui only), with their FLOP count and floor (default: sd15,sdxl; with "
+                        "--gpus: wan21-14b)")
     b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
@@ -185,7 +200,7 @@ def _main(argv: list[str] | None) -> int:
                         "built from its cached graph (a second row); for Flux and SD3.5: torch-fp8: fp8 matrix products "
                         "(precision fp8), torch-fp8weights: the weights stored in fp8 as ComfyUI loads them, its own "
                         "forward and the torch path on them, with --comfyui)")
-    b.add_argument("--iters", type=int, default=20, help="timed runs per variant (median is reported)")
+    b.add_argument("--iters", type=int, help="timed runs per variant (median is reported; default 20, with --gpus 3)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--kernels", action="store_true",
@@ -198,6 +213,15 @@ def _main(argv: list[str] | None) -> int:
                    help="the wait for the first output at new image sizes, per stage, in fresh processes (Triton's "
                         "cache empty, then warm; kernels compiled in parallel and in turn; with cuDNN's exhaustive "
                         "search for comparison)")
+    b.add_argument("--gpus", metavar="N,...",
+                   help="multi-GPU: one step of each --models transformer (ComfyUI's class, --comfyui DIR) in N "
+                        "processes for each N (1 always, first: the baseline), one GPU each through NCCL, in every "
+                        "layout that divides N: CFG (the CFG batch over 2 GPUs), sequence (Ulysses), CFG x sequence; "
+                        "ms per step, speed-up over 1 GPU, peak memory, distance from the 1-GPU output. With --tiny: "
+                        "tiny models in processes on the CPU (gloo)")
+    b.add_argument("--video-sizes", metavar="WxH,...",
+                   help="with --gpus: Wan's video sizes in pixels (default 832x480; frames as in the model's native "
+                        "clip: 81 for Wan 2.1)")
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae/--first-call: time the UNets too")
     b.add_argument("--profile", action="store_true",
                    help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")

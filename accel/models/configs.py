@@ -372,6 +372,14 @@ DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": 
               "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8),
               "wan21-14b": (512, (60, 104)), "wan21-1.3b": (512, (60, 104)), "wan22-5b": (512, (44, 80)),
               "qwen-image": (512, 166), "tiny-wan": (7, 8), "tiny-qwen-image": (7, 8)}
+
+
+def cfg_batch(name: str) -> int:
+    """The batch one sampling step of the DiT `name` runs: 2 (the conditional and unconditional halves of
+    classifier-free guidance), 1 for guidance-distilled Flux."""
+    return 1 if COMFY_DIT_CONFIGS[name][0] == "flux" else 2
+
+
 # Latent frames of a video DiT's native clip: Wan 2.1's 81 frames at 480x832 (its VAE keeps 1 + 80/4), Wan 2.2 5B's
 # 121 frames at 704x1280 (1 + 120/4); its VAE compresses 16x in space, so 44x80.
 VIDEO_FRAMES = {"wan21-14b": 21, "wan21-1.3b": 21, "wan22-5b": 31, "tiny-wan": 3}

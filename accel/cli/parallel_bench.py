@@ -1,0 +1,339 @@
+"""`python -m sd_accel bench --gpus 1,2,4`: one sampling step of a diffusion transformer spread over several GPUs
+(accel/parallel/sequence.py), against the same step on one GPU.
+
+For each world size W a fresh set of W processes (NCCL, one GPU each; gloo on the CPU with --tiny) builds each model
+once, in ComfyUI's form with the seeded weights every rank draws alike, on sd-accel's torch path, and times every
+layout whose factors divide W: W=1 the baseline; "sequence" (Ulysses over all W); "CFG" (the two halves of the CFG
+batch on two GPUs) for W=2; "CFG x sequence" (CFG over 2 groups, sequence parallel inside each) for larger even W. A
+layout the model refuses (heads or tokens the world does not divide, a model the sequence split does not take)
+is a row that says why. Per row: median ms per step (the CFG batch included) of the slowest rank, speed-up over the
+W=1 row of the same model and size, the peak GPU memory of the busiest rank, and the relative L2 distance from the
+W=1 output in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..errors import BadInput
+from ..models.configs import COMFY_DIT_CONFIGS, DIT_SHAPES, cfg_batch
+from .bench import _peak_gb, _peak_reset, _sync, rel_l2
+
+# NVLink multicast (NVLS) off in NCCL, PyTorch and NVSHMEM: on shared multi-GPU hosts a program that uses it can put
+# the host's GPUs out of service. The children inherit these; a value the user set is kept.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# How long a rank waits for the others, at start-up and in any collective, before it fails rather than hangs. Ranks
+# meet once per step, so the longest wait is about one step (Wan 14B at 720p on one GPU: ~20 s) or one model build.
+COLLECTIVE_TIMEOUT_S = 180
+WARMUP = 1  # the first call at a shape: cuDNN plans, Triton kernels, NCCL's communicators
+# The VAE's spatial factor: the latent is the video's pixel size over it (Wan 2.2 5B's VAE: 16, Wan 2.1's: 8).
+SPATIAL = {"wan22-5b": 16}
+
+
+@dataclass
+class Result:
+    model: str
+    size: str  # pixels, width x height
+    gpus: int
+    layout: str
+    ms: float | None = None
+    speedup: float | None = None
+    peak_gb: float | None = None
+    rel_err: float | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every process of one world is given."""
+
+    world: int
+    port: int
+    models: tuple[str, ...]
+    sizes: dict[str, tuple[tuple[str, tuple[int, int]], ...]]  # model -> (label, latent (h, w)) per size
+    iters: int
+    cuda: bool
+    comfyui: str
+    folder: str  # the W=1 outputs, each world's rows and any rank's error
+    baseline_ms: dict[str, float]  # "model size" -> the W=1 row's ms (empty while W=1 runs)
+
+
+def parse_gpus(text: str) -> list[int]:
+    """--gpus "1,2,4" -> [1, 2, 4]: distinct world sizes, ascending, 1 always (the baseline)."""
+    worlds = set()
+    for part in text.split(","):
+        if not part.strip().isdigit() or int(part) < 1:
+            raise BadInput(f"--gpus {text!r}: {part.strip()!r} is not a number of GPUs.",
+                           "Give whole numbers of 1 or more, comma-separated, e.g. --gpus 1,2,4.")
+        worlds.add(int(part))
+    return sorted(worlds | {1})
+
+
+def model_names(models: list[str], tiny: bool) -> list[str]:
+    """The models to build: ComfyUI-form DiTs; with tiny, the tiny model of each one's family."""
+    full = [n for n in COMFY_DIT_CONFIGS if not n.startswith("tiny-")]
+    names: list[str] = []
+    for name in models:
+        if name not in full:
+            raise BadInput(f"the multi-GPU bench has no model {name!r}.",
+                           f"Choose from {', '.join(full)} (with --tiny: the tiny model of the same family).")
+        name = f"tiny-{COMFY_DIT_CONFIGS[name][0]}" if tiny else name
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def model_sizes(name: str, video_sizes: str) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """(label, latent (h, w)) of each size `name` runs at: a video model every one of video_sizes ("832x480,...",
+    width x height in pixels), an image model the single-GPU bench's size (DIT_SHAPES)."""
+    family = COMFY_DIT_CONFIGS[name][0]
+    if family != "wan":
+        latent = DIT_SHAPES[name][1]
+        return ((f"{8 * latent}x{8 * latent}", (latent, latent)),)
+    factor = SPATIAL.get(name, 8)
+    sizes = []
+    for text in video_sizes.split(","):
+        w, _, h = text.strip().partition("x")
+        if not (w.isdigit() and h.isdigit()) or int(w) % (2 * factor) or int(h) % (2 * factor) or not int(w) * int(h):
+            raise BadInput(f"--video-sizes: {text.strip()!r} is not a video size {name} takes.",
+                           f"Give width x height in pixels, each a multiple of {2 * factor} (the VAE's factor {factor} "
+                           "times the 2x2 patch), e.g. 832x480,1280x720.")
+        sizes.append((f"{w}x{h}", (int(h) // factor, int(w) // factor)))
+    return tuple(sizes)
+
+
+def layouts(world: int, batch: int) -> list[tuple[str, int]]:
+    """(name, CFG ways) of each layout of `world` processes for a model run at `batch` (2: a CFG batch): sequence
+    parallelism over the processes the CFG split leaves."""
+    if world == 1:
+        return [("1 GPU", 1)]
+    found = [("sequence", 1)]
+    if batch == 2 and world % 2 == 0:
+        found.append(("CFG" if world == 2 else "CFG x sequence", 2))
+    return found
+
+
+def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters: int, tiny: bool,
+                   comfyui: str | None, log: Callable[[str], None] = print) -> list[Result]:
+    """Rows for every model, size, world size and layout (see the module's docstring). BadInput for what the user
+    can fix; RuntimeError with a rank's own message when a process failed."""
+    worlds = parse_gpus(gpus)
+    names = model_names(models, tiny)
+    if iters < 1:
+        raise BadInput(f"--iters {iters}: nothing would be timed.", "Give --iters 1 or more.")
+    if not tiny:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if worlds[-1] > have:
+            raise BadInput(f"--gpus asks for {_gpus(worlds[-1])}, and this machine has {_gpus(have)}.",
+                           f"Give world sizes of at most {have}." if have else "Run it on a machine with GPUs, or "
+                           "add --tiny to run tiny models in processes on the CPU.")
+    if not comfyui:
+        raise BadInput("the multi-GPU bench builds ComfyUI's own model classes, and no ComfyUI was given.",
+                       "Pass --comfyui DIR (a ComfyUI checkout).")
+    sizes = {name: model_sizes(name, video_sizes or ("64x64" if tiny else "832x480")) for name in names}
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    rows: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="sd-accel-parallel-") as folder:
+        baseline: dict[str, float] = {}
+        for world in worlds:
+            how = "gloo, on the CPU" if tiny else "NCCL, one GPU each"
+            log(f"[{world} GPU{'s' if world > 1 else ''}] starting {world} process{'es' if world > 1 else ''} ({how})")
+            job = Job(world, _free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, baseline)
+            found = _run_world(job)
+            if world == 1:
+                baseline = {f"{r.model} {r.size}": r.ms for r in found}
+            rows += found
+    return rows
+
+
+def _gpus(n: int) -> str:
+    return f"{n or 'no'} CUDA GPU{'' if n == 1 else 's'}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_world(job: Job) -> list[Result]:
+    """Start job.world processes, wait for them, and return rank 0's rows; RuntimeError with the first failing
+    rank's message (the others are stopped) when one fails."""
+    context = mp.start_processes(_worker, args=(job,), nprocs=job.world, join=False, start_method="spawn")
+    try:
+        while not context.join(timeout=5, grace_period=10):
+            pass
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        errors = sorted(Path(job.folder).glob(f"error-{job.world}-*"), key=lambda p: p.stat().st_mtime_ns)
+        raise RuntimeError(errors[0].read_text() if errors else f"{job.world} processes: {e}") from None
+    rows = json.loads(Path(job.folder, f"rows-{job.world}.json").read_text())
+    return [Result(**r) for r in rows]
+
+
+def _worker(rank: int, job: Job) -> None:
+    """One rank: join the world, run every model, size and layout, and leave it; a failure is written where the
+    parent reads it, and the process exits with 1."""
+    sys.stdout = sys.stderr  # with --json, the parent's stdout carries the JSON alone
+    where = ["joining the others"]  # what this rank is doing, for its error message
+    try:
+        if job.cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world))  # the ranks share the CPU
+        dist.init_process_group("nccl" if job.cuda else "gloo", init_method=f"tcp://127.0.0.1:{job.port}",
+                                rank=rank, world_size=job.world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                                **({"device_id": torch.device("cuda", rank)} if job.cuda else {}))
+        rows = _measure(rank, job, where)
+        where[0] = "leaving"
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - every failure ends the bench with this rank's words, not a traceback
+        what = str(e) if isinstance(e, BadInput) else f"{type(e).__name__}: {e}"
+        Path(job.folder, f"error-{job.world}-{rank}").write_text(f"rank {rank} of {job.world}, {where[0]}: {what}")
+        raise SystemExit(1) from None
+    if rank == 0:
+        Path(job.folder, f"rows-{job.world}.json").write_text(json.dumps(as_dicts(rows)))
+
+
+def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
+    """Every model, size and layout on this rank; the rows on rank 0 (each with a progress line as it is measured).
+    where[0] says what the rank is doing."""
+    from ..accelerate import accelerate
+    from ..models.configs import build_dit, dit_example_inputs
+    from ..parallel.sequence import Group, mesh
+    from ..plan.device import cpu_info, detect
+
+    device = torch.device("cuda", rank) if job.cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if job.cuda else torch.float32
+    # Every process calls new_group alike, so the CFG x sequence groups are made once, before any model.
+    groups = mesh(2) if job.world > 2 and job.world % 2 == 0 else (Group(), Group())
+    rows = []
+    for name in job.models:
+        where[0] = f"building {name}"
+        start = time.perf_counter()
+        model = build_dit(name, "comfy", seed=0, device=device, dtype=dtype, comfyui_root=job.comfyui)
+        # No CUDA graphs in any layout, the baseline included: a host's multi-GPU run makes its collectives
+        # eagerly (collectives inside captured graphs are not what we ship), and the speed-up compares like with like.
+        acc = accelerate(model, preference="torch", options={"cuda_graphs": False},
+                         gpu=detect(rank) if job.cuda else cpu_info())
+        _sync(device)
+        if rank == 0:
+            _say(f"[{name}] built and prepared in {time.perf_counter() - start:.1f}s")
+        batch = cfg_batch(name)
+        for size, latent in job.sizes[name]:
+            inputs = dit_example_inputs(name, batch, latent, device=device, dtype=dtype)
+            args = (inputs["x"], inputs["timesteps"], inputs["context"], inputs.get("y"), None, inputs.get("guidance"))
+            for layout, cfg_ways in layouts(job.world, batch):
+                where[0] = f"{name} {size}, {layout}"
+                row, out = _layout_row(job, model, acc, args, groups, layout, cfg_ways, device)
+                row.model, row.size = name, size
+                if rank == 0:
+                    _compare(row, out, job)
+                    _say(f"[{name} {size}] {_line(row)}")
+                    rows.append(row)
+                del out
+        acc.release()
+        del model, acc
+        _peak_reset(device)
+    return rows
+
+
+def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tensor], args: tuple, groups: tuple,
+                layout: str, cfg_ways: int, device: torch.device) -> tuple[Result, torch.Tensor | None]:
+    """One layout timed on every rank: its row (the ms of the slowest rank, the peak of the busiest) and this rank's
+    output (None when the layout was refused)."""
+    from ..parallel.sequence import Group, batch_parallel, sequence_parallel
+
+    row = Result("", "", job.world, layout)
+    seq_ways = job.world // cfg_ways
+    cfg_group, seq_group = groups if cfg_ways > 1 and seq_ways > 1 else (Group(), Group())
+    scope = sequence_parallel(model, seq_group) if seq_ways > 1 else contextlib.nullcontext()
+    call = (lambda: batch_parallel(acc, cfg_group, *args)) if cfg_ways > 1 else (lambda: acc(*args))
+    _peak_reset(device)
+    try:
+        with scope, torch.inference_mode():
+            for _ in range(WARMUP):
+                out = call()
+            times = []
+            for _ in range(job.iters):
+                dist.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                out = call()
+                _sync(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+    except BadInput as e:  # the model or the world cannot take this layout; every rank finds the same
+        row.note = f"refused: {e}"
+        return row, None
+    worst = torch.tensor([statistics.median(times), _peak_gb(device) or 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    row.ms, row.peak_gb = worst[0].item(), (worst[1].item() if job.cuda else None)
+    return row, out
+
+
+def _compare(row: Result, out: torch.Tensor | None, job: Job) -> None:
+    """Rank 0: the W=1 output saved for the later worlds, or a later world's compared with it (in fp32), and the
+    speed-up over the W=1 row."""
+    if out is None:
+        return
+    ref = Path(job.folder, f"output-{row.model}-{row.size}.pt")
+    if job.world == 1:
+        torch.save(out.float().cpu(), ref)
+        row.speedup = 1.0
+        return
+    row.rel_err = rel_l2(out.float().cpu(), torch.load(ref))
+    row.speedup = job.baseline_ms[f"{row.model} {row.size}"] / row.ms
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _line(r: Result) -> str:
+    where = "1 GPU" if r.gpus == 1 else f"{r.gpus} GPUs, {r.layout}"
+    if r.ms is None:
+        return f"{where}: {r.note}"
+    peak = "" if r.peak_gb is None else f", peak {r.peak_gb:.1f} GB"
+    return f"{where}: {r.ms:.1f} ms/step, x{r.speedup:.2f}{peak}, err {_fmt(r.rel_err, '.1e')}"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    """value in spec, or "-" as wide."""
+    return format("-", ">" + spec.partition(".")[0]) if value is None else format(value, spec)
+
+
+LEGEND = ("ms/step = one sampling step of the whole batch (both CFG halves), median of the timed calls on the slowest "
+          "rank; speedup over the 1-GPU row of the same model and size; peak GB = the most any rank allocated; "
+          "rel err = relative L2 distance of the output from the 1-GPU output, in fp32. No CUDA graphs in any row.")
+
+
+def table(rows: list[Result]) -> str:
+    head = f"{'model':<14} {'size':<10} {'GPUs':>4} {'layout':<15} {'ms/step':>9} {'speedup':>8} {'peak GB':>8} " \
+           f"{'rel err':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.model:<14} {r.size:<10} {r.gpus:>4} {r.layout:<15} {_fmt(r.ms, '9.1f')} "
+                     f"{_fmt(r.speedup, '8.2f')} {_fmt(r.peak_gb, '8.1f')} {_fmt(r.rel_err, '9.1e')}")
+        if r.note:
+            lines.append(f"{'':<14} {r.note}")
+    lines.append(LEGEND)
+    return "\n".join(lines)
+
+
+def as_dicts(rows: list[Result]) -> list[dict]:
+    return [asdict(r) for r in rows]

@@ -353,3 +353,18 @@ def test_wan_and_qwen_image_weights_loaded_in_fp8_run_as_fp8_products(comfy_pyto
     out, counts = _fused_output(model, inp, "auto")
     assert counts["fp8"] == projections and rel(out, own) <= 5e-2
     assert _fused_output(model, inp, "16bit")[1]["fp8"] == 0
+
+
+def test_wan_in_bfloat16_runs_on_the_torch_path_in_its_blocks_dtype(comfy_pytorch_attention):
+    """ComfyUI builds Wan's patch embedding in float32 whatever the model's dtype (its first parameter): the engine
+    still feeds the model bfloat16, as ComfyUI does, and gives ComfyUI's own output for it."""
+    model = _dit_bf16("tiny-wan")
+    assert next(model.parameters()).dtype == torch.float32  # the case: a float32 layer first
+    inp = _bf16_inputs("tiny-wan")
+    with torch.no_grad():
+        own = model(inp["x"], inp["timesteps"], inp["context"])
+        acc = accelerate(model, preference="torch", options={"cuda_graphs": False},
+                         gpu=GpuInfo(vendor="cpu", family="cpu", name="cpu", dtypes=("float32", "bfloat16")))
+        out = acc(inp["x"], inp["timesteps"], inp["context"])
+    assert acc.unet.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+    assert torch.equal(out, own)

@@ -92,8 +92,9 @@ class Canonical(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the model computes in: its weights', or bfloat16 for weights stored in fp8, which its layers widen
-        per call (ComfyUI's fp8_e4m3fn weight dtype; it feeds such a model bfloat16)."""
-        dtype = next(self.unet.parameters()).dtype
+        per call (ComfyUI's fp8_e4m3fn weight dtype; it feeds such a model bfloat16). Layers a host keeps in float32
+        whatever the model's dtype (ComfyUI's Wan patch embedding, the first parameter) do not decide it."""
+        dtype = next((p.dtype for p in self.unet.parameters() if p.dtype != torch.float32), torch.float32)
         return torch.bfloat16 if dtype in FP8_DTYPES else dtype
 
     @property

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is 
 # config name -> the torch path's fusion for its blocks (None where it has none), and the text tokens it is run with
 # in that form: split (8) for Flux as Flux's 512 are, whole (7) for SD3 as SD3.5's 333 are
 MODELS = {"tiny-flux": ("flux", 8), "tiny-chroma": ("chroma", 7), "tiny-sd3": ("mmdit", 7),
-          "tiny-qwen-image": (None, 0)}
+          "tiny-qwen-image": (None, None)}
 ATTENTION = {"tiny-flux": ("comfy.ldm.flux.math", "optimized_attention"),
              "tiny-chroma": ("comfy.ldm.flux.math", "optimized_attention"),
              "tiny-sd3": ("comfy.ldm.modules.diffusionmodules.mmdit", "optimized_attention"),
@@ -58,8 +58,8 @@ def _hooked(model) -> bool:
 
 
 def _plain(name: str, g) -> dict:
-    """ComfyUI's own blocks: the parallel output against one process's (text split and whole), refusals, and the
-    model after the context."""
+    """ComfyUI's own blocks: the parallel output against one process's (text split and whole; Flux with an
+    attention mask), refusals, and the model after the context."""
     import importlib
 
     from sd_accel.accel.errors import BadInput
@@ -69,6 +69,9 @@ def _plain(name: str, g) -> dict:
     model = _model(name)
     canon = CanonicalDiT(model)
     inputs = [_inputs(name, 8, text) for text in (7, 8)]  # 4 x 4 = 16 image tokens
+    if name == "tiny-flux":  # an attention mask (a bias over the joint sequence, as ComfyUI's regional prompts give)
+        mask = torch.randn(2, 8 + 16, 8 + 16, generator=torch.Generator().manual_seed(2))
+        inputs.append({**inputs[1], "attention_mask": mask})
     module, attr = ATTENTION[name]
     host = getattr(importlib.import_module(module), attr)
     refused = []

@@ -24,8 +24,9 @@ def heads(model: nn.Module) -> int:
 def attach(model: nn.Module, shards: Shards) -> list[RemovableHandle]:
     def double(module, args, kwargs):
         names = parameters(type(module).forward)
-        img, txt, pe = (argument(names, args, kwargs, n) for n in ("img", "txt", "pe"))
-        return replaced(names, args, kwargs, img=shards.tokens(img), txt=shards.text_tokens(txt),
+        img, txt, pe, mask = (argument(names, args, kwargs, n) for n in ("img", "txt", "pe", "attn_mask"))
+        # a mask is laid out over the one-process order, which the exchange keeps only where the text is whole
+        return replaced(names, args, kwargs, img=shards.tokens(img), txt=shards.text_tokens(txt, mask is None),
                         pe=shards.table(pe, 2))
 
     def single(module, args, kwargs):

@@ -22,6 +22,8 @@ from .group import Group, shard
 
 
 class Shards:
+    """One sequence-parallel model's state during a call, kept by its hooks and read by the exchange."""
+
     def __init__(self, g: Group) -> None:
         self.g = g
         self.image: int | None = None  # this rank's image tokens in the running call, once split
@@ -46,12 +48,12 @@ class Shards:
         self.image = x.shape[1]
         return x
 
-    def text_tokens(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """The text tokens t (B, T, C) a block takes: at the call's first block, this rank's share where the world
-        divides T, else t whole; as they come at the blocks after it."""
+    def text_tokens(self, t: torch.Tensor | None, split: bool = True) -> torch.Tensor | None:
+        """The text tokens t (B, T, C) a block takes: at the call's first block, this rank's share where `split` and
+        the world divides T, else t whole; as they come at the blocks after it."""
         if self.text is not None or t is None:
             return t
-        split = t.shape[1] % self.g.world == 0
+        split = split and t.shape[1] % self.g.world == 0
         t = shard(t, 1, self.g) if split else t
         self.text = t.shape[1] if split else 0
         return t
@@ -68,12 +70,10 @@ class Shards:
             self._tables[id(t)] = held
         return held[1]
 
-    def layout(self, tokens: int) -> tuple[int, int]:
-        """(whole, text) for an exchanged attention over this rank's `tokens`: how many come first and are the same
-        on every rank (the text where it is whole), and how many of the split ones after them are text (the rest are
-        image tokens). An attention over the image tokens alone has neither."""
-        text = (self.text or 0) if tokens > self.image else 0
-        return tokens - text - self.image, text
+    def whole(self, tokens: int) -> int:
+        """How many of this rank's `tokens` of an exchanged attention come first and are alike on every rank (the text
+        where it is whole); the rest are split. An attention over the image tokens alone has none."""
+        return tokens - self.image - (self.text or 0) if tokens > self.image else 0
 
     def exchanging(self, module: nn.Module) -> list[RemovableHandle]:
         """Hooks that mark module's calls as those whose attention the exchange serves."""

@@ -47,10 +47,11 @@ def _family(model: nn.Module):
 
 @contextlib.contextmanager
 def sequence_parallel(model: nn.Module, g: Group) -> Iterator[None]:
-    """While it lasts, model's calls (the same full inputs on every rank) run its blocks on 1/world of the image
-    tokens. BadInput if the model is none of the classes above or the world does not divide its heads; a call whose
-    image token count the world does not divide, or that brings ControlNet residuals (they are not split), raises
-    BadInput too (the caller runs it on one GPU)."""
+    """While it lasts, model's calls (the same full inputs on every rank) run its blocks on 1/world of the tokens, in
+    ComfyUI's blocks or the torch path's fused ones. BadInput if the model is none of the classes above or the world
+    does not divide its heads; a call whose image token count the world does not divide, or that brings ControlNet
+    residuals (they are not split), raises BadInput too, and the caller runs it on one GPU. (sd-accel's canonical SD3
+    call runs the class forward, past the model's own hooks: its residuals fail on their shape instead.)"""
     family = _family(model)
     heads = family.heads(model)
     if heads % g.world:

@@ -4,24 +4,13 @@ parallelism over 2, and both over 4 (2 x 2)."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import comfy_helpers as H
+from gloo_helpers import run_ranks
 
 pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wan():
@@ -37,53 +26,42 @@ def _wan():
     return configs.seed_dit_parameters(model, 0).eval()
 
 
-def _rank(rank: int, world: int, port: int, report: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        H.import_comfy()
-        from sd_accel.accel.errors import BadInput
-        from sd_accel.accel.parallel.sequence import Group, batch_parallel, mesh, sequence_parallel
+def _wan_ranks(world: int) -> dict:
+    from sd_accel.accel.errors import BadInput
+    from sd_accel.accel.parallel.sequence import Group, batch_parallel, mesh, sequence_parallel
 
-        model = _wan()
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(2, 16, 3, 8, 8, generator=g)  # 3 x 4 x 4 = 48 tokens per sample
-        t = torch.tensor([0.3, 0.8])
-        ctx = torch.randn(2, 7, 32, generator=g)
-        per_frame = torch.tensor([[0.2, 0.5, 0.9], [0.1, 0.1, 0.7]])  # Wan 2.2's timesteps per latent frame
-        with torch.no_grad():
-            ref, ref_frames = model(x, t, ctx), model(x, per_frame, ctx)
-            with sequence_parallel(model, Group()):
-                out, frames = model(x, t, ctx), model(x, per_frame, ctx)
-                try:  # 5 x 4 x 4 = 80 tokens: 3 processes do not split them
-                    model(torch.randn(2, 16, 5, 8, 8, generator=g), t, ctx)
-                    refused = ""
-                except BadInput as e:
-                    refused = str(e)
-            again = model(x, t, ctx)
-            outputs = [(out, ref), (frames, ref_frames)]
-            if world == 2:  # CFG parallel: one sample of the batch per process
-                outputs += [(batch_parallel(model, Group(), x, t, ctx), ref),
-                            (batch_parallel(model, Group(), x, per_frame, ctx), ref_frames)]
-            if world == 4:  # both: CFG over 2 pairs of processes, sequence parallel inside each pair
-                batch, seq = mesh(2)
-                with sequence_parallel(model, seq):
-                    outputs += [(batch_parallel(model, batch, x, t, ctx), ref),
-                                (batch_parallel(model, batch, x, per_frame, ctx), ref_frames)]
-        result = {"rel": max(float((a - b).norm() / b.norm()) for a, b in outputs), "refused": refused,
-                  "restored": bool(torch.equal(again, ref))}
-        with open(f"{report}.{rank}", "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    model = _wan()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 3, 8, 8, generator=g)  # 3 x 4 x 4 = 48 tokens per sample
+    t = torch.tensor([0.3, 0.8])
+    ctx = torch.randn(2, 7, 32, generator=g)
+    per_frame = torch.tensor([[0.2, 0.5, 0.9], [0.1, 0.1, 0.7]])  # Wan 2.2's timesteps per latent frame
+    with torch.no_grad():
+        ref, ref_frames = model(x, t, ctx), model(x, per_frame, ctx)
+        with sequence_parallel(model, Group()):
+            out, frames = model(x, t, ctx), model(x, per_frame, ctx)
+            try:  # 5 x 4 x 4 = 80 tokens: 3 processes do not split them
+                model(torch.randn(2, 16, 5, 8, 8, generator=g), t, ctx)
+                refused = ""
+            except BadInput as e:
+                refused = str(e)
+        again = model(x, t, ctx)
+        outputs = [(out, ref), (frames, ref_frames)]
+        if world == 2:  # CFG parallel: one sample of the batch per process
+            outputs += [(batch_parallel(model, Group(), x, t, ctx), ref),
+                        (batch_parallel(model, Group(), x, per_frame, ctx), ref_frames)]
+        if world == 4:  # both: CFG over 2 pairs of processes, sequence parallel inside each pair
+            batch, seq = mesh(2)
+            with sequence_parallel(model, seq):
+                outputs += [(batch_parallel(model, batch, x, t, ctx), ref),
+                            (batch_parallel(model, batch, x, per_frame, ctx), ref_frames)]
+    return {"rel": max(float((a - b).norm() / b.norm()) for a, b in outputs), "refused": refused,
+            "restored": bool(torch.equal(again, ref))}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_wan_over_several_processes_equals_one_process(tmp_path, world):
-    out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(world, _free_port(), out), nprocs=world)
-    results = [json.loads(open(f"{out}.{r}").read()) for r in range(world)]
+    results = run_ranks(_wan_ranks, world, tmp_path)
     for r in results:
         assert r["rel"] <= 1e-5 and r["restored"], results
         assert ("do not split over 3 processes" in r["refused"]) == (world == 3), results

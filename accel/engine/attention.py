@@ -1,4 +1,5 @@
-"""Attention kernel choice: which PyTorch SDPA backends may run, best first, or the flash_attn package.
+"""Attention kernel choice: which PyTorch SDPA backends may run, best first, or the flash_attn package; and the form
+of a function that stands in for a host's attention function.
 
 Choosing happens around the UNet call (a context), so diffusers' default SDPA processor and ComfyUI's
 PyTorch attention both pick it up without any module being replaced.
@@ -7,7 +8,8 @@ PyTorch attention both pick it up without any module being replaced.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -41,6 +43,42 @@ def sdpa_kernels(preferred: str) -> Iterator[None]:
         ctx = sdpa_kernel([backends[0], SDPBackend.MATH])
     with ctx:
         yield
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """A function put for a while in a host module's place of its attention function (sequence parallelism does:
+    accel/parallel/exchange.py) that the fused DiT blocks honour, though they call no host attention: their gate
+    judges `host`, the function it stands in for, and their own attention runs through `around`."""
+
+    host: Callable
+    call: Callable  # what the host's blocks call in host's place, with host's arguments
+    # around(attend, q, k, v) for (B, L, heads, head_dim) q, k and v, where attend(q, k, v) -> (B, L, heads * head_dim)
+    around: Callable
+
+    def __call__(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
+_STANDING: list[StandIn] = []  # the stand-ins in place now
+
+
+@contextlib.contextmanager
+def standing_in(module, name: str, fn: StandIn) -> Iterator[None]:
+    """fn in the place of module's attention function `name` (fn.host) while it lasts."""
+    setattr(module, name, fn)
+    _STANDING.append(fn)
+    try:
+        yield
+    finally:
+        _STANDING.remove(fn)
+        setattr(module, name, fn.host)
+
+
+def standing() -> tuple[int, ...]:
+    """Which stand-ins are in place: a CUDA graph captured while one was replays what it did (a sequence-parallel
+    exchange), so it serves only while the same ones are."""
+    return tuple(id(fn) for fn in _STANDING)
 
 
 class FlashAttnProcessor:

@@ -20,8 +20,8 @@ from torch import nn
 from .base import Undo, kernel_module, of_class, patch_forward
 from .registry import fusion
 from .. import fp8
-from .transformer import (EPS, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight,
-                          pytorch_attention, sdpa)
+from .transformer import (EPS, comfy_sdpa, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
+                          norm_weight, pytorch_attention)
 
 MODULE = "comfy.ldm.modules.diffusionmodules.mmdit"
 
@@ -64,7 +64,7 @@ def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_option
     for block, stream, mods, offset in ((cb, context, cm, 0), (xb, x, xm, Lc)):
         h = modulated_norm(stream, mods[1], mods[0], block.attn.qkv)
         rope.qk_norm_rope(fp8.project(block.attn.qkv, h), H, qkv, offset, *_qk_weights(block.attn, x), EPS)
-    out = sdpa(*qkv)
+    out = comfy_sdpa(MODULE, *qkv)
     if not cb.pre_only:
         y, context = gated_mlp(context, cb.attn.proj(out[:, :Lc]), cm[2], cm[4], cm[3], cb.mlp.fc1, cb.mlp.fc2)
         gated_residual_(context, cm[5], y)
@@ -75,7 +75,7 @@ def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_option
         h = modulated_norm(x, xm[7], xm[6], xb.attn2.qkv)
         own = rope.empty_qkv(B, Lx, H, C // H, x)
         rope.qk_norm_rope(fp8.project(xb.attn2.qkv, h), H, own, 0, *_qk_weights(xb.attn2, x), EPS)
-        x = gated_residual_(x.clone(), xm[8], xb.attn2.proj(sdpa(*own)))
+        x = gated_residual_(x.clone(), xm[8], xb.attn2.proj(comfy_sdpa(MODULE, *own)))
     y, x = gated_mlp(x, update, xm[2], xm[4], xm[3], xb.mlp.fc1, xb.mlp.fc2)
     gated_residual_(x, xm[5], y)
     return context, x

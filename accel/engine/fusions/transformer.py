@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8
+from ..attention import StandIn
 from .base import kernel_module, plain_linear
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
+FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
 
 
 def linears(*layers: nn.Module) -> bool:
@@ -23,12 +25,19 @@ def linears(*layers: nn.Module) -> bool:
                and not getattr(layer, "bias_function", None) for layer in layers)
 
 
+def _comfy_attention(module_name: str):
+    """The attention function ComfyUI's blocks of `module_name` call: its `optimized_attention` (None before it is
+    imported)."""
+    return getattr(sys.modules.get(module_name), "optimized_attention", None)
+
+
 def pytorch_attention(module_name: str, transformer_options: dict | None) -> bool:
-    """Whether ComfyUI's attention for the blocks of `module_name` is its PyTorch SDPA one, with no override."""
-    module = sys.modules.get(module_name)
+    """Whether ComfyUI's attention for the blocks of `module_name` is its PyTorch SDPA one (itself, or a StandIn
+    over it), with no override."""
+    fn = _comfy_attention(module_name)
     attention = sys.modules.get("comfy.ldm.modules.attention")
-    return (module is not None and attention is not None
-            and getattr(module, "optimized_attention", None) is getattr(attention, "attention_pytorch", object())
+    return (attention is not None
+            and (fn.host if isinstance(fn, StandIn) else fn) is getattr(attention, "attention_pytorch", object())
             and "optimized_attention_override" not in (transformer_options or {}))
 
 
@@ -41,6 +50,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     B, L, H, D = q.shape
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2).reshape(B, L, H * D)
+
+
+def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """sdpa for a fused block of ComfyUI's `module_name`: through the `around` of a StandIn that takes the place of
+    that module's attention function (sequence parallelism's exchange), where one does."""
+    fn = _comfy_attention(module_name)
+    return fn.around(sdpa, q, k, v) if isinstance(fn, StandIn) else sdpa(q, k, v)
 
 
 def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, *consumers: nn.Module,
@@ -96,7 +112,7 @@ def covered(m: nn.Module, *modulation: nn.Module) -> bool:
 def fused_call(x: torch.Tensor, transformer_options: dict | None, *conditions: bool) -> bool:
     """Whether a Flux-layout block call takes the fused forward (every one of `conditions` false, ComfyUI's PyTorch
     attention, tensors the kernels run on)."""
-    return (not any(conditions) and pytorch_attention("comfy.ldm.flux.math", transformer_options)
+    return (not any(conditions) and pytorch_attention(FLUX_ATTENTION, transformer_options)
             and kernels_run_on(x))
 
 
@@ -115,7 +131,7 @@ def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torc
         h = modulated_norm(x, mod.scale, mod.shift, attn.qkv)
         rope.qk_norm_rope(fp8.project(attn.qkv, h), H, qkv, offset, norm_weight(attn.norm.query_norm.scale, x),
                           norm_weight(attn.norm.key_norm.scale, x), EPS, pe)
-    out = sdpa(*qkv)
+    out = comfy_sdpa(FLUX_ATTENTION, *qkv)
     first, second = out[:, :streams[0][0].shape[1]], out[:, streams[0][0].shape[1]:]
     img_attn, txt_attn = (second, first) if not flipped else (first, second)
     y, img = gated_mlp(img, self.img_attn.proj(img_attn), img_mod1.gate, img_mod2.scale, img_mod2.shift,
@@ -139,7 +155,7 @@ def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod)
     qkv = rope.empty_qkv(B, L, H, C // H, x)
     rope.qk_norm_rope(projected, H, qkv, 0, norm_weight(self.norm.query_norm.scale, x),
                       norm_weight(self.norm.key_norm.scale, x), EPS, pe)
-    attn = sdpa(*qkv)
+    attn = comfy_sdpa(FLUX_ATTENTION, *qkv)
     # linear2(cat(attention, act)) without writing the concatenation: two products into one output (16-bit: the
     # second accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass
     # that quantizes its part)

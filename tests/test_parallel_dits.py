@@ -1,0 +1,181 @@
+"""Sequence parallelism (accel/parallel) for ComfyUI's Flux, Chroma, SD3/SD3.5 MMDiT and Qwen-Image over 2 and 4 gloo
+processes on the CPU. Tiny seeded models of ComfyUI's own classes (4 heads) give on every rank the output of one
+process, in float32, with text the world splits (8 tokens) and text it does not (7, as SD3.5's 333): with ComfyUI's
+own blocks, and with the torch path's fused blocks (accelerate() with the Triton kernels, run by Triton's
+interpreter), whose attention the exchange reaches too. After the context the model is its own again; image token
+counts the world does not divide, and ControlNet residuals, are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import comfy_helpers as H
+from gloo_helpers import run_ranks
+
+pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+
+# config name -> the torch path's fusion for its blocks (None where it has none), and the text tokens it is run with
+# in that form: split (8) for Flux as Flux's 512 are, whole (7) for SD3 as SD3.5's 333 are
+MODELS = {"tiny-flux": ("flux", 8), "tiny-chroma": ("chroma", 7), "tiny-sd3": ("mmdit", 7),
+          "tiny-qwen-image": (None, None)}
+ATTENTION = {"tiny-flux": ("comfy.ldm.flux.math", "optimized_attention"),
+             "tiny-chroma": ("comfy.ldm.flux.math", "optimized_attention"),
+             "tiny-sd3": ("comfy.ldm.modules.diffusionmodules.mmdit", "optimized_attention"),
+             "tiny-qwen-image": ("comfy.ldm.qwen_image.model", "optimized_attention_masked")}
+
+
+def _model(name: str):
+    """The tiny config (SD3: 4 blocks, so 4 heads; its first block MMDiT-X's) built from ComfyUI's class, seeded."""
+    from sd_accel.accel.models import configs
+
+    if name != "tiny-sd3":
+        return configs.build_dit(name, "comfy", comfyui_root=H.comfy_root())
+    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+    import comfy.ops
+
+    _, cfg = configs.COMFY_DIT_CONFIGS[name]
+    embedder = {"target": "torch.nn.Linear", "params": {"in_features": 32, "out_features": 256}}
+    model = mmdit.OpenAISignatureMMDITWrapper(**{**cfg, "depth": 4, "context_embedder_config": embedder},
+                                              operations=comfy.ops.disable_weight_init)
+    return configs.seed_dit_parameters(model, 0).eval()
+
+
+def _inputs(name: str, latent: int, text: int = 7) -> dict:
+    from sd_accel.accel.models import configs
+
+    inp = configs.dit_example_inputs(name, batch=2, latent=latent)  # 7 text tokens
+    inp["context"] = torch.cat((inp["context"], inp["context"][:, :1]), 1)[:, :text]
+    return inp
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _hooked(model) -> bool:
+    return any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def _plain(name: str, g) -> dict:
+    """ComfyUI's own blocks: the parallel output against one process's (text split and whole; Flux with an
+    attention mask), refusals, and the model after the context."""
+    import importlib
+
+    from sd_accel.accel.errors import BadInput
+    from sd_accel.accel.models.dit import CanonicalDiT
+    from sd_accel.accel.parallel.sequence import sequence_parallel
+
+    model = _model(name)
+    canon = CanonicalDiT(model)
+    inputs = [_inputs(name, 8, text) for text in (7, 8)]  # 4 x 4 = 16 image tokens
+    if name == "tiny-flux":  # an attention mask (a bias over the joint sequence, as ComfyUI's regional prompts give)
+        mask = torch.randn(2, 8 + 16, 8 + 16, generator=torch.Generator().manual_seed(2))
+        inputs.append({**inputs[1], "attention_mask": mask})
+    module, attr = ATTENTION[name]
+    host = getattr(importlib.import_module(module), attr)
+    refused = []
+    with torch.no_grad():
+        refs = [canon(**inp) for inp in inputs]
+        with sequence_parallel(model, g):
+            outs = [canon(**inp) for inp in inputs]
+            inp = inputs[0]
+            try:  # 3 x 3 = 9 image tokens: neither 2 nor 4 processes split them
+                canon(**_inputs(name, 6))
+            except BadInput as e:
+                refused.append(str(e))
+            try:
+                model(inp["x"], inp["timesteps"], inp["context"], control={"input": [], "output": []})
+            except BadInput as e:
+                refused.append(str(e))
+        again = canon(**inp)
+    return {"rel": max(map(_rel, outs, refs)), "refused": refused,
+            "restored": torch.equal(again, refs[0]) and not _hooked(model)
+            and getattr(importlib.import_module(module), attr) is host}
+
+
+def _fused(name: str, g) -> dict:
+    """The torch path's fused blocks (ComfyUI's PyTorch attention, as on a GPU, which they require): the parallel
+    output against one process's and ComfyUI's own, and how many attentions the fused blocks ran in each."""
+    import comfy.ldm.flux.math
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+
+    from sd_accel.accel.accelerate import accelerate
+    from sd_accel.accel.engine.fusions import transformer
+    from sd_accel.accel.models.dit import CanonicalDiT
+    from sd_accel.accel.parallel.sequence import sequence_parallel
+
+    comfy.ldm.flux.math.optimized_attention = attention.attention_pytorch
+    mmdit.optimized_attention = attention.attention_pytorch
+    calls = [0]
+    sdpa = transformer.sdpa
+
+    def counted(*args):
+        calls[0] += 1
+        return sdpa(*args)
+
+    transformer.sdpa = counted
+    model = _model(name)
+    fusion, text = MODELS[name]
+    inp = _inputs(name, 8, text)
+    args = (inp["x"], inp["timesteps"], inp["context"], inp.get("y"))
+    with torch.no_grad():
+        ref = CanonicalDiT(model)(**inp)
+        acc = accelerate(model, preference="torch", options={"triton_kernels": True})
+        one = acc(*args, guidance=inp.get("guidance"))
+        one_calls, calls[0] = calls[0], 0
+        with sequence_parallel(model, g):
+            out = acc(*args, guidance=inp.get("guidance"))
+        acc.release()
+    return {"rel": _rel(out, one), "rel_plain": _rel(out, ref), "calls": [one_calls, calls[0]],
+            "fused": acc.engine.fusion_counts[fusion]}
+
+
+def _ranks(world: int) -> dict:
+    from sd_accel.accel.parallel.sequence import Group
+
+    result = {name: _plain(name, Group()) for name in MODELS}
+    result.update({f"{name} fused": _fused(name, Group()) for name, (fusion, _) in MODELS.items() if fusion})
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transformers_over_several_processes_equal_one_process(tmp_path, world):
+    pytest.importorskip("triton")
+    results = run_ranks(_ranks, world, tmp_path)
+    for r in results:
+        for name in MODELS:
+            plain = r[name]
+            assert plain["rel"] <= 1e-5 and plain["restored"], (name, plain)
+            assert [f"do not split over {world} processes" in plain["refused"][0],
+                    "ControlNet" in plain["refused"][1]] == [True, True], (name, plain)
+            if MODELS[name][0]:
+                fused = r[f"{name} fused"]
+                # every attention of the one-process call ran in a fused block, under the exchange as well
+                assert fused["calls"][0] > 0 and fused["calls"][0] == fused["calls"][1] and fused["fused"], \
+                    (name, fused)
+                assert fused["rel"] <= 1e-5 and fused["rel_plain"] <= 1e-5, (name, fused)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_world_that_does_not_divide_the_heads_is_refused(monkeypatch, name):
+    H.import_comfy()
+    from sd_accel.accel.errors import BadInput
+    from sd_accel.accel.parallel import sequence
+
+    monkeypatch.setattr(sequence.Group, "world", property(lambda self: 3))
+    with pytest.raises(BadInput, match="3 processes do not divide the model's 4 attention heads") as e:
+        with sequence.sequence_parallel(_model(name), sequence.Group()):
+            pass
+    assert "24" in e.value.fix
+
+
+def test_another_model_is_refused():
+    from sd_accel.accel.errors import BadInput
+    from sd_accel.accel.parallel.sequence import Group, sequence_parallel
+
+    with pytest.raises(BadInput, match="not Linear") as e:
+        with sequence_parallel(torch.nn.Linear(2, 2), Group()):
+            pass
+    assert "one GPU" in e.value.fix

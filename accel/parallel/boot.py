@@ -9,11 +9,15 @@ import sys
 
 
 def main() -> None:
+    # Before any import can print: the host reads the replies from stdout, and whatever else is printed goes to stderr
+    # (the host's log).
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     config = json.loads(sys.argv[1])
     runpy.run_path(os.path.join(config["root"], "__init__.py"))  # under any name but sd_accel it loads sd_accel
     from sd_accel.accel.parallel import workers
 
-    workers.serve(config)
+    workers.serve(config, replies)
 
 
 if __name__ == "__main__":

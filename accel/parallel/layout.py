@@ -5,7 +5,7 @@ rest; a call of a batch that does not split, sequence parallelism over all proce
 Every process makes the same layouts in the same order (new_group's rule) and runs a call under the layout the first
 process chose. A layout that cannot take a call (a batch or token count that does not split, a model sequence_parallel
 refuses) raises BadInput on every process alike, before the call's first collective, so the processes stay in step and
-the first one runs the call alone.
+the first one tries its next layout, or runs the call alone.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .sequence import Group, batch_parallel, mesh, sequence_parallel
-
-# The canonical call's tensor inputs, in the order they travel; any may be None.
-INPUTS = ("x", "timesteps", "context", "y", "guidance")
 
 
 @dataclass(frozen=True)
@@ -55,7 +52,8 @@ def candidates(batch: int, layouts: dict[str, Layout]) -> list[str]:
 
 
 def canonical(runner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The call a layout runs, on INPUTS: runner's canonical call (x, timesteps, context, y, control, guidance=)."""
+    """The call a layout runs, on the inputs as they travel, (x, timesteps, context, y, guidance) with y and guidance
+    possibly None: runner's canonical call (x, timesteps, context, y, control, guidance=)."""
 
     def call(x, timesteps, context, y=None, guidance=None):
         return runner(x, timesteps, context, y, None, **({"guidance": guidance} if guidance is not None else {}))

@@ -42,6 +42,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -316,9 +317,10 @@ class Pool:
 
     def call(self, key: Hashable, layout: str, module: nn.Module, runner: Callable[..., torch.Tensor],
              inputs: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-        """runner's canonical call on inputs (layout.INPUTS, contiguous, on devices[0]) spread under the named layout;
-        module is what runner runs (sequence_parallel hooks it). BadInput when the layout cannot take the call (every
-        process refused it alike; the pool still serves), WorkerLost when a worker failed (the pool is stopped)."""
+        """runner's canonical call on inputs (as layout.canonical takes them, contiguous, on devices[0]) spread under the
+        named layout; module is what runner runs (sequence_parallel hooks it). BadInput when the layout cannot take the
+        call (every process refused it alike; the pool still serves), WorkerLost when a worker failed (the pool is
+        stopped)."""
         specs = [None if t is None else (tuple(t.shape), t.dtype) for t in inputs]
         with self._exchange():
             for w in self._workers:
@@ -517,10 +519,9 @@ def _mirror(module: nn.Module, spec: list) -> list[torch.Tensor]:
     return out
 
 
-def serve(config: dict) -> None:
-    """A worker's life: say hello, join the group, then follow the host's messages until it says stop or is gone."""
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever the host's modules print goes to the log, not into the replies
+def serve(config: dict, replies: BinaryIO) -> None:
+    """A worker's life (boot.py): say hello on replies, join the group, then follow the host's messages until it says
+    stop or is gone."""
 
     def reply(*message) -> None:
         pickle.dump(message, replies)

@@ -23,7 +23,9 @@ from ..accel.errors import AccelError, BadInput
 from ..accel.hosts.support import EngineSlot, shape_profile, transformer_patches
 from ..accel.models.dit import inspect_dit, is_dit
 from ..accel.models.spec import inspect_unet
+from ..accel.parallel.spread import GPUS, SPREAD_OPTIONS, Spread, devices_here
 from ..accel.plan.options import PRECISION
+from . import gpus as gpu_side
 from .comfy_ui import CATEGORY, cache_root, current_prompt, node_progress, publish, say
 
 KEY = "sd-accel"
@@ -78,13 +80,19 @@ class AcceleratedUNetNode:
             "optional": {"precision": (list(PRECISION), {"default": "auto", "tooltip": (
                 "Flux, Chroma, SD3, Wan and Qwen-Image transformers: auto runs weights loaded in fp8 as fp8 matrix "
                 "products (Hopper and later) and 16-bit weights in 16 bits; fp8 also quantizes 16-bit weights (faster, +50% weight memory, "
-                "slightly different images); 16bit widens fp8 weights per call, as ComfyUI does.")})},
+                "slightly different images); 16bit widens fp8 weights per call, as ComfyUI does.")}),
+                "gpus": (list(GPUS), {"default": "1", "tooltip": (
+                    "How many GPUs one sampling run uses: all = every visible GPU; fewer are used where fewer are "
+                    "visible. With more than 1, a worker process on each other GPU holds a copy of the model (started "
+                    "on the first step: tens of seconds for a 14B model) and every step is split: CFG's two halves on "
+                    "two GPUs, the tokens of a video (Wan) over the others. Calls that cannot be split run on one GPU. "
+                    "CUDA graphs are off then. Linux (NCCL).")})},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def apply(self, model, backend: str, cuda_graphs: bool, torch_compile: bool,
               min_width: int, opt_width: int, max_width: int, min_height: int, opt_height: int, max_height: int,
-              min_batch: int, opt_batch: int, max_batch: int, precision: str = "auto",
+              min_batch: int, opt_batch: int, max_batch: int, precision: str = "auto", gpus: str = "1",
               unique_id: str | None = None) -> dict:
         problem = unsupported(model)
         if problem:
@@ -102,6 +110,9 @@ class AcceleratedUNetNode:
         options = {"compile": torch_compile, "precision": precision}
         if not cuda_graphs:
             options["cuda_graphs"] = False
+        devices, gpus_note = devices_here(gpus, model.load_device)
+        if len(devices) > 1:
+            options.update(SPREAD_OPTIONS)
         try:
             plan = _plan(backend, options)
         except AccelError as e:
@@ -116,6 +127,11 @@ class AcceleratedUNetNode:
         session = Session(slot, unique_id)
         out = model.clone()
         attach(out, session)
+        if gpus_note:
+            slot.tell("gpus", gpus_note)
+            notes.append(gpus_note)
+        if len(devices) > 1:
+            use_devices(out, devices)
         publish(unique_id, {"kind": "planned", "backend": plan.backend, "text": "\n".join(notes)})
         return _result(out, notes)
 
@@ -197,6 +213,24 @@ def attach(model, session: "Session") -> None:
     model.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, session.on_detach)
 
 
+def use_devices(model, devices: list[str], timeout: float | None = None) -> None:
+    """Spread the calls of an Accelerated UNet's output over devices, the first being the one ComfyUI runs the model on
+    (accel/parallel/spread.py). The node passes the GPUs it chose; the tests pass CPU devices (workers over gloo)."""
+    session = session_of(model)
+    slot = session.slot
+    extra = {} if timeout is None else {"timeout": timeout}
+    slot.use_spread(Spread(devices, lambda: gpu_side.recipe(session.patcher), slot.options, slot.tell, slot.progress,
+                           **extra))
+
+
+def _replaced_here(objects: tuple) -> str:
+    """Why object patches keep the calls on one GPU ('' when they do not): parts of the diffusion model replaced in
+    ComfyUI's process, which the workers' copies on the other GPUs do not have."""
+    inside = [key for key, _ in objects if key.startswith("diffusion_model.")]
+    return (f"other nodes replaced parts of the diffusion model ({', '.join(inside)}), which the copies on the other "
+            "GPUs do not have; one GPU serves the run.") if inside else ""
+
+
 def _memory_to_spare() -> bool:
     """Whether kept CUDA graphs may hold their memory between runs: not when ComfyUI runs in its low-VRAM modes
     (--lowvram, --novram, or chosen for a small GPU), where the VAE decode after sampling needs that memory."""
@@ -220,9 +254,10 @@ def session_of(model) -> "Session | None":
 def status_payload(session: "Session") -> dict[str, Any]:
     """The node's status for web/sd_accel.js, with the calls of the current (or last) run, as it shows them."""
     status = session.slot.status
-    engine_calls, plain_calls = session.run_calls()
+    engine_calls, plain_calls, spread_calls = session.run_calls()
     return {"kind": "status", "backend": status.backend, "source": status.source,
-            "engine_calls": engine_calls, "plain_calls": plain_calls, "messages": list(status.messages)}
+            "engine_calls": engine_calls, "plain_calls": plain_calls,
+            "gpus": gpu_side.gpus_line(status, spread_calls, engine_calls), "messages": list(status.messages)}
 
 
 class Session:
@@ -237,18 +272,21 @@ class Session:
         # call counts when it began. The slot counts over the session's life, which spans many prompts.
         self.sampled = False
         self.prompt: str | None = None
-        self._counts_before = (0, 0)
+        self._counts_before = (0, 0, 0)
+
+    @staticmethod
+    def _counts(status) -> tuple[int, int, int]:
+        return status.engine_calls, status.plain_calls, status.spread_calls
 
     def _begin_run(self) -> None:
         prompt = current_prompt()
         if not self.sampled or prompt is None or prompt != self.prompt:
-            status = self.slot.status
-            self.sampled, self.prompt, self._counts_before = True, prompt, (status.engine_calls, status.plain_calls)
+            self.sampled, self.prompt, self._counts_before = True, prompt, self._counts(self.slot.status)
 
-    def run_calls(self) -> tuple[int, int]:
-        """(engine calls, plain calls) of the current run, or of the last one between runs."""
-        status = self.slot.status
-        return status.engine_calls - self._counts_before[0], status.plain_calls - self._counts_before[1]
+    def run_calls(self) -> tuple[int, int, int]:
+        """(engine calls, plain calls, engine calls spread over several devices) of the current run, or of the last
+        one between runs."""
+        return tuple(now - before for now, before in zip(self._counts(self.slot.status), self._counts_before))
 
     def outer_sample(self, executor, *args, **kwargs):
         outer = self.patcher  # set when a sampler runs inside another sampler's run of this model
@@ -261,6 +299,8 @@ class Session:
             if self._objects is not None and objects != self._objects:
                 self.slot.end_run()
             self._objects = objects
+            if self.slot.spread is not None:
+                self.slot.spread.hold(_replaced_here(objects))
         try:
             return executor(*args, **kwargs)
         finally:
@@ -270,9 +310,12 @@ class Session:
                 publish(self.node_id, status_payload(self))
 
     def on_detach(self, patcher, unpatch_all: bool) -> None:
-        """ComfyUI unloads the model (not the detach and load it does before every run): free the kept graphs."""
+        """ComfyUI unloads the model (not the detach and load it does before every run): free the kept graphs; the
+        workers on other GPUs go."""
         if unpatch_all:
             self.slot.end_run()
+            if self.slot.spread is not None:
+                self.slot.spread.close()
 
     def diffusion_model(self, executor, x, timesteps=None, context=None, y=None, control=None,
                         transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's own signature)

@@ -7,6 +7,7 @@ import sys
 
 from .accelerated_unet import BACKENDS, Session, session_of
 from .comfy_ui import CATEGORY, cache_root, current_prompt
+from .gpus import gpus_line
 
 
 def cache_state(root: str) -> str:
@@ -71,7 +72,7 @@ def model_state(session: Session, on_cpu: bool) -> str:
         head = "model: through an Accelerated UNet node, but the plain model runs (see why below)"
     else:
         head = "model: accelerated"
-    engine, plain = session.run_calls()
+    engine, plain, spread = session.run_calls()
     counts = (f"{engine} on the torch path (the plain model's computation on the CPU), {plain} on ComfyUI's own "
               "forward" if plain_torch else f"{engine} accelerated, {plain} on the plain model")
     prompt = current_prompt()
@@ -83,6 +84,9 @@ def model_state(session: Session, on_cpu: bool) -> str:
     else:
         calls = f"calls this run: {counts}"
     lines = [head, f"path: {status.backend}" + (f" ({status.source})" if status.source else ""), calls]
+    gpus = gpus_line(status, spread, engine) if session.sampled else ""
+    if gpus:
+        lines.append(gpus)
     if status.plan:
         lines.append(status.plan)
     lines += [f"note: {m}" for m in status.messages]

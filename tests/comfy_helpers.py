@@ -30,6 +30,9 @@ TINY_SD15 = dict(image_size=32, in_channels=4, out_channels=4, model_channels=32
 TINY_SDXL = {**TINY_SD15, "context_dim": 2048, "adm_in_channels": 2816, "use_linear_in_transformer": True,
              "num_classes": "sequential", "transformer_depth": [0, 1], "transformer_depth_output": [0, 0, 1, 1],
              "num_head_channels": 16, "num_heads": -1}
+# The shape profile the tests apply the Accelerated UNet node with (min/opt/max width, height and batch).
+PROFILE = dict(min_width=64, opt_width=128, max_width=1024, min_height=64, opt_height=128, max_height=1024,
+               min_batch=1, opt_batch=1, max_batch=4)
 TINY_VAE = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 32,
             "ch_mult": [1, 1, 2, 2], "num_res_blocks": 1, "attn_resolutions": [], "dropout": 0.0}
 
@@ -187,6 +190,19 @@ def tiny_dit_conditioning(family: str = "flux", seed: int = 0, tokens: int = 7):
         return [[torch.randn(1, tokens, ctx, generator=g) * scale, extra]]
 
     return cond(1.0), cond(0.5)
+
+
+def sample_frames(model, positive, negative, frames, steps=2, size=8, seed=1, cfg=3.0):
+    """comfy.sample.sample on (batch, 16, frames, h, w) latents: Wan's video latents, and Qwen-Image's one frame (the
+    KSampler node makes its 4-D latent 5-D for models whose latent format has 3 dimensions)."""
+    import torch
+
+    import comfy.sample
+
+    shape = (1, 16, frames, size, size)
+    noise = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, torch.zeros(shape),
+                               disable_pbar=True, seed=seed)
 
 
 def tiny_flux_controlnet(seed: int = 0):

@@ -4,6 +4,7 @@ import shutil
 import sys
 import tempfile
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,3 +37,12 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     _INDUCTOR = tempfile.mkdtemp(prefix="sd-accel-test-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR
     atexit.register(shutil.rmtree, _INDUCTOR, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pack():
+    """The pack loaded as ComfyUI loads it, with ComfyUI importable (tests/comfy_helpers.py)."""
+    import comfy_helpers as H
+
+    H.import_comfy()
+    return H.load_pack()

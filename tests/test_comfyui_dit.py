@@ -18,20 +18,12 @@ from sd_accel.nodes import accelerated_unet
 
 pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
 
-PROFILE = dict(min_width=64, opt_width=128, max_width=1024, min_height=64, opt_height=128, max_height=1024,
-               min_batch=1, opt_batch=1, max_batch=4)
 FAMILIES = ("flux", "chroma", "sd3")
-
-
-@pytest.fixture(scope="module")
-def pack():
-    H.import_comfy()
-    return H.load_pack()
 
 
 def accelerate(pack, model):
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
-    out = node.apply(model, "torch", True, False, **PROFILE, unique_id="7")
+    out = node.apply(model, "torch", True, False, **H.PROFILE, unique_id="7")
     return out["result"][0], out["ui"]["text"][0]
 
 
@@ -159,20 +151,9 @@ def test_other_transformers_pass_through_with_a_reason(pack):
 
     model.model.diffusion_model.__class__ = FluxVariant
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
-    out = node.apply(model, "auto", True, False, **PROFILE, unique_id="8")
+    out = node.apply(model, "auto", True, False, **H.PROFILE, unique_id="8")
     text = out["ui"]["text"][0]
     assert out["result"][0] is model and "Flux.1, Chroma, SD3, Wan 2.1/2.2 or Qwen-Image transformer" in text
-
-
-def sample_frames(model, positive, negative, frames, steps=2, size=8, seed=1, cfg=3.0):
-    """comfy.sample.sample on (batch, 16, frames, h, w) latents: Wan's video latents, and Qwen-Image's one frame (the
-    KSampler node makes its 4-D latent 5-D for models whose latent format has 3 dimensions)."""
-    import comfy.sample
-
-    shape = (1, 16, frames, size, size)
-    noise = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", positive, negative, torch.zeros(shape),
-                               disable_pbar=True, seed=seed)
 
 
 @pytest.mark.parametrize("family,frames", [("wan", 3), ("qwen-image", 1)])
@@ -185,8 +166,8 @@ def test_wan_and_qwen_image_are_accelerated_and_equal_plain(pack, family, frames
     pos, neg = H.tiny_dit_conditioning(family, 8)
     acc, text = accelerate(pack, model)
     assert "backend: torch" in text
-    plain = sample_frames(model, pos, neg, frames)
-    assert H.same(sample_frames(acc, pos, neg, frames), plain)
+    plain = H.sample_frames(model, pos, neg, frames)
+    assert H.same(H.sample_frames(acc, pos, neg, frames), plain)
     s = status(acc)
     assert s.engine_calls == 2 and s.plain_calls == 0, s
     lora = H.lora_patches(model, 9, take=lambda key: key.endswith((".q.weight", "to_q.weight", "ffn.0.weight",
@@ -196,10 +177,10 @@ def test_wan_and_qwen_image_are_accelerated_and_equal_plain(pack, family, frames
     def with_lora(m):
         return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0.0)[0]
 
-    plain_lora = sample_frames(with_lora(model), pos, neg, frames)
+    plain_lora = H.sample_frames(with_lora(model), pos, neg, frames)
     assert not torch.allclose(plain_lora, plain, atol=1e-3)  # the LoRA reaches the transformer
     after = with_lora(acc)
-    assert H.same(sample_frames(after, pos, neg, frames), plain_lora)
+    assert H.same(H.sample_frames(after, pos, neg, frames), plain_lora)
     assert status(after).engine_calls == 4
 
 

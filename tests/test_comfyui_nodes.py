@@ -19,15 +19,6 @@ from sd_accel.nodes import accelerated_unet  # the module ComfyUI runs: the pack
 
 pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
 
-PROFILE = dict(min_width=64, opt_width=128, max_width=1024, min_height=64, opt_height=128, max_height=1024,
-               min_batch=1, opt_batch=1, max_batch=4)
-
-
-@pytest.fixture(scope="module")
-def pack():
-    H.import_comfy()
-    return H.load_pack()
-
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -37,7 +28,7 @@ def tiny():
 
 def accelerate(pack, model, backend="torch", **changes):
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
-    out = node.apply(model, backend, True, False, **{**PROFILE, **changes}, unique_id="1")
+    out = node.apply(model, backend, True, False, **{**H.PROFILE, **changes}, unique_id="1")
     return out["result"][0], out["ui"]["text"][0]
 
 
@@ -256,14 +247,14 @@ def test_other_model_types_pass_through_unchanged(pack, tiny):
 
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
     other = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cpu"))
-    out = node.apply(other, "auto", True, False, **PROFILE, unique_id="3")
+    out = node.apply(other, "auto", True, False, **H.PROFILE, unique_id="3")
     assert out["result"][0] is other and "not an SD1.x, SD2.x or SDXL UNet" in out["ui"]["text"][0]
 
     narrow = H.tiny_model(0)
     for block in narrow.model.diffusion_model.modules():  # a context width no SD family has
         if hasattr(block, "to_k") and block.to_k.in_features == 768:
             block.to_k = torch.nn.Linear(32, block.to_k.out_features, bias=False)
-    out = node.apply(narrow, "auto", True, False, **PROFILE, unique_id="3")
+    out = node.apply(narrow, "auto", True, False, **H.PROFILE, unique_id="3")
     assert out["result"][0] is narrow and "custom layout" in out["ui"]["text"][0]
 
 
@@ -350,7 +341,7 @@ def test_cuda_graphs_left_on_is_not_a_request_the_node_reports(pack, tiny):
     _, text = accelerate(pack, tiny)
     assert "cuda_graphs" not in text
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
-    off = node.apply(tiny, "torch", False, False, **PROFILE, unique_id="1")["result"][0]
+    off = node.apply(tiny, "torch", False, False, **H.PROFILE, unique_id="1")["result"][0]
     assert accelerated_unet.session_of(off).slot.options["cuda_graphs"] is False
 
 

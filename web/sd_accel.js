@@ -44,6 +44,7 @@ function statusLines(s) {
   if (s.engine_calls !== undefined) {
     lines.push(`last run: ${s.engine_calls} accelerated calls, ${s.plain_calls} on the plain model`);
   }
+  if (s.gpus) lines.push(s.gpus);
   for (const m of s.messages ?? []) lines.push(`note: ${m}`);
   return lines;
 }

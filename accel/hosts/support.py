@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import AccelError, BadInput
+from ..errors import AccelError, BadInput, is_interrupt
 
 log = logging.getLogger("sd-accel")
 
@@ -78,6 +78,10 @@ class SlotStatus:
     messages: list[str] = field(default_factory=list)  # each message once, in the order said
     engine_calls: int = 0
     plain_calls: int = 0
+    devices: int = 1  # the devices a call may be spread over (accel/parallel/spread.py)
+    spread_calls: int = 0  # engine calls served over all of them
+    layout: str = ""  # how the last spread call was laid out over them, in words
+    one_device: str = ""  # why the last engine call ran on one device when there are several
 
 
 class _Collect(logging.Handler):
@@ -143,6 +147,17 @@ class EngineSlot:
         self._failed: str | None = None  # a build that failed for this module: not retried every call
         self._broken = False  # the engine failed on a call: the rest of this run goes to the plain model
         self._sizes: set[tuple[int, ...]] = set()  # (batch, latent height, latent width) the engine has served
+        self.spread = None  # accel.parallel.spread.Spread: engine calls over several devices (use_spread)
+
+    def use_spread(self, spread) -> None:
+        """Spread this slot's engine calls over spread.devices from now on (the torch path with the options that
+        spreading needs: accel/parallel/spread.py SPREAD_OPTIONS)."""
+        from ..parallel.spread import SPREAD_OPTIONS
+
+        self.spread = spread
+        self.options.update(SPREAD_OPTIONS)
+        self.status.devices = len(spread.devices)
+        self.release()
 
     # -- messages
 
@@ -185,7 +200,7 @@ class EngineSlot:
             try:
                 acc = self._engine_for(module, weights_key)
             except Exception as e:
-                if _is_interrupt(e):
+                if is_interrupt(e):
                     raise
                 self._failed = f"building the engine failed ({type(e).__name__}: {e})"
                 self.status.backend, self.status.source, acc = "plain", self._failed, None
@@ -200,13 +215,18 @@ class EngineSlot:
                     "on the torch path. Widen the profile on the node to cover it."))
                 runner = acc.fallback or acc.unet
             extra = {"guidance": guidance} if guidance is not None else {}
-            out = self._first_at_size(x, lambda: runner(x, timesteps, context, y, control, **extra))
+
+            def run() -> torch.Tensor:
+                out = self._spread(module, weights_key, runner, acc, x, timesteps, context, y, control, guidance)
+                return runner(x, timesteps, context, y, control, **extra) if out is None else out
+
+            out = self._first_at_size(x, run)
             self.status.engine_calls += 1
             return out
         except AccelError as e:
             return self.run_plain(f"call:{e.problem}", f"{e} This call runs on the plain model.", plain)
         except Exception as e:  # an engine that breaks mid-run must not take the user's image with it
-            if _is_interrupt(e):
+            if is_interrupt(e):
                 raise
             self._broken = True
             return self.run_plain(f"call:{type(e).__name__}", (
@@ -214,6 +234,23 @@ class EngineSlot:
                 "plain model until the next run."), plain)
         finally:
             log.removeHandler(collect)
+
+    def _spread(self, module, weights_key, runner, acc, x, timesteps, context, y, control, guidance):
+        """The call over the slot's devices, or None: it runs on this one (the status says why)."""
+        if self.spread is None:
+            return None
+        out = None
+        if runner is not acc or acc.backend != "torch":
+            self.status.one_device = "calls off the torch path run on one GPU."
+        elif control:
+            self.status.one_device = "calls with ControlNet inputs run on one GPU."
+        else:
+            out = self.spread.call(module, weights_key, acc, x, timesteps, context, y, guidance)
+            self.status.one_device = self.spread.why_one
+        if out is not None:
+            self.status.spread_calls += 1
+            self.status.layout = self.spread.layout
+        return out
 
     def _first_at_size(self, x: torch.Tensor, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """run(); the first call at a batch and image size shows why it waits (kernels prepared for that size)."""
@@ -298,6 +335,8 @@ class EngineSlot:
         weights moved meanwhile: no warm-up, no capture); without, the torch path is freed. Engines of other
         paths hold no module changes and stay."""
         self._broken = False
+        if self.spread is not None:
+            self.spread.end_run()
         if self.acc is None:
             return
         if keep_graphs:
@@ -331,8 +370,3 @@ def _source(engine: Any, seconds: float) -> str:
     if engine.backend == "torch":
         return f"prepared in {seconds:.1f} s; the torch path has no artefact to cache"
     return f"built in {seconds:.1f} s"
-
-
-def _is_interrupt(e: BaseException) -> bool:
-    """A host's 'stop' (ComfyUI's InterruptProcessingException, A1111's interrupt) must pass through."""
-    return "Interrupt" in type(e).__name__

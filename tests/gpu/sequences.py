@@ -38,12 +38,14 @@ MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int
     # A short clip keeps a sequence of runs within minutes: 17 frames (5 latent frames) at 480p.
     "wan21-1.3b": ("WAN21_T2V", "wan21-1.3b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
     "qwen-image": ("QwenImage", "qwen-image", torch.bfloat16, 2.5, (1024, 1024), (1024, 768), 512),
+    # Wan 2.1's native clip, 81 frames (21 latent frames) at 480p: the several-GPU check's model (tests/gpu/gpus.py)
+    "wan21-14b": ("WAN21_T2V", "wan21-14b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
 }
 TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "flux-dev": "tiny-flux", "sd35-medium": "tiny-sd3",
-        "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image"}
-FRAMES = {"wan21-1.3b": 5}  # latent frames; the others are images (Qwen-Image's latents have one frame)
+        "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image", "wan21-14b": "tiny-wan"}
+FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21}  # latent frames; the others are images (Qwen-Image's: one frame)
 QUICK = ("sd15", "flux-dev")
-NOT_IN_FULL = ("wan21-1.3b", "qwen-image")  # named alone until their first GPU run has been read
+NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b")  # named alone until their first GPU run has been read
 UNETS = ("sd15", "sdxl")
 
 
@@ -213,16 +215,21 @@ class Harness:
         patched.add_patches(comfy.lora.load_lora(sd, key_map, log_missing=False), strength)
         return patched
 
-    def sample(self, model, run: Run) -> tuple[torch.Tensor, float]:
-        import comfy.sample
-
+    def noise(self, run: Run) -> torch.Tensor:
+        """The run's starting noise (seeded by what decides the latents)."""
         w, h = self.base if run.size == "base" else self.other
         channels = 4 if self.unet else 16
         frames = (FRAMES.get(self.name, 1),) if self.name in FRAMES or self.name == "qwen-image" else ()
         shape = (run.batch, channels, *frames, h // 8, w // 8)
+        return torch.randn(shape, generator=torch.Generator().manual_seed(_seed(self.name, run.config())))
+
+    def sample(self, model, run: Run, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+        """(latents, seconds) of one sampling run, from the run's noise unless given."""
+        import comfy.sample
+
+        noise = self.noise(run) if noise is None else noise
         seed = _seed(self.name, run.config())
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-        latent = torch.zeros(shape)
+        latent = torch.zeros(noise.shape)
         pos, neg = self._conditioning
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -243,12 +250,12 @@ class Harness:
             self._plain[key] = self.sample(self._with_lora(self.model, run), run)
         return self._plain[key]
 
-    def node(self, model, precision: str = "auto", cuda_graphs: bool = True):
+    def node(self, model, precision: str = "auto", cuda_graphs: bool = True, gpus: str = "1"):
         node = self.pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
         w, h = self.base
         out = node.apply(model, "torch", cuda_graphs, False, min_width=64, opt_width=w, max_width=2048,
                          min_height=64, opt_height=h, max_height=2048, min_batch=1, opt_batch=1, max_batch=4,
-                         precision=precision, unique_id=f"gpu-{precision}-{cuda_graphs}")
+                         precision=precision, gpus=gpus, unique_id=f"gpu-{precision}-{cuda_graphs}-{gpus}")
         return out["result"][0]
 
     def check(self, setting: str, model, run: Run, fp8: bool) -> None:

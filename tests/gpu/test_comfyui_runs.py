@@ -1,5 +1,6 @@
-"""The Accelerated UNet node inside ComfyUI on the GPU, run after run (tests/gpu/sequences.py). Run it with
-tests/gpu/run (quick: SD1.5 and Flux.1-dev; full: the five models); without a CUDA GPU it is skipped.
+"""The Accelerated UNet node inside ComfyUI on the GPU, run after run (tests/gpu/sequences.py), and over several GPUs
+(tests/gpu/gpus.py). Run it with tests/gpu/run (quick: SD1.5 and Flux.1-dev; full: the five models; a name: that model
+or check); without a CUDA GPU it is skipped.
 
 SD_ACCEL_GPU_MODELS picks the models (quick, full, or names separated by commas); SD_ACCEL_GPU_SETTINGS, the node
 settings whose label contains it ("fp8, graphs on"); SD_ACCEL_GPU_REPORT names a folder for each model's table and
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import comfy_helpers as H
+import gpus
 import sequences
 
 pytestmark = [
@@ -25,30 +27,48 @@ pytestmark = [
 
 
 def _chosen() -> tuple[str, ...]:
+    """The models and several-GPU checks (gpus.CHECKS) SD_ACCEL_GPU_MODELS names."""
     wanted = os.environ.get("SD_ACCEL_GPU_MODELS", "quick")
     if wanted == "quick":
         return sequences.QUICK
     if wanted == "full":
         return tuple(n for n in sequences.MODELS if n not in sequences.NOT_IN_FULL)
     names = tuple(n.strip() for n in wanted.split(",") if n.strip())
-    unknown = [n for n in names if n not in sequences.MODELS]
+    unknown = [n for n in names if n not in sequences.MODELS and n not in gpus.CHECKS]
     if unknown:
-        raise ValueError(f"SD_ACCEL_GPU_MODELS: unknown {unknown}; use quick, full or {', '.join(sequences.MODELS)}")
+        raise ValueError(f"SD_ACCEL_GPU_MODELS: unknown {unknown}; use quick, full or "
+                         f"{', '.join([*sequences.MODELS, *gpus.CHECKS])}")
     return names
 
 
-@pytest.mark.parametrize("name", _chosen())
-def test_node_matches_plain_comfyui_run_after_run(name):
-    report = sequences.run_model(name, quick=os.environ.get("SD_ACCEL_GPU_MODELS", "quick") == "quick",
-                                 only=os.environ.get("SD_ACCEL_GPU_SETTINGS", ""))
-    table = report.table()
+def _report(name: str, table: str, record: dict) -> None:
+    """Print the table; with SD_ACCEL_GPU_REPORT, also write it and the record there."""
     print("\n" + table, flush=True)
     folder = os.environ.get("SD_ACCEL_GPU_REPORT")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         Path(folder, f"{name}.txt").write_text(table + "\n")
-        Path(folder, f"{name}.json").write_text(json.dumps(
-            {"model": name, "gpu": torch.cuda.get_device_name(), "yardstick": report.yardstick,
-             "rows": [dataclasses.asdict(r) for r in report.rows], "notes": report.notes}, indent=1))
+        Path(folder, f"{name}.json").write_text(json.dumps({"model": name, "gpu": torch.cuda.get_device_name(),
+                                                            **record}, indent=1))
+
+
+@pytest.mark.parametrize("name", [n for n in _chosen() if n in sequences.MODELS])
+def test_node_matches_plain_comfyui_run_after_run(name):
+    report = sequences.run_model(name, quick=os.environ.get("SD_ACCEL_GPU_MODELS", "quick") == "quick",
+                                 only=os.environ.get("SD_ACCEL_GPU_SETTINGS", ""))
+    table = report.table()
+    _report(name, table, {"yardstick": report.yardstick, "rows": [dataclasses.asdict(r) for r in report.rows],
+                          "notes": report.notes})
     failures = report.failures()
     assert not failures, f"off plain ComfyUI's: {'; '.join(failures)}\n{table}"
+
+
+@pytest.mark.parametrize("name", [n for n in _chosen() if n in gpus.CHECKS])
+def test_node_over_several_gpus_matches_one_gpu(name):
+    report = gpus.run_check(name)
+    table = report.table()
+    _report(name, table, {"yardstick": report.yardstick, "plain_step": report.plain_step,
+                          "gpus": torch.cuda.device_count(), "rows": [dataclasses.asdict(r) for r in report.rows],
+                          "notes": report.notes})
+    failures = report.failures()
+    assert not failures, f"off the 1-GPU run: {'; '.join(failures)}\n{table}"

@@ -1,0 +1,130 @@
+"""The node's gpus option on full-size Wan 2.1 14B inside ComfyUI's own classes and sampler (`tests/gpu/run
+wan21-14b-gpus`, for a machine with 4 GPUs; with fewer the node runs on what there is and says so): a 20-step
+text-to-video run at 832x480, 81 frames (21 latent frames), CFG 5, bf16, seeded well-conditioned weights, with the
+Accelerated UNet node on 1 GPU and then with gpus 2 and 4; each run's seconds (a spread run's first start of its
+workers, with the weights sent, shown apart) and its relative distance from the 1-GPU latents. Plain ComfyUI is timed
+beside them over 5 steps only (its seconds per step), to keep the check within 600 s.
+
+The limit is bf16 noise measured on this very run: how far the 1-GPU run moves when its starting noise changes by one
+bf16 rounding (each value times 1 + 2^-8 r, r ~ N(0, 1)); a spread run may lie 3 times that from the 1-GPU run. That
+second 1-GPU run is also its warm timing (CUDA graphs captured). The suite's own yardstick, plain bf16 against fp32,
+would take a 56 GB fp32 model and about a minute a step here.
+
+`size="tiny"` runs the same check on the tiny Wan on the CPU, its workers placed on the CPU by the engine-level hook
+(accelerated_unet.use_devices), which is how the CPU tests keep this file honest.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import torch
+
+import comfy_helpers as H
+import sequences
+
+CHECKS = {"wan21-14b-gpus": "wan21-14b"}  # a check's name: the model (sequences.MODELS) it runs
+STEPS, PLAIN_STEPS = 20, 5
+
+
+@dataclass
+class GpuRow:
+    setting: str
+    devices: int  # the devices the node used
+    seconds: float  # the sampling run, wall clock
+    start: float  # of which the workers' start and the weights going out (the run's first step)
+    distance: float  # relative L2 from the 1-GPU latents
+    limit: float
+    finite: bool
+    engine_calls: int
+    spread_calls: int
+
+    @property
+    def ok(self) -> bool:
+        spread = self.devices == 1 or self.spread_calls == self.engine_calls
+        return self.finite and self.distance <= self.limit and self.engine_calls > 0 and spread
+
+    def line(self) -> str:
+        per_step = (self.seconds - self.start) / STEPS
+        return (f"{self.setting:<24} {self.devices:>4} {self.seconds:>8.1f} {self.start:>7.1f} {per_step:>8.2f} "
+                f"{self.distance:>9.2e} {self.limit:>9.2e} {self.engine_calls:>3}/{self.spread_calls:<3}  "
+                f"{'ok' if self.ok else 'FAIL'}")
+
+
+@dataclass
+class GpuReport:
+    name: str
+    yardstick: float = 0.0
+    plain_step: float = 0.0  # plain ComfyUI's seconds per step
+    rows: list[GpuRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        return [r.setting for r in self.rows if not r.ok] + ([] if self.yardstick > 0 else ["the yardstick is 0"])
+
+    def table(self) -> str:
+        head = (f"== {self.name}: {STEPS} steps; yardstick (1 GPU, noise moved by one bf16 rounding) "
+                f"{self.yardstick:.2e}; plain ComfyUI {self.plain_step:.2f} s/step (over {PLAIN_STEPS} steps)")
+        columns = (f"{'setting':<24} {'gpus':>4} {'run s':>8} {'start':>7} {'s/step':>8} {'vs 1 GPU':>9} "
+                   f"{'limit':>9} {'calls/spread':>7}  ok")
+        return "\n".join([head, columns] + [r.line() for r in self.rows] + [f"   note: {n}" for n in self.notes])
+
+
+def _node(h: sequences.Harness, gpus: str):
+    """The node's output asked for `gpus` GPUs; on the CPU its calls spread over as many CPU processes."""
+    from sd_accel.nodes import accelerated_unet
+
+    out = h.node(h.model, gpus=gpus)
+    if h.device.type != "cuda" and gpus != "1":
+        accelerated_unet.use_devices(out, ["cpu"] * int(gpus), timeout=60)
+    return out
+
+
+def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[str, ...] = ("2", "4")) -> GpuReport:
+    """The 1-GPU run, its yardstick, then one run per entry of gpus, each against the 1-GPU latents."""
+    H.import_comfy()
+    from sd_accel.nodes import accelerated_unet
+
+    h = sequences.Harness(CHECKS[name], size, device)
+    h.model = h.build(h.dtype)
+    report = GpuReport(name)
+    run = sequences.Run(f"{STEPS} steps", STEPS)
+    report.plain_step = h.sample(h.model, sequences.Run("plain", PLAIN_STEPS))[1] / PLAIN_STEPS
+    print(f"{name}: plain ComfyUI {report.plain_step:.2f} s/step over {PLAIN_STEPS} steps", flush=True)
+
+    def served(acc) -> tuple[int, int, int, float]:
+        """(devices, engine calls, spread calls, workers' start seconds) of acc's last run."""
+        session = accelerated_unet.session_of(acc)
+        engine, _, spread_calls = session.run_calls()
+        report.notes += [m for m in session.slot.status.messages if m not in report.notes]
+        spread = session.slot.spread
+        return session.slot.status.devices, engine, spread_calls, spread.start_seconds if spread else 0.0
+
+    def row(setting: str, out: torch.Tensor, seconds: float, ref: torch.Tensor, calls: tuple) -> None:
+        devices, engine, spread_calls, start = calls
+        report.rows.append(GpuRow(setting, devices, seconds, start, sequences.rel(out, ref), 3 * report.yardstick,
+                                  bool(torch.isfinite(out).all()), engine, spread_calls))
+        print(report.rows[-1].line(), flush=True)
+
+    one = _node(h, "1")
+    ref, seconds = h.sample(one, run)
+    first = served(one)
+    g = torch.Generator().manual_seed(7)
+    noise = h.noise(run)
+    moved, warm = h.sample(one, run, noise * (1 + 2**-8 * torch.randn(noise.shape, generator=g)))
+    report.yardstick = sequences.rel(moved, ref)
+    print(f"{name}: yardstick {report.yardstick:.2e}", flush=True)
+    row("gpus 1", ref, seconds, ref, first)
+    row("gpus 1, warm (moved noise)", moved, warm, moved, served(one))
+    del one
+    gc.collect()
+    for asked in gpus:
+        acc = _node(h, asked)
+        out, seconds = h.sample(acc, run)
+        row(f"gpus {asked}", out, seconds, ref, served(acc))
+        del acc
+        gc.collect()
+    h.model = None
+    gc.collect()
+    return report

@@ -122,8 +122,8 @@ def test_a_call_no_layout_takes_runs_alone_and_the_workers_serve_the_next(wan):
     before = s.spread_calls
     odd = sample(acc, pos, neg, size=6, cfg=1.0)  # 3 frames x 3 x 3 patches: 27 tokens
     assert rel(odd, sample(model, pos, neg, size=6, cfg=1.0)) <= 1e-5
-    assert s.spread_calls == before and "27 tokens do not split over 2 processes" in s.one_device
-    assert sum("27 tokens" in m for m in s.messages) == 1, s.messages
+    assert s.spread_calls == before and "27 image tokens do not split over 2 processes" in s.one_device
+    assert sum("27 image tokens" in m for m in s.messages) == 1, s.messages
     even = sample(acc, pos, neg, cfg=1.0)
     assert rel(even, sample(model, pos, neg, cfg=1.0)) <= 1e-5
     assert s.spread_calls == before + 2 and s.layout == "sequence parallel over 2"

@@ -24,7 +24,8 @@ import torch
 import comfy_helpers as H
 import sequences
 
-CHECKS = {"wan21-14b-gpus": "wan21-14b"}  # a check's name: the model (sequences.MODELS) it runs
+# a check's name: the model (sequences.MODELS) it runs; the 1.3B one (its 17-frame clip) is the short first look
+CHECKS = {"wan21-14b-gpus": "wan21-14b", "wan21-1.3b-gpus": "wan21-1.3b"}
 STEPS, PLAIN_STEPS = 20, 5
 
 

@@ -65,7 +65,8 @@ def test_node_matches_plain_comfyui_run_after_run(name):
 
 @pytest.mark.parametrize("name", [n for n in _chosen() if n in gpus.CHECKS])
 def test_node_over_several_gpus_matches_one_gpu(name):
-    report = gpus.run_check(name)
+    present = torch.cuda.device_count()  # a count the machine lacks would only repeat a smaller one
+    report = gpus.run_check(name, gpus=tuple(g for g in ("2", "4") if int(g) <= present) or ("2",))
     table = report.table()
     _report(name, table, {"yardstick": report.yardstick, "plain_step": report.plain_step,
                           "gpus": torch.cuda.device_count(), "rows": [dataclasses.asdict(r) for r in report.rows],

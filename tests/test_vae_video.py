@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import comfy_helpers as H
+from sd_accel.accel.cli.vae_bench import bench_video_vae, video_table
 from sd_accel.accel.errors import BadInput, UnsupportedModel
 from sd_accel.accel.models.configs import build_comfy_video_vae, build_vae, COMFY_VIDEO_VAE_CONFIGS
 from sd_accel.accel.progress import CallbackProgress
@@ -212,3 +213,15 @@ def test_models_the_tiles_cannot_compute_are_refused():
     attn = comfy.ldm.wan.vae.WanVAE(**{**COMFY_VIDEO_VAE_CONFIGS["tiny-wan21"][1], "attn_scales": [0.5]})
     with pytest.raises(UnsupportedModel, match="attention past the latent resolution"):
         decode_video(attn, torch.zeros(1, 16, 2, 4, 4))
+
+
+def test_bench_tiny_rows():
+    H.import_comfy()
+    rows = bench_video_vae(["tiny-wan21"], str(H.comfy_root()), tiny=True, runs=1)
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["model"], row["size"], row["frames"], row["halo"]) == ("tiny-wan21", "16x512", 5, 7)
+    assert row["grid"] == "5x1" and 0 < row["est_peak_gb"] <= MEMORY_USE * row["cap_gb"]
+    assert row["max_err"] <= TOL and row["untiled_peak_gb"] is None and row["dtype_psnr_db"] is None
+    lines = video_table(rows).splitlines()
+    assert lines[1].split()[:3] == ["model", "size", "frames"] and lines[3].split()[:3] == ["tiny-wan21", "16x512", "5"]

@@ -301,5 +301,6 @@ def video_table(rows: list[dict]) -> str:
     return "\n".join([f"Wan VAE decode, {rows[0]['dtype']} on {rows[0]['device']}: ComfyUI's untiled decode, and "
                       f"decode_video within {VIDEO_CAP:.0%} of its peak",
                       _grid_text(rows, _VIDEO_COLUMNS),
-                      "    halo: latent px; work: decoded area (halos included) over the video's; tiled dB: PSNR "
+                      "    halo: px a tile reads beyond its core; work: decoded area (halos included) over the "
+                      "video's; tiled dB: PSNR "
                       "against the untiled decode; dtype dB: the untiled decode's PSNR against fp32"])

@@ -182,9 +182,9 @@ class _Costs:
 class VideoPlan:
     """How a tiled video decode will run: a grid of spatial tiles, each decoded through all frames in turn.
 
-    halo: latent pixels a tile reads beyond its core on inner sides. tile: the largest core (h, w), latent pixels.
-    work: pixels decoded (halos included) over the video's pixels, >= 1. peak_gb: estimated device memory the decode
-    needs beyond what was allocated before it."""
+    tile: the largest core (h, w) and halo: how far a tile reads beyond its core on inner sides, both in output
+    pixels. work: pixels decoded (halos included) over the video's pixels, >= 1. peak_gb: estimated device memory
+    the decode needs beyond what was allocated before it."""
 
     grid: tuple[int, int]
     halo: int
@@ -203,21 +203,23 @@ def _axis(n: int, parts: int, halo: int) -> tuple[int, int, int]:
     return max(b - a for a, b, _, _ in spans), max(e - s for _, _, s, e in spans), sum(e - s for _, _, s, e in spans)
 
 
-def _grid_plan(hw: tuple[int, int], halo: int, grid: tuple[int, int], costs: _Costs,
+def _grid_plan(hw: tuple[int, int], halo: int, scale: int, grid: tuple[int, int], costs: _Costs,
                axes: tuple[dict, dict] | None = None) -> VideoPlan:
+    """hw and halo in tile pixels, `scale` output pixels each; costs.per_px per tile pixel."""
     (ty, ey, sy), (tx, ex, sx) = ((_axis(hw[a], grid[a], halo) if axes is None else axes[a][grid[a]]) for a in (0, 1))
-    return VideoPlan(grid, halo, (ty, tx), sy * sx / (hw[0] * hw[1]), costs.peak(ey * ex) / 1e9)
+    return VideoPlan(grid, halo * scale, (ty * scale, tx * scale), sy * sx / (hw[0] * hw[1]),
+                     costs.peak(ey * ex) / 1e9)
 
 
-def _side_plan(hw: tuple[int, int], halo: int, side: int, costs: _Costs) -> VideoPlan:
-    return _grid_plan(hw, halo, (math.ceil(hw[0] / side), math.ceil(hw[1] / side)), costs)
+def _side_plan(hw: tuple[int, int], halo: int, scale: int, side: int, costs: _Costs) -> VideoPlan:
+    return _grid_plan(hw, halo, scale, (math.ceil(hw[0] / side), math.ceil(hw[1] / side)), costs)
 
 
-def _choose(hw: tuple[int, int], halo: int, costs: _Costs, budget: float) -> VideoPlan:
+def _choose(hw: tuple[int, int], halo: int, scale: int, costs: _Costs, budget: float) -> VideoPlan:
     """The grid that decodes the fewest pixels (halos included) within `budget` bytes, fewer tiles on a tie; when
     none fits, the one that needs the least memory."""
     axes = tuple({g: _axis(hw[a], g, halo) for g in range(1, hw[a] + 1)} for a in (0, 1))
-    plans = [_grid_plan(hw, halo, g, costs, axes) for g in itertools.product(axes[0], axes[1])]
+    plans = [_grid_plan(hw, halo, scale, g, costs, axes) for g in itertools.product(axes[0], axes[1])]
     fits = [p for p in plans if p.peak_gb * 1e9 <= budget]
     if not fits:
         return min(plans, key=lambda p: (p.peak_gb, p.work))
@@ -226,13 +228,13 @@ def _choose(hw: tuple[int, int], halo: int, costs: _Costs, budget: float) -> Vid
 
 def _plan(hw: tuple[int, int], halo: int, scale: int, costs: _Costs, device: torch.device, tile: int | None,
           memory_gb: float | None) -> VideoPlan:
-    """hw: the latent frame; scale: output pixels per latent pixel; tile: core side in output pixels, or None to
-    choose the grid from free memory and `memory_gb` (GB above what is allocated; off CUDA, tiles of DEFAULT_TILE
-    unless memory_gb is given)."""
+    """hw: the frame the tiles cut up and halo, in tile pixels; scale: output pixels per tile pixel; tile: core side
+    in output pixels, or None to choose the grid from free memory and `memory_gb` (GB above what is allocated; off
+    CUDA, tiles of DEFAULT_TILE unless memory_gb is given)."""
     if tile is not None:
-        return _side_plan(hw, halo, max(1, tile // scale), costs)
+        return _side_plan(hw, halo, scale, max(1, tile // scale), costs)
     free = _free_bytes(device)
     if free is None and memory_gb is None:
-        return _side_plan(hw, halo, max(1, DEFAULT_TILE // scale), costs)
+        return _side_plan(hw, halo, scale, max(1, DEFAULT_TILE // scale), costs)
     limit = memory_gb * 1e9 if free is None else free if memory_gb is None else min(free, memory_gb * 1e9)
-    return _choose(hw, halo, costs, MEMORY_USE * limit)
+    return _choose(hw, halo, scale, costs, MEMORY_USE * limit)

@@ -2,7 +2,6 @@
 width 4 (tiny-wan21, tiny-wan22: the published layouts, seeded weights). Skipped unless COMFYUI_ROOT names a ComfyUI
 checkout."""
 
-import warnings
 import weakref
 
 import pytest

@@ -3,7 +3,7 @@
 The layers are walked in the order data flows through them (`_walk`) into a flat list of `_Op`s: convolutions with
 their spatial radius, channels and the frames a chunk has at that point, and nearest 2x upsamplings. From that list
 come the halo (how far a tile's output reaches back into its input: each 3x3 conv widens it by one pixel of its
-resolution, each 2x upsampling halves it, rounded up) and the memory a tile needs per latent pixel: the temporal
+resolution, each 2x upsampling halves it, rounded up) and the memory a tile needs per pixel: the temporal
 cache every causal conv keeps (its input's last two frames, for as long as the tile runs), the largest working set of
 one layer (the host's forward concatenates the cache, pads and convolves, keeping the block's input for the residual)
 and the decoded frames the host's decode gathers. A layer the walk does not know, or one that mixes pixels across the
@@ -32,7 +32,7 @@ class _Op:
     radius: int = 0  # pixels of its resolution a conv reads beyond the one it writes
     c_in: int = 0
     c_out: int = 0
-    scale: int = 1  # its resolution over the latent's
+    scale: int = 1  # its resolution over that of the walk's input
     frames: int = 1  # frames of a chunk at its input (after the first chunk)
     cached: bool = False  # a causal conv that keeps its input's last frames between chunks
     residual: int = 0  # channels of the block input kept for a residual add while it runs (0: none)
@@ -83,7 +83,7 @@ def _walk(m: nn.Module, scale: int, frames: int, what: str, residual: int = 0) -
         if m.mode not in ("nearest", "nearest-exact") or tuple(float(f) for f in factor) != (2.0, 2.0):
             raise UnsupportedModel(f"{what} upsamples {factor} by {m.mode}: not nearest 2x.",
                                    "Decode this VAE with its own decode().")
-        return [_Op("up", c_in=0, scale=scale * 2, frames=frames)], scale * 2, frames
+        return [_Op("up", scale=scale * 2, frames=frames)], scale * 2, frames
     if name == "ResidualBlock":
         ops, out_scale, out_frames = _walk(m.residual, scale, frames, f"{what}.residual", m.in_dim)
         if not isinstance(m.shortcut, nn.Identity):
@@ -114,7 +114,8 @@ def _walk(m: nn.Module, scale: int, frames: int, what: str, residual: int = 0) -
 
 
 def _halo(ops: list[_Op], what: str) -> int:
-    """Latent pixels a tile must read beyond its core on each side for every output pixel of the core to be exact."""
+    """Pixels (of the ops' input) a tile must read beyond its core on each side for every output pixel of the core
+    to be exact."""
     if any(op.kind == "attn" for op in ops):
         raise UnsupportedModel(f"{what} has attention past the latent resolution: it mixes the whole frame, so "
                                "tiles cannot compute it.", "Decode this VAE with its own decode().")
@@ -125,7 +126,7 @@ def _halo(ops: list[_Op], what: str) -> int:
 
 
 def _elements_per_px(ops: list[_Op], frames_out: int = 0) -> float:
-    """Elements a run of `ops` holds at its peak per latent pixel of its area, for one video of the batch.
+    """Elements a run of `ops` holds at its peak per pixel of its input, for one video of the batch.
 
     A causal conv's working set, in the host's forward: the block input kept for the residual, its own input, the
     cache it just cloned, and the larger of (concatenation with the previous cache, padded copy) and (padded copy,
@@ -168,7 +169,7 @@ def _spans(n: int, parts: int, halo: int) -> list[tuple[int, int, int, int]]:
 @dataclass(frozen=True)
 class _Costs:
     """Bytes a decode needs on the device: `fixed` whatever the grid (the stored whole stage, the output when it is
-    on the device), `whole` at the end of the whole stage's run, `per_px` per latent pixel of the largest tile."""
+    on the device), `whole` at the end of the whole stage's run, `per_px` per pixel of the largest tile's input."""
 
     fixed: float
     whole: float
@@ -198,7 +199,7 @@ class VideoPlan:
 
 
 def _axis(n: int, parts: int, halo: int) -> tuple[int, int, int]:
-    """(largest core, largest read span, sum of read spans) of `parts` tiles along an axis of n latent pixels."""
+    """(largest core, largest read span, sum of read spans) of `parts` tiles along an axis of n pixels."""
     spans = _spans(n, parts, halo)
     return max(b - a for a, b, _, _ in spans), max(e - s for _, _, s, e in spans), sum(e - s for _, _, s, e in spans)
 

@@ -1,7 +1,9 @@
 """Tiled VAE Decode and Encode: LATENT + VAE -> IMAGE and back, through accel/vae, whose tiles share
-GroupNorm statistics over the whole image, so the result matches the untiled one without seams.
+GroupNorm statistics over the whole image, so the result matches the untiled one without seams. Wan's video
+latents are decoded by accel/vae's tiled video decode (spatial tiles with halos, each with its own temporal cache),
+which gives the untiled video as well.
 
-A VAE accel/vae does not take (video and audio VAEs, TAESD) runs through ComfyUI's own tiled code, and
+A VAE accel/vae does not take (other video VAEs, audio VAEs, TAESD) runs through ComfyUI's own tiled code, and
 the node says so once.
 """
 
@@ -31,7 +33,8 @@ def _memory_input() -> dict:
     # Optional, so that workflows saved before it existed still run.
     return {"memory_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5, "tooltip": (
         "GPU memory the decode may use, in GB; 0 uses what is free. Below what the whole image needs, its "
-        "activations wait in page-locked CPU memory and the GPU works through them in bands (slower).")})}
+        "activations wait in page-locked CPU memory and the GPU works through them in bands (slower). A Wan video "
+        "is decoded in as many spatial tiles as this needs (each recomputes a border: slower).")})}
 
 
 def _limit(memory_gb: float) -> float | None:
@@ -43,14 +46,25 @@ def _latent_units(vae, pixels: int) -> int | None:
     return pixels // vae.spacial_compression_decode() if pixels else None
 
 
-def _why_not(vae, rank: int) -> str | None:
-    """Why accel/vae cannot take this VAE, or None."""
+def _why_not(vae, rank: int, encode: bool = False) -> str | None:
+    """Why accel/vae cannot take this VAE for an input of this rank, or None (for video latents accel/vae looks at
+    the model itself and says why not)."""
     model = vae.first_stage_model
-    if rank != 4 or getattr(vae, "latent_dim", 2) != 2:
-        return f"this is a {rank - 2}-D VAE (video or audio); accel/vae takes image VAEs"
+    latent_dim = getattr(vae, "latent_dim", 2)
+    if rank == 5 and latent_dim == 3 and not encode:
+        return None
+    if rank != 4 or latent_dim != 2:
+        kind = {1: "an audio", 3: "a video"}.get(latent_dim, f"a {latent_dim}-D")
+        takes = "encodes image VAEs" if encode else "decodes image VAEs and Wan video VAEs"
+        return f"this is {kind} VAE; accel/vae {takes}"
     if not (hasattr(model, "decoder") and hasattr(model, "encoder")):
         return f"{type(model).__name__} is not an SD-style KL autoencoder"
     return None
+
+
+def _frames_as_images(images):
+    """A video (N, T, H, W, C) as ComfyUI's IMAGE batch of its frames, as its VAEDecode node gives it."""
+    return images.reshape(-1, *images.shape[-3:]) if images.ndim == 5 else images
 
 
 def _fallback_once(node_id: str | None, key: str, message: str) -> None:
@@ -64,7 +78,9 @@ class TiledVAEDecode:
     RETURN_TYPES = ("IMAGE",)
     FUNCTION = "decode"
     DESCRIPTION = ("Decodes latents in tiles that share GroupNorm statistics over the whole image: the result "
-                   "matches the untiled decode (no seams, no colour shift) in a fraction of the memory.")
+                   "matches the untiled decode (no seams, no colour shift) in a fraction of the memory. Wan 2.1/2.2 "
+                   "video latents: spatial tiles, each through all frames with its own temporal cache, give the "
+                   "untiled video too.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
@@ -80,11 +96,15 @@ class TiledVAEDecode:
         if why is None:
             try:
                 mm.load_models_gpu([vae.patcher])
-                out = accel_vae.decode(vae.first_stage_model, z.to(vae.device, vae.vae_dtype),
-                                       tile=tile_size or None, overlap=overlap or None,
-                                       progress=node_progress(unique_id, "vae"), memory_gb=_limit(memory_gb))
+                z = z.to(vae.device, vae.vae_dtype)
+                options = dict(tile=tile_size or None, progress=node_progress(unique_id, "vae"),
+                               memory_gb=_limit(memory_gb))
+                if z.ndim == 5:  # exact tiles need no overlap
+                    out = accel_vae.decode_video(vae.first_stage_model, z, out_device=vae.output_device, **options)
+                else:
+                    out = accel_vae.decode(vae.first_stage_model, z, overlap=overlap or None, **options)
                 images = vae.process_output(out.to(vae.output_device).float())
-                return (images.movedim(1, -1),)
+                return (_frames_as_images(images.movedim(1, -1)),)
             except AccelError as e:
                 why = str(e)
         _fallback_once(unique_id, f"decode:{why}", f"{why}; ComfyUI's own tiled decode runs instead.")
@@ -92,9 +112,7 @@ class TiledVAEDecode:
         ov = min(overlap or 64, px // 4)
         images = vae.decode_tiled(z, tile_x=_latent_units(vae, px), tile_y=_latent_units(vae, px),
                                   overlap=_latent_units(vae, ov))
-        if images.ndim == 5:  # video: frames become images, as ComfyUI's VAEDecodeTiled does
-            images = images.reshape(-1, *images.shape[-3:])
-        return (images,)
+        return (_frames_as_images(images),)
 
 
 class TiledVAEEncode:
@@ -113,7 +131,7 @@ class TiledVAEEncode:
                unique_id: str | None = None):
         import comfy.model_management as mm
 
-        why = _why_not(vae, pixels.ndim)
+        why = _why_not(vae, pixels.ndim, encode=True)
         if why is None:
             try:
                 mm.load_models_gpu([vae.patcher])

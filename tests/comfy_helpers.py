@@ -238,6 +238,27 @@ def tiny_vae(seed: int = 0, channels: int = 4):
                         dtype=torch.float32)
 
 
+def tiny_wan_vae(seed: int = 0):
+    """ComfyUI's VAE as it loads a Wan 2.1 VAE, around a model of the same layout at width 4 (tiny-wan21).
+
+    ComfyUI recognises the Wan 2.1 VAE by a key of its state dict and builds it at the published width; the VAE it
+    returns is kept as it is (latent format, output processing, devices) and only its model, and the patcher that
+    loads it, are the tiny one."""
+    import torch
+
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.sd
+
+    from sd_accel.accel.models import configs
+
+    vae = comfy.sd.VAE(sd={"decoder.middle.0.residual.0.gamma": torch.ones(384, 1, 1, 1)}, dtype=torch.float32)
+    vae.first_stage_model = configs.build_comfy_video_vae("tiny-wan21", comfy_root(), seed)
+    vae.patcher = comfy.model_patcher.ModelPatcher(vae.first_stage_model, load_device=vae.device,
+                                                   offload_device=mm.vae_offload_device())
+    return vae
+
+
 def tiny_conditioning(seed: int = 0, xl: bool = False, tokens: int = 77):
     """(positive, negative) CONDITIONING lists in ComfyUI's format, seeded."""
     import torch

@@ -230,6 +230,15 @@ def test_bench_says_what_it_cannot_time(tmp_path):
     assert r.returncode == 2 and "no 'tiny-sd21' model to time; choose from tiny-sd15, tiny-sdxl, tiny-flux" in r.stderr
     r = run("bench", "--tiny", "--models", "sd15", "--paths", "torch", "--comfyui", str(tmp_path))
     assert r.returncode == 2 and "is not a ComfyUI checkout" in r.stderr and "Traceback" not in r.stderr
+    r = run("bench", "--vae", "--tiny", "--models", "wan21")
+    assert r.returncode == 2 and "builds ComfyUI's Wan VAEs: pass --comfyui DIR" in r.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+def test_bench_wan_vae_checks_the_video_sizes():
+    r = run("bench", "--vae", "--models", "wan22", "--video-sizes", "1280x712", "--comfyui", os.environ["COMFYUI_ROOT"])
+    assert r.returncode == 2 and "'1280x712' is not a video size wan22 decodes" in r.stderr
+    assert "multiple of 16" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")

@@ -376,6 +376,28 @@ def test_tiled_vae_decode_and_encode(pack, channels):
     assert (z["samples"] - vae.encode(image)).abs().max() < tol
 
 
+def test_tiled_vae_decode_of_a_wan_video_is_comfyuis_untiled_decode(pack, monkeypatch):
+    """A Wan 2.1 video latent through the node, in two tiles, gives the frames ComfyUI's own decode gives (what its
+    VAEDecode node returns); ComfyUI's tiled decode (tiles in space and time, each from a fresh temporal cache,
+    blended) does not."""
+    import sd_accel.accel.vae as vt
+
+    seen = []
+    original = vt.decode_video
+    monkeypatch.setattr(vt, "decode_video", lambda *a, **k: seen.append(k) or original(*a, **k))
+    vae = H.tiny_wan_vae(1)
+    z = torch.randn(1, 16, 3, 16, 2, generator=torch.Generator().manual_seed(3))
+    untiled = vae.decode(z).reshape(-1, 128, 16, 3)
+    (images,) = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEDecode"]().decode({"samples": z}, vae, 64, 0, memory_gb=2.5,
+                                                                          unique_id="5")
+    assert images.shape == untiled.shape == (9, 128, 16, 3)
+    assert float((images - untiled).abs().max()) <= 1e-5
+    assert [(k["tile"], k["memory_gb"]) for k in seen] == [(64, 2.5)]
+    # what ComfyUI's VAEDecodeTiled runs for a 64 px tile, 16 px overlap, 8 frames with 4 of overlap
+    comfy_tiled = vae.decode_tiled(z, tile_x=8, tile_y=8, overlap=2, tile_t=2, overlap_t=1).reshape(-1, 128, 16, 3)
+    assert float((comfy_tiled - untiled).abs().max()) > 0.05
+
+
 def test_tiled_vae_nodes_pass_the_memory_limit_on(pack, monkeypatch):
     import sd_accel.accel.vae as vt
 

@@ -70,8 +70,8 @@ def test_example_workflow_ui_and_api_agree(pack, api_path):
     assert set(nodes) == set(api)
     used = {n["class_type"] for n in api.values()}
     assert {"SDAccelAcceleratedUNet", "KSampler"} <= used
-    # The tiled decode takes image VAEs (SD-style KL autoencoders); Wan's VAE, which Qwen-Image uses too, is a video
-    # VAE that it would hand to ComfyUI's own tiled code, so those examples decode with ComfyUI's VAEDecode.
+    # Wan's VAE (Qwen-Image's too) decodes with ComfyUI's VAEDecode in those examples: at their sizes it fits, where
+    # the tiled node would run one tile, which is that same decode.
     video_vae = any(n["inputs"].get("vae_name") in ("wan_2.1_vae.safetensors", "qwen_image_vae.safetensors")
                     for n in api.values())
     assert ("VAEDecode" if video_vae else "SDAccelTiledVAEDecode") in used

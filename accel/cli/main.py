@@ -60,12 +60,21 @@ def _host(args: argparse.Namespace) -> tuple[str, str] | None:
     return next(((host, getattr(args, host)) for host in ("comfyui", "a1111", "forge") if getattr(args, host)), None)
 
 
+def _video_vaes(args: argparse.Namespace) -> list[str]:
+    """With --vae: the video VAEs --models names (wan21, wan22; their tiny layouts with --tiny)."""
+    from ..models.configs import COMFY_VIDEO_VAE_CONFIGS
+
+    names = [f"tiny-{m}" if args.tiny else m for m in (args.models or "").split(",") if m]
+    return [m for m in names if m in COMFY_VIDEO_VAE_CONFIGS] if args.vae else []
+
+
 def _host_process(args: argparse.Namespace) -> int | None:
     """With --comfyui/--a1111/--forge, the host's modules import by their own top-level names (comfy, ldm, backend),
     as the host's start-up arranges: when its folders are not on this process's import path, the bench runs again in
     a process started with them on PYTHONPATH, and that process's exit code is returned. None: run here."""
     host = _host(args)
-    if host is None or (args.kernels or args.vae or args.first_call) and not (args.unet or args.gpus):
+    if host is None or ((args.kernels or args.vae or args.first_call) and not (args.unet or args.gpus)
+                        and not _video_vaes(args)):
         return None
     from ..models.configs import host_import_paths
 
@@ -96,7 +105,16 @@ def _bench(args: argparse.Namespace) -> int:
         out["kernels"] = bench_kernels()
         for r in out["kernels"]:
             print(r, file=say)
-    if args.vae:
+    if args.vae and _video_vaes(args):
+        from .vae_bench import bench_video_vae, video_table
+
+        if not args.comfyui:
+            print("sd-accel bench: --vae --models wan21/wan22 builds ComfyUI's Wan VAEs: pass --comfyui DIR.",
+                  file=sys.stderr)
+            return 2
+        out["video_vae"] = bench_video_vae(_video_vaes(args), args.comfyui, args.video_sizes, args.tiny)
+        print(video_table(out["video_vae"]), file=say)
+    elif args.vae:
         from .vae_bench import bench_vae
         from .vae_bench import table as vae_table
 
@@ -192,7 +210,9 @@ def _main(argv: list[str] | None) -> int:
                         "sd35-large, sd35-medium, chroma (bf16, batch 2; chroma with --comfyui only); wan21-14b, "
                         "wan21-1.3b (832x480, 81 frames), wan22-5b (1280x704, 121 frames), qwen-image (1328x1328) "
                         "(bf16, batch 2, --comfyui only), with their FLOP count and floor (default: sd15,sdxl; with "
-                        "--gpus: wan21-14b)")
+                        "--gpus: wan21-14b); with --vae: wan21, wan22 (ComfyUI's Wan VAEs, --comfyui only): their "
+                        "untiled decode against the tiled one within half its memory, at --video-sizes (default "
+                        "832x480,1280x720), 81 frames (wan22: 121)")
     b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
@@ -220,8 +240,8 @@ def _main(argv: list[str] | None) -> int:
                         "ms per step, speed-up over 1 GPU, peak memory, distance from the 1-GPU output. With --tiny: "
                         "tiny models in processes on the CPU (gloo)")
     b.add_argument("--video-sizes", metavar="WxH,...",
-                   help="with --gpus: Wan's video sizes in pixels (default 832x480; frames as in the model's native "
-                        "clip: 81 for Wan 2.1)")
+                   help="with --gpus, or --vae --models wan21/wan22: Wan's video sizes in pixels (default 832x480; "
+                        "with --vae 832x480,1280x720; frames as in the model's native clip: 81 for Wan 2.1)")
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae/--first-call: time the UNets too")
     b.add_argument("--profile", action="store_true",
                    help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")

@@ -2,7 +2,8 @@
 
 The SD VAE is built from its published config with seeded random weights (nothing is downloaded). One size also
 compares `decode` and `naive_tiled_decode` (per-tile GroupNorm, what ComfyUI's VAEDecodeTiled does) at the same tile
-and overlap, by PSNR against the untiled decode.
+and overlap, by PSNR against the untiled decode. `bench_video_vae`: ComfyUI's Wan VAEs, their own decode against
+`decode_video` limited to half the memory the untiled decode took.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from ..errors import BackendUnavailable
-from ..models.configs import build_vae
-from ..vae import decode, naive_tiled_decode, tile_plan
+from ..errors import BackendUnavailable, BadInput
+from ..models.configs import build_comfy_video_vae, build_vae, COMFY_VIDEO_VAE_CONFIGS
+from ..vae import decode, decode_video, naive_tiled_decode, tile_plan, video_plan
 from ..vae.memory import _OOM
 
 SIZES = (512, 1024, 2048, 4096, 8192)
@@ -167,27 +168,139 @@ _COLUMNS = (("size", "px", "d"), ("untiled_ms", "untiled ms", ".1f"), ("untiled_
             ("psnr_tiled_db", "tiled dB", ".1f"), ("psnr_naive_db", "naive dB", ".1f"))
 
 
+def _cell(value: object, spec: str) -> str:
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else format(value, spec)
+
+
+def _grid_text(rows: list[dict], columns: tuple, under: Callable[[dict], list[str]] = lambda r: []) -> str:
+    """The rows under a heading of `columns` (row key, heading, format), those without a figure in any row left
+    out; `under(row)` gives lines to print below a row."""
+    cols = [c for c in columns if any(r.get(c[0]) is not None for r in rows)]
+    widths = [max(len(head), 8) for _, head, _ in cols]
+    head = " ".join(f"{h:>{w}}" for (_, h, _), w in zip(cols, widths))
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(" ".join(f"{_cell(r.get(k), f):>{w}}" for (k, _, f), w in zip(cols, widths)))
+        lines += under(r)
+    return "\n".join(lines)
+
+
+def _notes(r: dict) -> list[str]:
+    lines = []
+    if r.get("capped_plan"):
+        lines.append(f"    capped: {r['capped_plan']}")
+    if r.get("compare_tile"):
+        lines.append(f"    PSNR against the untiled decode at tile/overlap {r['compare_tile']} px: tiled dB = "
+                     "sd-accel's tiled decode, naive dB = per-tile GroupNorm (ComfyUI's VAEDecodeTiled)")
+    if r.get("notes"):
+        lines.append(f"    {r['notes']}")
+    return lines
+
+
 def table(rows: list[dict]) -> str:
     """bench_vae's rows as a table, like the UNet bench's; the plans and notes of a row on lines under it."""
     if not rows:
         return ""
-    cols = [c for c in _COLUMNS if any(r.get(c[0]) is not None for r in rows)]
-    widths = [max(len(head), 8) for _, head, _ in cols]
+    return "\n".join([f"VAE decode, {rows[0]['dtype']} on {rows[0]['device']}", _grid_text(rows, _COLUMNS, _notes)])
 
-    def cell(value: object, spec: str) -> str:
-        if value is None:
-            return "-"
-        return value if isinstance(value, str) else format(value, spec)
 
-    head = " ".join(f"{h:>{w}}" for (_, h, _), w in zip(cols, widths))
-    lines = [f"VAE decode, {rows[0]['dtype']} on {rows[0]['device']}", head, "-" * len(head)]
-    for r in rows:
-        lines.append(" ".join(f"{cell(r.get(k), f):>{w}}" for (k, _, f), w in zip(cols, widths)))
-        if r.get("capped_plan"):
-            lines.append(f"    capped: {r['capped_plan']}")
-        if r.get("compare_tile"):
-            lines.append(f"    PSNR against the untiled decode at tile/overlap {r['compare_tile']} px: tiled dB = "
-                         "sd-accel's tiled decode, naive dB = per-tile GroupNorm (ComfyUI's VAEDecodeTiled)")
-        if r.get("notes"):
-            lines.append(f"    {r['notes']}")
-    return "\n".join(lines)
+# ----- video: ComfyUI's Wan VAEs
+
+VIDEO_SIZES = "832x480,1280x720"
+TINY_VIDEO_SIZES = "16x512"
+# Frames of each model's native clip (Wan 2.1: 81; Wan 2.2 TI2V 5B: 121); the tiny ones: one chunk after the first.
+VIDEO_FRAMES = {"wan21": 81, "wan22": 121, "tiny-wan21": 5, "tiny-wan22": 5}
+# The tiled decode's memory limit, as a part of the untiled decode's measured peak (the issue's target: half).
+VIDEO_CAP = 0.5
+
+
+def video_sizes(name: str, text: str) -> list[tuple[int, int]]:
+    """(width, height) pixels of each "WxH" in `text`, checked against the VAE `name`'s spatial factor."""
+    factor = 16 if COMFY_VIDEO_VAE_CONFIGS[name][0] == "vae2_2" else 8
+    sizes = []
+    for item in text.split(","):
+        w, _, h = item.strip().partition("x")
+        if not (w.isdigit() and h.isdigit()) or not int(w) * int(h) or int(w) % factor or int(h) % factor:
+            raise BadInput(f"--video-sizes: {item.strip()!r} is not a video size {name} decodes.",
+                           f"Give width x height in pixels, each a multiple of {factor}, e.g. 832x480,1280x720.")
+        sizes.append((int(w), int(h)))
+    return sizes
+
+
+def bench_video_vae(models: list[str], comfyui_root: str, sizes: str | None = None, tiny: bool = False,
+                    device: str = "cuda", runs: int | None = None) -> list[dict]:
+    """One row per model and video size: ComfyUI's own (untiled) decode and `decode_video` limited to VIDEO_CAP of
+    the untiled decode's peak: time (ms), peak memory above the weights (GB), the plan (grid, halo, decoded-area
+    work, estimated peak) and the tiled video's distance from the untiled one (max abs, PSNR), beside the distance
+    of the untiled decode in the VAE's dtype from an fp32 decode (the noise the dtype makes).
+
+    Full run: bf16 on `device`, each model's native frame count. tiny=True: the tiny layouts in fp32 on the CPU (no
+    peak memory there: the limit is half the planner's estimate of one tile)."""
+    sizes_of = {name: video_sizes(name, sizes or (TINY_VIDEO_SIZES if tiny else VIDEO_SIZES)) for name in models}
+    if tiny:
+        dev, dtype = torch.device("cpu"), torch.float32
+    else:
+        dev, dtype = torch.device(device), torch.bfloat16
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable("the video VAE benchmark needs a CUDA GPU and none is visible.",
+                                     "Run it on a GPU machine, or pass --tiny for the CPU version.")
+    rows = []
+    for name in models:
+        vae = build_comfy_video_vae(name, comfyui_root, seed=SEED, device=dev, dtype=dtype)
+        for w, h in sizes_of[name]:
+            rows.append(_video_row(name, vae, w, h, dev, dtype, comfyui_root, runs))
+        del vae
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _video_row(name: str, vae, w: int, h: int, dev: torch.device, dtype: torch.dtype, comfyui_root: str,
+               runs: int | None) -> dict:
+    factor = 16 if COMFY_VIDEO_VAE_CONFIGS[name][0] == "vae2_2" else 8
+    frames = VIDEO_FRAMES[name]
+    g = torch.Generator().manual_seed(SEED)
+    z = torch.randn(1, vae.conv2.in_channels, 1 + (frames - 1) // 4, h // factor, w // factor, generator=g)
+    z = z.to(dev, dtype)
+    row = dict(model=name, size=f"{w}x{h}", frames=frames, dtype=str(dtype).replace("torch.", ""), device=str(dev),
+               untiled_ms=None, untiled_peak_gb=None, cap_gb=None, tiled_ms=None, tiled_peak_gb=None,
+               est_peak_gb=None, grid=None, halo=None, work=None, max_err=None, psnr_db=None, dtype_psnr_db=None)
+    with torch.no_grad():
+        row["untiled_ms"], row["untiled_peak_gb"], ref, _ = _measure(lambda: vae.decode(z), dev, runs)
+    untiled = row["untiled_peak_gb"] or video_plan(vae, z, tile=max(z.shape[3:]) * factor).peak_gb
+    row["cap_gb"] = cap = VIDEO_CAP * untiled
+    plan = video_plan(vae, z, memory_gb=cap)
+    row.update(est_peak_gb=plan.peak_gb, grid=f"{plan.grid[0]}x{plan.grid[1]}", halo=plan.halo, work=plan.work)
+    row["tiled_ms"], row["tiled_peak_gb"], out, _ = _measure(lambda: decode_video(vae, z, memory_gb=cap), dev, runs)
+    row["max_err"] = float((out.float() - ref.float()).abs().max())
+    row["psnr_db"] = psnr(out, ref)
+    del out
+    if dtype != torch.float32:
+        # The same weights in fp32 (the seeded draw does not depend on the dtype).
+        exact = build_comfy_video_vae(name, comfyui_root, seed=SEED, device=dev, dtype=torch.float32)
+        with torch.no_grad():
+            row["dtype_psnr_db"] = psnr(ref, exact.decode(z.float()))
+        del exact
+    return row
+
+
+_VIDEO_COLUMNS = (("model", "model", ""), ("size", "size", ""), ("frames", "frames", "d"),
+                  ("untiled_ms", "untiled ms", ".0f"), ("untiled_peak_gb", "untiled GB", ".2f"),
+                  ("cap_gb", "cap GB", ".2f"), ("tiled_ms", "tiled ms", ".0f"), ("tiled_peak_gb", "tiled GB", ".2f"),
+                  ("est_peak_gb", "est GB", ".2f"), ("grid", "grid", ""), ("halo", "halo", "d"),
+                  ("work", "work", ".3f"), ("max_err", "max err", ".2e"), ("psnr_db", "tiled dB", ".1f"),
+                  ("dtype_psnr_db", "dtype dB", ".1f"))
+
+
+def video_table(rows: list[dict]) -> str:
+    """bench_video_vae's rows as a table, columns without figures left out."""
+    if not rows:
+        return ""
+    return "\n".join([f"Wan VAE decode, {rows[0]['dtype']} on {rows[0]['device']}: ComfyUI's untiled decode, and "
+                      f"decode_video within {VIDEO_CAP:.0%} of its peak",
+                      _grid_text(rows, _VIDEO_COLUMNS),
+                      "    halo: px a tile reads beyond its core; work: decoded area (halos included) over the "
+                      "video's; tiled dB: PSNR "
+                      "against the untiled decode; dtype dB: the untiled decode's PSNR against fp32"])

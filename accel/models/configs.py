@@ -5,6 +5,7 @@ Models are built from these with seeded random weights: nothing is downloaded.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 import types
@@ -470,6 +471,35 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     ops = comfy.ops.manual_cast if dtype == torch.float8_e4m3fn else comfy.ops.disable_weight_init
     model = cls(**cfg, dtype=dtype, device=device, operations=ops)
     return seed_dit_parameters(model, seed).eval().requires_grad_(False)
+
+
+# ComfyUI's Wan VAEs (comfy.ldm.wan), configured as comfy.sd.VAE configures them for the published checkpoints: Wan
+# 2.1's (16 latent channels, 8x in space) and Wan 2.2 TI2V 5B's (48 channels, 16x); the tiny ones keep their layout
+# at width 4, for the CPU.
+_COMFY_WAN21_VAE = dict(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                        temperal_downsample=[False, True, True], dropout=0.0)
+COMFY_VIDEO_VAE_CONFIGS: dict[str, tuple[str, dict]] = {
+    "wan21": ("vae", _COMFY_WAN21_VAE),
+    "wan22": ("vae2_2", {**_COMFY_WAN21_VAE, "dim": 160, "z_dim": 48}),
+    "tiny-wan21": ("vae", {**_COMFY_WAN21_VAE, "dim": 4}),
+    "tiny-wan22": ("vae2_2", {**_COMFY_WAN21_VAE, "dim": 4, "dec_dim": 4, "z_dim": 48}),
+}
+
+
+def build_comfy_video_vae(name: str, comfyui_root: str | Path, seed: int = 0, device: torch.device | str = "cpu",
+                          dtype: torch.dtype = torch.float32) -> nn.Module:
+    """ComfyUI's own WanVAE (its first_stage_model) of a published layout, weights seeded on `device` (see
+    seed_dit_parameters), from the checkout at comfyui_root, whose folder must be on the import path."""
+    if name not in COMFY_VIDEO_VAE_CONFIGS:
+        raise ValueError(f"unknown video VAE config {name!r}; choose one of {', '.join(COMFY_VIDEO_VAE_CONFIGS)}")
+    _require_importable(host_import_paths("comfyui", comfyui_root))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
+    module, cfg = COMFY_VIDEO_VAE_CONFIGS[name]
+    with torch.device(device):  # ComfyUI's layers skip their init: every tensor is drawn below
+        model = importlib.import_module(f"comfy.ldm.wan.{module}").WanVAE(**cfg)
+    return seed_dit_parameters(model.to(dtype), seed).eval().requires_grad_(False)
 
 
 def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] | None = None, seed: int = 1,

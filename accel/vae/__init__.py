@@ -27,6 +27,10 @@ The modules, in the order data flows through them:
   memory.py     the page-locked host-memory pool for activations that do not fit on the GPU
   naive.py      the per-tile baseline
 
+Wan's video VAE (causal 3-D convolutions, a temporal cache, RMS norms per pixel) takes another route, as its layers
+need no whole-frame statistics: the host's own layers run on spatial tiles with halos, each tile through all frames
+with a temporal cache of its own (video.py: `decode_video`; video_grid.py: the halo, memory per tile and the grid).
+
 Units: `tile` and `overlap` are image pixels for both directions, like ComfyUI's tiled VAE nodes.
 Inputs: `decode` takes what the VAE's own decode takes (the sampler's latent already divided by the scaling factor, as
 diffusers' `vae.decode`); `encode` takes images in [-1, 1], (N, 3, H, W), and returns the mean of the latent
@@ -44,5 +48,8 @@ from .execute import decode, encode, tile_plan
 from .memory import release_host_memory
 from .naive import naive_tiled_decode
 from .plan import TilePlan
+from .video import decode_video, video_plan
+from .video_grid import VideoPlan
 
-__all__ = ["decode", "encode", "tile_plan", "naive_tiled_decode", "TilePlan", "release_host_memory"]
+__all__ = ["decode", "encode", "tile_plan", "naive_tiled_decode", "TilePlan", "release_host_memory", "decode_video",
+           "video_plan", "VideoPlan"]

@@ -78,17 +78,17 @@ def _check_tile(tile: int | None, overlap: int | None) -> None:
                        "Use a larger tile or a smaller overlap (e.g. tile 512, overlap 64).")
 
 
-def _check_input(x: torch.Tensor, channels: int, name: str, example: str) -> None:
+def _check_input(x: torch.Tensor, channels: int, name: str, example: str, dims: int = 4) -> None:
     if not isinstance(x, torch.Tensor):
         raise BadInput(f"{name} must be a torch.Tensor, got {type(x).__name__}.", f"Pass {name} as {example}.")
-    if x.dim() != 4:
-        fix = f"Add the batch dimension ({name}[None])." if x.dim() == 3 else f"Pass {name} as {example}."
-        raise BadInput(f"{name} must have 4 dimensions {example}, got shape {tuple(x.shape)}.", fix)
+    if x.dim() != dims:
+        fix = f"Add the batch dimension ({name}[None])." if x.dim() == dims - 1 else f"Pass {name} as {example}."
+        raise BadInput(f"{name} must have {dims} dimensions {example}, got shape {tuple(x.shape)}.", fix)
     if x.shape[1] != channels:
         hint = (f" It looks channels-last: pass {name}.movedim(-1, 1)." if x.shape[-1] == channels else "")
         raise BadInput(f"{name} have {x.shape[1]} channels but this VAE takes {channels} ({example}).",
                        f"Pass {name} made for this VAE.{hint}")
-    if x.shape[2] < 1 or x.shape[3] < 1:
+    if min(x.shape[2:]) < 1:
         raise BadInput(f"{name} are empty: shape {tuple(x.shape)}.", f"Pass {name} with at least one pixel.")
     if not x.is_floating_point():
         raise BadInput(f"{name} must be floating point, got {x.dtype}.", f"Pass {name}.float().")

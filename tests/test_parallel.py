@@ -28,7 +28,9 @@ def _wan():
 
 def _wan_ranks(world: int) -> dict:
     from sd_accel.accel.errors import BadInput
-    from sd_accel.accel.parallel.sequence import Group, batch_parallel, mesh, sequence_parallel
+    from sd_accel.accel.parallel.batch import batch_parallel
+    from sd_accel.accel.parallel.group import Group, mesh
+    from sd_accel.accel.parallel.sequence import sequence_parallel
 
     model = _wan()
     g = torch.Generator().manual_seed(1)

@@ -133,7 +133,7 @@ def _fused(name: str, g) -> dict:
 
 
 def _ranks(world: int) -> dict:
-    from sd_accel.accel.parallel.sequence import Group
+    from sd_accel.accel.parallel.group import Group
 
     result = {name: _plain(name, Group()) for name in MODELS}
     result.update({f"{name} fused": _fused(name, Group()) for name, (fusion, _) in MODELS.items() if fusion})
@@ -173,7 +173,8 @@ def test_a_world_that_does_not_divide_the_heads_is_refused(monkeypatch, name):
 
 def test_another_model_is_refused():
     from sd_accel.accel.errors import BadInput
-    from sd_accel.accel.parallel.sequence import Group, sequence_parallel
+    from sd_accel.accel.parallel.group import Group
+    from sd_accel.accel.parallel.sequence import sequence_parallel
 
     with pytest.raises(BadInput, match="not Linear") as e:
         with sequence_parallel(torch.nn.Linear(2, 2), Group()):

@@ -16,13 +16,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -32,13 +30,11 @@ import torch.multiprocessing as mp
 
 from ..errors import BadInput
 from ..models.configs import COMFY_DIT_CONFIGS, DIT_SHAPES, cfg_batch
+from ..parallel.rendezvous import NO_MULTICAST, cpu_threads, free_port, join
 from .bench import _peak_gb, _peak_reset, _sync, rel_l2
 
-# NVLink multicast (NVLS) off in NCCL, PyTorch and NVSHMEM: on shared multi-GPU hosts a program that uses it can put
-# the host's GPUs out of service. The children inherit these; a value the user set is kept.
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # How long a rank waits for the others, at start-up and in any collective, before it fails rather than hangs. Ranks
-# meet once per step, so the longest wait is about one step (Wan 14B at 720p on one GPU: ~20 s) or one model build.
+# meet once per step, so the longest wait is about one step of the largest model on one GPU, or one model build.
 COLLECTIVE_TIMEOUT_S = 180
 WARMUP = 1  # the first call at a shape: cuDNN plans, Triton kernels, NCCL's communicators
 # The VAE's spatial factor: the latent is the video's pixel size over it (Wan 2.2 5B's VAE: 16, Wan 2.1's: 8).
@@ -154,7 +150,7 @@ def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters:
         for world in worlds:
             how = "gloo, on the CPU" if tiny else "NCCL, one GPU each"
             log(f"[{world} GPU{'s' if world > 1 else ''}] starting {world} process{'es' if world > 1 else ''} ({how})")
-            job = Job(world, _free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, baseline)
+            job = Job(world, free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, baseline)
             found = _run_world(job)
             if world == 1:
                 baseline = {f"{r.model} {r.size}": r.ms for r in found}
@@ -164,12 +160,6 @@ def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters:
 
 def _gpus(n: int) -> str:
     return f"{n or 'no'} CUDA GPU{'' if n == 1 else 's'}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_world(job: Job) -> list[Result]:
@@ -195,10 +185,9 @@ def _worker(rank: int, job: Job) -> None:
         if job.cuda:
             torch.cuda.set_device(rank)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.world))  # the ranks share the CPU
-        dist.init_process_group("nccl" if job.cuda else "gloo", init_method=f"tcp://127.0.0.1:{job.port}",
-                                rank=rank, world_size=job.world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                                **({"device_id": torch.device("cuda", rank)} if job.cuda else {}))
+            torch.set_num_threads(cpu_threads(job.world))
+        join("nccl" if job.cuda else "gloo", job.port, rank, job.world, COLLECTIVE_TIMEOUT_S,
+             torch.device("cuda", rank) if job.cuda else None)
         rows = _measure(rank, job, where)
         where[0] = "leaving"
         dist.destroy_process_group()
@@ -215,7 +204,7 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
     where[0] says what the rank is doing."""
     from ..accelerate import accelerate
     from ..models.configs import build_dit, dit_example_inputs
-    from ..parallel.sequence import Group, mesh
+    from ..parallel.group import Group, mesh
     from ..plan.device import cpu_info, detect
 
     device = torch.device("cuda", rank) if job.cuda else torch.device("cpu")
@@ -257,7 +246,9 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
                 layout: str, cfg_ways: int, device: torch.device) -> tuple[Result, torch.Tensor | None]:
     """One layout timed on every rank: its row (the ms of the slowest rank, the peak of the busiest) and this rank's
     output (None when the layout was refused)."""
-    from ..parallel.sequence import Group, batch_parallel, sequence_parallel
+    from ..parallel.batch import batch_parallel
+    from ..parallel.group import Group
+    from ..parallel.sequence import sequence_parallel
 
     row = Result("", "", job.world, layout)
     seq_ways = job.world // cfg_ways

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .sequence import Group, batch_parallel, mesh, sequence_parallel
+from .batch import batch_parallel
+from .group import Group, mesh
+from .sequence import sequence_parallel
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,9 @@ from torch import nn
 from ..engine.attention import standing_in
 from ..errors import BadInput
 from . import flux, mmdit, qwen_image, wan
-from .batch import batch_parallel
 from .exchange import stand_in
-from .group import Group, gather, mesh, shard
+from .group import Group
 from .shards import Shards, argument, parameters
-
-__all__ = ["Group", "batch_parallel", "gather", "mesh", "sequence_parallel", "shard"]
 
 FAMILIES = (wan, flux, mmdit, qwen_image)
 

@@ -8,13 +8,14 @@ gloo on the CPU, which is how the tests run it). A worker builds the model's str
 (ComfyUI: the same class and config ComfyUI built it from), receives every parameter and buffer by broadcast from the
 host (as the host holds them: LoRA patches merged), and wraps it in the torch path with the host's options.
 
-Control travels over each worker's stdin (pickled messages: load a model, share a loaded one under another key, take
-new weights, run a call, drop a model, stop) and its replies over its stdout; tensors (weights, a call's inputs, the
+Control travels over each worker's stdin (pickled messages: load a model, share a loaded one under another key, take new
+weights, run a call, drop a model, stop) and its replies over its stdout; tensors (weights, a call's inputs, the
 layouts' exchanges) over the process group. A worker waits for its next message on a pipe, not in a collective, so an
-idle pool never times out, and a worker whose host is gone reads the end of its stdin and exits. The host watches the workers: before each call it checks
-they are alive, and it waits for replies and for a call's collectives with a deadline, so a dead or stuck worker ends
-the call with WorkerLost rather than hanging the host (on NCCL the host aborts the group). A worker that fails in a call
-exits after saying why, so the host's next collective fails at once rather than at the deadline.
+idle pool never times out, and a worker whose host is gone reads the end of its stdin and exits. The host watches the
+workers: before each call it checks they are alive, and it waits for replies and for a call's collectives with a
+deadline, so a dead or stuck worker ends the call with WorkerLost rather than hanging the host (on NCCL the host aborts
+the group). A worker that fails in a call exits after saying why, so the host's next collective fails at once rather
+than at the deadline.
 
 One pool runs in a process at a time (it holds the default process group); models are loaded into it under keys, so
 two models sampled in turn (Wan 2.2's high- and low-noise experts) keep their workers. It stops when its last model is
@@ -32,7 +33,6 @@ import logging
 import os
 import pickle
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +40,6 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import BinaryIO
 
@@ -51,16 +50,15 @@ from torch import nn
 from ..errors import AccelError, BadInput, is_interrupt
 from ..progress import Progress
 from .layout import Layout, canonical, make_layouts
+from .rendezvous import NO_MULTICAST, cpu_threads, free_port, join
 
 log = logging.getLogger("sd-accel")
 
 ROOT = Path(os.path.abspath(__file__)).parents[2]  # the checkout: the package sd_accel
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
-# This lab's GPUs need NVLink multicast off (NCCL's NVLS algorithms, torch's symmetric memory): set where not set.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# And in the host for the pool's life: NCCL's watchdog must not end the host on a timeout; the pool's own deadline
-# aborts the group and the host goes on on one GPU.
-HOST_NCCL_ENV = {**NCCL_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+# In the host for the pool's life, besides NVLink multicast off (as in the workers): NCCL's watchdog must not end the
+# host on a timeout; the pool's own deadline aborts the group and the host goes on on one GPU.
+HOST_NCCL_ENV = {**NO_MULTICAST, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 DEFAULT_TIMEOUT = 300.0  # seconds: a worker's first call may compile kernels the host has cached
 
 
@@ -86,12 +84,6 @@ def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as bytes: any dtype (fp8 included) travels as the same bits."""
     return t.view(-1).view(torch.uint8)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Worker:
@@ -188,10 +180,10 @@ class Pool:
         if dist.is_initialized():
             raise BadInput("torch.distributed is already in use in this process (another extension?).",
                            "Run the model on one GPU, or remove what else spreads work over GPUs here.")
-        port = _free_port()
-        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in NCCL_ENV.items()},
+        port = free_port()
+        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in NO_MULTICAST.items()},
                "PYTHONPATH": os.pathsep.join(sys.path)}  # the host's import path: ComfyUI's and its packages
-        threads = max(1, (os.cpu_count() or 1) // self.world)
+        threads = cpu_threads(self.world)
         progress.stage(f"starting {self.world - 1} worker process(es) on {', '.join(self.devices[1:])}",
                        total=self.world - 1)
         try:
@@ -206,9 +198,8 @@ class Pool:
                 self._env = {k: os.environ.get(k) for k in HOST_NCCL_ENV}
                 for k, v in HOST_NCCL_ENV.items():
                     os.environ.setdefault(k, v)
-            dist.init_process_group(self.backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                    world_size=self.world, timeout=timedelta(seconds=self.timeout),
-                                    device_id=torch.device(self.devices[0]) if self.backend == "nccl" else None)
+            join(self.backend, port, 0, self.world, self.timeout,
+                 torch.device(self.devices[0]) if self.backend == "nccl" else None)
             self._joined = True
             self.layouts = make_layouts()
             self.running = True
@@ -535,10 +526,8 @@ def serve(config: dict, replies: BinaryIO) -> None:
         else:
             torch.set_num_threads(config["threads"])
         reply("hello", os.getpid())
-        dist.init_process_group(config["backend"], init_method=f"tcp://127.0.0.1:{config['port']}",
-                                rank=config["rank"], world_size=config["world"],
-                                timeout=timedelta(seconds=config["timeout"]),
-                                device_id=device if device.type == "cuda" else None)
+        join(config["backend"], config["port"], config["rank"], config["world"], config["timeout"],
+             device if device.type == "cuda" else None)
         layouts = make_layouts()
         models: dict[Hashable, _Replica] = {}
         while True:

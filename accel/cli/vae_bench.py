@@ -212,13 +212,18 @@ VIDEO_SIZES = "832x480,1280x720"
 TINY_VIDEO_SIZES = "16x512"
 # Frames of each model's native clip (Wan 2.1: 81; Wan 2.2 TI2V 5B: 121); the tiny ones: one chunk after the first.
 VIDEO_FRAMES = {"wan21": 81, "wan22": 121, "tiny-wan21": 5, "tiny-wan22": 5}
-# The tiled decode's memory limit, as a part of the untiled decode's measured peak (the issue's target: half).
+# The tiled decode's memory limit, as a part of the untiled decode's measured peak: the aim is half.
 VIDEO_CAP = 0.5
+
+
+def _spatial_factor(name: str) -> int:
+    """Output pixels per latent pixel of the Wan VAE `name` (Wan 2.2's: 16, Wan 2.1's: 8)."""
+    return 16 if COMFY_VIDEO_VAE_CONFIGS[name][0] == "vae2_2" else 8
 
 
 def video_sizes(name: str, text: str) -> list[tuple[int, int]]:
     """(width, height) pixels of each "WxH" in `text`, checked against the VAE `name`'s spatial factor."""
-    factor = 16 if COMFY_VIDEO_VAE_CONFIGS[name][0] == "vae2_2" else 8
+    factor = _spatial_factor(name)
     sizes = []
     for item in text.split(","):
         w, _, h = item.strip().partition("x")
@@ -259,7 +264,7 @@ def bench_video_vae(models: list[str], comfyui_root: str, sizes: str | None = No
 
 def _video_row(name: str, vae, w: int, h: int, dev: torch.device, dtype: torch.dtype, comfyui_root: str,
                runs: int | None) -> dict:
-    factor = 16 if COMFY_VIDEO_VAE_CONFIGS[name][0] == "vae2_2" else 8
+    factor = _spatial_factor(name)
     frames = VIDEO_FRAMES[name]
     g = torch.Generator().manual_seed(SEED)
     z = torch.randn(1, vae.conv2.in_channels, 1 + (frames - 1) // 4, h // factor, w // factor, generator=g)

@@ -6,8 +6,8 @@ come the halo (how far a tile's output reaches back into its input: each 3x3 con
 resolution, each 2x upsampling halves it, rounded up) and the memory a tile needs per pixel: the temporal
 cache every causal conv keeps (its input's last two frames, for as long as the tile runs), the largest working set of
 one layer (the host's forward concatenates the cache, pads and convolves, keeping the block's input for the residual)
-and the decoded frames the host's decode gathers. A layer the walk does not know, or one that mixes pixels across the
-whole frame (attention), is refused, so that a VAE the tiles would decode wrongly never runs.
+and the decoded frames the host's decode gathers. A layer the walk does not know is refused, and so is attention in
+the tiled stage (it mixes the whole frame: `_halo`), so that a VAE the tiles would decode wrongly never runs.
 """
 
 from __future__ import annotations

@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sd_accel.accel.parallel.rendezvous import free_port
 
 
 class HostServer:

@@ -37,10 +37,6 @@ def sample(model, positive, negative, size=8, cfg=3.0):
     return H.sample_frames(model, positive, negative, 3, size=size, cfg=cfg)
 
 
-def rel(a, b) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def info(model) -> str:
     """Accel Info's report on the model."""
     from sd_accel.nodes import info
@@ -97,7 +93,7 @@ def test_two_runs_are_spread_over_two_processes_and_equal_plain(wan):
     for run in range(2):
         before = status(acc).spread_calls
         out = sample(acc, pos, neg)
-        assert rel(out, plain) <= 1e-5, run
+        assert H.rel(out, plain) <= 1e-5, run
         s = status(acc)
         assert s.spread_calls - before == 2 and s.plain_calls == 0, s  # both steps' calls, CFG split over 2
         assert s.layout == "CFG parallel over 2" and pool().world == 2
@@ -108,10 +104,10 @@ def test_two_runs_are_spread_over_two_processes_and_equal_plain(wan):
 def test_a_lora_reaches_the_workers_and_leaves_with_its_patches(wan):
     model, acc, pos, neg, plain = wan
     plain_lora = sample(with_lora(model), pos, neg)
-    assert rel(plain_lora, plain) > 1e-3  # the LoRA changes the video
+    assert H.rel(plain_lora, plain) > 1e-3  # the LoRA changes the video
     before = status(acc).spread_calls
-    assert rel(sample(with_lora(acc), pos, neg), plain_lora) <= 1e-5
-    assert rel(sample(acc, pos, neg), plain) <= 1e-5  # and without it again: the workers take the weights back
+    assert H.rel(sample(with_lora(acc), pos, neg), plain_lora) <= 1e-5
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5  # and without it again: the workers take the weights back
     assert status(acc).spread_calls - before == 4
 
 
@@ -121,11 +117,11 @@ def test_a_call_no_layout_takes_runs_alone_and_the_workers_serve_the_next(wan):
     s = status(acc)
     before = s.spread_calls
     odd = sample(acc, pos, neg, size=6, cfg=1.0)  # 3 frames x 3 x 3 patches: 27 tokens
-    assert rel(odd, sample(model, pos, neg, size=6, cfg=1.0)) <= 1e-5
+    assert H.rel(odd, sample(model, pos, neg, size=6, cfg=1.0)) <= 1e-5
     assert s.spread_calls == before and "27 image tokens do not split over 2 processes" in s.one_device
     assert sum("27 image tokens" in m for m in s.messages) == 1, s.messages
     even = sample(acc, pos, neg, cfg=1.0)
-    assert rel(even, sample(model, pos, neg, cfg=1.0)) <= 1e-5
+    assert H.rel(even, sample(model, pos, neg, cfg=1.0)) <= 1e-5
     assert s.spread_calls == before + 2 and s.layout == "sequence parallel over 2"
 
 
@@ -144,13 +140,13 @@ def test_parts_of_the_model_replaced_in_comfyuis_process_keep_the_run_on_one_pro
         return patched
 
     plain_replaced = sample(replaced(model), pos, neg)
-    assert rel(plain_replaced, plain) > 1e-3
+    assert H.rel(plain_replaced, plain) > 1e-3
     s = status(acc)
     before = (s.engine_calls, s.spread_calls)
-    assert rel(sample(replaced(acc), pos, neg), plain_replaced) <= 1e-5
+    assert H.rel(sample(replaced(acc), pos, neg), plain_replaced) <= 1e-5
     assert (s.engine_calls, s.spread_calls) == (before[0] + 2, before[1])
     assert "diffusion_model.head" in s.one_device and sum("diffusion_model.head" in m for m in s.messages) == 1
-    assert rel(sample(acc, pos, neg), plain) <= 1e-5 and s.spread_calls == before[1] + 2  # without it: spread again
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5 and s.spread_calls == before[1] + 2  # without it: spread again
 
 
 def test_a_second_node_output_on_the_model_shares_the_workers_copy(pack, wan):
@@ -164,11 +160,11 @@ def test_a_second_node_output_on_the_model_shares_the_workers_copy(pack, wan):
     other = spread(pack, model, 2)
     stages = []
     accelerated_unet.session_of(other).slot.spread.progress = lambda: StageLog(stages.append)
-    assert rel(sample(other, pos, neg), plain) <= 1e-5 and status(other).spread_calls == 2
+    assert H.rel(sample(other, pos, neg), plain) <= 1e-5 and status(other).spread_calls == 2
     assert pool().pids() == pids and stages and not any("building" in s for s in stages), stages
     accelerated_unet.session_of(other).slot.spread.close()
     before = status(acc).spread_calls
-    assert rel(sample(acc, pos, neg), plain) <= 1e-5 and status(acc).spread_calls == before + 2
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5 and status(acc).spread_calls == before + 2
     assert pool().pids() == pids
 
 
@@ -180,14 +176,14 @@ def test_a_killed_worker_leaves_the_run_to_one_process_with_one_message(wan):
     while not pool().lost():  # the worker is gone before the run starts
         time.sleep(0.01)
     before = (s.engine_calls, s.spread_calls, s.plain_calls, len(s.messages))
-    assert rel(sample(acc, pos, neg), plain) <= 1e-5
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5
     assert (s.engine_calls, s.spread_calls, s.plain_calls) == (before[0] + 2, before[1], before[2])
     said = s.messages[before[3]:]
     assert len(said) == 1 and "was ended by signal 9" in said[0] and "rest of the run" in said[0], said
     assert f"GPUs: one served the run: {said[0]}" in info(acc)
     assert gone(pids) and pool() is None
     # the next run starts the workers again
-    assert rel(sample(acc, pos, neg), plain) <= 1e-5
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5
     assert s.spread_calls == before[1] + 2 and pool() is not None
 
 
@@ -201,7 +197,7 @@ def test_unloading_the_model_stops_the_workers(wan):
     mm.unload_all_models()
     assert pool() is None and gone(pids)
     before = status(acc).spread_calls
-    assert rel(sample(acc, pos, neg), plain) <= 1e-5  # sampling again loads the model and starts them again
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5  # sampling again loads the model and starts them again
     assert status(acc).spread_calls == before + 2
 
 
@@ -212,7 +208,7 @@ def test_four_processes_split_cfg_and_tokens_and_go_with_the_session(pack):
     pos, neg = H.tiny_dit_conditioning("wan", 6)
     plain = sample(model, pos, neg)
     acc = spread(pack, model, 4)
-    assert rel(sample(acc, pos, neg), plain) <= 1e-5
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5
     s = status(acc)
     assert s.spread_calls == 2 and s.layout == "CFG parallel over 2 x sequence parallel over 2", s
     pids = pool().pids()
@@ -248,7 +244,7 @@ def test_a_worker_that_fails_in_a_call_leaves_the_run_to_one_process(pack):
     host = spread_.recipe
     spread_.recipe = lambda: dataclasses.replace(host(), model=pickle.dumps((failing_in_a_call,
                                                                              (model.model.model_config,))))
-    assert rel(sample(acc, pos, neg), plain) <= 1e-5
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5
     s = status(acc)
     assert s.spread_calls == 0 and s.engine_calls == 2 and s.plain_calls == 0 and pool() is None
     said = [m for m in s.messages if "fails in a call" in m]
@@ -269,7 +265,7 @@ def test_workers_that_cannot_load_the_model_are_not_tried_again(pack):
     accelerated_unet.session_of(acc).slot.spread.recipe = lambda: Recipe(functools.partial(abs, 0),
                                                                          pickle.dumps((int, ("no model",))))
     for run in range(2):
-        assert rel(sample(acc, pos, neg), plain) <= 1e-5
+        assert H.rel(sample(acc, pos, neg), plain) <= 1e-5
         s = status(acc)
         assert s.spread_calls == 0 and s.engine_calls == 2 * (run + 1) and pool() is None
         said = [m for m in s.messages if "could not start or load the model" in m]

@@ -57,7 +57,7 @@ def _wan_ranks(world: int) -> dict:
             with sequence_parallel(model, seq):
                 outputs += [(batch_parallel(model, batch, x, t, ctx), ref),
                             (batch_parallel(model, batch, x, per_frame, ctx), ref_frames)]
-    return {"rel": max(float((a - b).norm() / b.norm()) for a, b in outputs), "refused": refused,
+    return {"rel": max(H.rel(a, b) for a, b in outputs), "refused": refused,
             "restored": bool(torch.equal(again, ref))}
 
 

@@ -49,10 +49,6 @@ def _inputs(name: str, latent: int, text: int = 7) -> dict:
     return inp
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def _hooked(model) -> bool:
     return any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
@@ -89,7 +85,7 @@ def _plain(name: str, g) -> dict:
             except BadInput as e:
                 refused.append(str(e))
         again = canon(**inp)
-    return {"rel": max(map(_rel, outs, refs)), "refused": refused,
+    return {"rel": max(map(H.rel, outs, refs)), "refused": refused,
             "restored": torch.equal(again, refs[0]) and not _hooked(model)
             and getattr(importlib.import_module(module), attr) is host}
 
@@ -128,7 +124,7 @@ def _fused(name: str, g) -> dict:
         with sequence_parallel(model, g):
             out = acc(*args, guidance=inp.get("guidance"))
         acc.release()
-    return {"rel": _rel(out, one), "rel_plain": _rel(out, ref), "calls": [one_calls, calls[0]],
+    return {"rel": H.rel(out, one), "rel_plain": H.rel(out, ref), "calls": [one_calls, calls[0]],
             "fused": acc.engine.fusion_counts[fusion]}
 
 

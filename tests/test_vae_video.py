@@ -99,6 +99,7 @@ def test_the_halo_is_the_reach_of_the_tiled_layers():
     """In float64, so that rounding cannot hide it: with the planned halo the seam is exact, with one latent pixel
     less the last rows of the first tile's core see zero padding where their furthest inputs were (only faintly:
     that far out each path passes through every conv's edge taps)."""
+    H.import_comfy()
     vae = build_comfy_video_vae("tiny-wan21", H.comfy_root(), seed=0, dtype=torch.float64)
     z = _latents(vae, 2, 16, 2).double()
     with torch.no_grad():

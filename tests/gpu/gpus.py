@@ -104,7 +104,7 @@ def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[s
 
     def row(setting: str, out: torch.Tensor, seconds: float, ref: torch.Tensor, calls: tuple) -> None:
         devices, engine, spread_calls, start = calls
-        report.rows.append(GpuRow(setting, devices, seconds, start, sequences.rel(out, ref), 3 * report.yardstick,
+        report.rows.append(GpuRow(setting, devices, seconds, start, H.rel(out, ref), 3 * report.yardstick,
                                   bool(torch.isfinite(out).all()), engine, spread_calls))
         print(report.rows[-1].line(), flush=True)
 
@@ -114,7 +114,7 @@ def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[s
     g = torch.Generator().manual_seed(7)
     noise = h.noise(run)
     moved, warm = h.sample(one, run, noise * (1 + 2**-8 * torch.randn(noise.shape, generator=g)))
-    report.yardstick = sequences.rel(moved, ref)
+    report.yardstick = H.rel(moved, ref)
     print(f"{name}: yardstick {report.yardstick:.2e}", flush=True)
     row("gpus 1", ref, seconds, ref, first)
     row("gpus 1, warm (moved noise)", moved, warm, moved, served(one))

@@ -115,11 +115,6 @@ class Report:
         return "\n".join(lines + [r.line() for r in self.rows] + [f"   note: {n}" for n in self.notes])
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _seed(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
@@ -266,7 +261,7 @@ class Harness:
         if run.label == "20 steps again":  # the timed pair: plain warm too, not its first (cached) run
             plain_seconds = self.sample(self.model, run)[1]
         limit = self.report.yardstick * (3.0 if fp8 else 1.5)
-        self.report.rows.append(Row(self.name, setting, run.label, rel(out, ref), limit,
+        self.report.rows.append(Row(self.name, setting, run.label, H.rel(out, ref), limit,
                                     bool(torch.isfinite(out).all()), seconds, plain_seconds,
                                     status.engine_calls - before[0], status.plain_calls - before[1]))
         print(self.report.rows[-1].line(), flush=True)  # as it goes: a run that hangs or dies shows where
@@ -303,7 +298,7 @@ class Harness:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.model = self.build(self.dtype)
-        self.report.yardstick = max(rel(self.plain(r)[0], ref) for r, ref in zip(runs, ref32))
+        self.report.yardstick = max(H.rel(self.plain(r)[0], ref) for r, ref in zip(runs, ref32))
         print(f"{self.name}: yardstick {self.report.yardstick:.2e} (plain {self.dtype} vs float32)", flush=True)
 
     def run_all(self, quick: bool = False, only: str = "") -> Report:
@@ -312,7 +307,7 @@ class Harness:
 
         self.measure_yardstick()
         lora = Run("LoRA 1.0", 7, lora=1.0)
-        self.report.lora_effect = rel(self.plain(lora)[0], self.plain(Run("7 steps", 7))[0])
+        self.report.lora_effect = H.rel(self.plain(lora)[0], self.plain(Run("7 steps", 7))[0])
         try:
             for label, precision, graphs in self.settings(quick):
                 if only not in label:

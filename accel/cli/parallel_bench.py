@@ -1,5 +1,6 @@
 """`python -m sd_accel bench --gpus 1,2,4`: one sampling step of a diffusion transformer spread over several GPUs
-(accel/parallel/sequence.py), against the same step on one GPU.
+(accel/parallel/), against the same step on one GPU. The layouts are the ones the ComfyUI node's workers run
+(accel/parallel/layout.py), each entered around every call as the node enters it.
 
 For each world size W a fresh set of W processes (NCCL, one GPU each; gloo on the CPU with --tiny) builds each model
 once, in ComfyUI's form with the seeded weights every rank draws alike, on sd-accel's torch path, and times every
@@ -13,7 +14,6 @@ W=1 output in fp32.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from ..errors import BadInput
 from ..models.configs import COMFY_DIT_CONFIGS, DIT_SHAPES, cfg_batch
+from ..parallel.layout import Layout, make_layouts
 from ..parallel.rendezvous import NO_MULTICAST, cpu_threads, free_port, join
 from .bench import _peak_gb, _peak_reset, _sync, rel_l2
 
@@ -113,14 +114,14 @@ def model_sizes(name: str, video_sizes: str) -> tuple[tuple[str, tuple[int, int]
     return tuple(sizes)
 
 
-def layouts(world: int, batch: int) -> list[tuple[str, int]]:
-    """(name, CFG ways) of each layout of `world` processes for a model run at `batch` (2: a CFG batch): sequence
-    parallelism over the processes the CFG split leaves."""
+def layouts(world: int, batch: int) -> list[tuple[str, str | None]]:
+    """(row name, accel/parallel/layout.py layout or None for the 1-GPU call) of each layout of `world` processes
+    for a model run at `batch` (2: a CFG batch): the layouts the ComfyUI node's workers run."""
     if world == 1:
-        return [("1 GPU", 1)]
-    found = [("sequence", 1)]
+        return [("1 GPU", None)]
+    found: list[tuple[str, str | None]] = [("sequence", "sequence")]
     if batch == 2 and world % 2 == 0:
-        found.append(("CFG" if world == 2 else "CFG x sequence", 2))
+        found.append(("CFG" if world == 2 else "CFG x sequence", "cfg"))
     return found
 
 
@@ -204,13 +205,12 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
     where[0] says what the rank is doing."""
     from ..accelerate import accelerate
     from ..models.configs import build_dit, dit_example_inputs
-    from ..parallel.group import Group, mesh
     from ..plan.device import cpu_info, detect
 
     device = torch.device("cuda", rank) if job.cuda else torch.device("cpu")
     dtype = torch.bfloat16 if job.cuda else torch.float32
-    # Every process calls new_group alike, so the CFG x sequence groups are made once, before any model.
-    groups = mesh(2) if job.world > 2 and job.world % 2 == 0 else (Group(), Group())
+    # Every process calls new_group alike, so the layouts' groups are made once, before any model.
+    spread = make_layouts() if job.world > 1 else {}
     rows = []
     for name in job.models:
         where[0] = f"building {name}"
@@ -227,9 +227,9 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
         for size, latent in job.sizes[name]:
             inputs = dit_example_inputs(name, batch, latent, device=device, dtype=dtype)
             args = (inputs["x"], inputs["timesteps"], inputs["context"], inputs.get("y"), None, inputs.get("guidance"))
-            for layout, cfg_ways in layouts(job.world, batch):
+            for layout, key in layouts(job.world, batch):
                 where[0] = f"{name} {size}, {layout}"
-                row, out = _layout_row(job, model, acc, args, groups, layout, cfg_ways, device)
+                row, out = _layout_row(job, model, acc, args, spread.get(key), layout, device)
                 row.model, row.size = name, size
                 if rank == 0:
                     _compare(row, out, job)
@@ -242,22 +242,15 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
     return rows
 
 
-def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tensor], args: tuple, groups: tuple,
-                layout: str, cfg_ways: int, device: torch.device) -> tuple[Result, torch.Tensor | None]:
-    """One layout timed on every rank: its row (the ms of the slowest rank, the peak of the busiest) and this rank's
-    output (None when the layout was refused)."""
-    from ..parallel.batch import batch_parallel
-    from ..parallel.group import Group
-    from ..parallel.sequence import sequence_parallel
-
+def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tensor], args: tuple,
+                spread: Layout | None, layout: str, device: torch.device) -> tuple[Result, torch.Tensor | None]:
+    """One layout timed on every rank, run as the node's workers run it (spread None: the 1-GPU call): its row (the
+    ms of the slowest rank, the peak of the busiest) and this rank's output (None when the layout was refused)."""
     row = Result("", "", job.world, layout)
-    seq_ways = job.world // cfg_ways
-    cfg_group, seq_group = groups if cfg_ways > 1 and seq_ways > 1 else (Group(), Group())
-    scope = sequence_parallel(model, seq_group) if seq_ways > 1 else contextlib.nullcontext()
-    call = (lambda: batch_parallel(acc, cfg_group, *args)) if cfg_ways > 1 else (lambda: acc(*args))
+    call = (lambda: acc(*args)) if spread is None else (lambda: spread.run(model, acc, *args))
     _peak_reset(device)
     try:
-        with scope, torch.inference_mode():
+        with torch.inference_mode():
             for _ in range(WARMUP):
                 out = call()
             times = []

@@ -41,7 +41,9 @@ def make_layouts() -> dict[str, Layout]:
     """This process's layouts over the default group, by name. Every process must call it, in step."""
     world = dist.get_world_size()
     layouts = {"sequence": Layout(f"sequence parallel over {world}", None, Group())}
-    if world % 2 == 0:
+    if world == 2:  # the CFG halves over the default group: no groups of one process to make
+        layouts["cfg"] = Layout("CFG parallel over 2", Group(), None)
+    elif world % 2 == 0:
         batch, seq = mesh(2)
         name = "CFG parallel over 2" + (f" x sequence parallel over {seq.world}" if seq.world > 1 else "")
         layouts["cfg"] = Layout(name, batch, seq if seq.world > 1 else None)

@@ -31,8 +31,9 @@ log = logging.getLogger("sd-accel")
 GPUS = ("1", "2", "4", "all")
 # The torch path's options while calls are spread, on every process alike: no CUDA graphs (collectives inside graphs are
 # not what we ship), and no compiling ahead (kernels/ahead.py runs a call twice in a process that lacks kernels, so the
-# processes' collectives would fall out of step).
-SPREAD_OPTIONS = {"cuda_graphs": False, "parallel_compile": False}
+# processes' collectives would fall out of step), and no torch.compile (sequence parallelism hooks the blocks afresh for
+# each call, and compiled blocks guard on their hooks: a recompile every step).
+SPREAD_OPTIONS = {"cuda_graphs": False, "parallel_compile": False, "compile": False}
 
 
 def devices_for(asked: str, first: torch.device, visible: int, nccl: bool) -> tuple[list[str], str]:
@@ -102,8 +103,9 @@ class Spread:
             timesteps = timesteps.expand(x.shape[0])
         inputs = tuple(None if t is None else t.contiguous() for t in (x, timesteps, context, y, guidance))
         shapes = tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs)
-        if self._pool is not None and self._pool.lost():  # a worker died since the last call
-            return self._lose(self._pool.lost())
+        dead = self._pool.lost() if self._pool is not None else ""
+        if dead:  # a worker died since the last call
+            return self._lose(dead)
         try:
             pool = self._ready(module, weights_key)
         except BadInput as e:  # this call's model cannot be sent (not all on the device): alone, the workers kept

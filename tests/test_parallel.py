@@ -78,3 +78,24 @@ def test_a_world_that_does_not_divide_the_heads_is_refused(monkeypatch):
     with pytest.raises(BadInput, match="5 processes do not divide the model's 12 attention heads"):
         with sequence.sequence_parallel(_wan(), sequence.Group()):
             pass
+
+
+@pytest.mark.parametrize("frames,tokens,world", [(3, 48, 2), (3, 48, 3), (3, 48, 4), (4, 18, 3), (6, 6, 2)])
+def test_each_rank_gets_the_modulation_rows_comfyuis_repeat_e_gives_its_tokens(frames, tokens, world):
+    """Wan 2.2's per-frame modulation, spread over a rank's share of the tokens, equals that share of what ComfyUI's
+    repeat_e gives one process: where the tokens divide into frames, where they do not (18 tokens of 4 frames: ComfyUI
+    repeats each frame 5 times and cuts), and one row per token. (A share of one frame is one row, which the block's
+    arithmetic broadcasts over the share, as ComfyUI's repeat_e leaves a single row.)"""
+    H.import_comfy()
+    from comfy.ldm.wan.model import repeat_e
+
+    from sd_accel.accel.parallel.shards import Shards
+
+    e = torch.randn(1, frames, 6, 8)
+    whole = repeat_e(e, torch.empty(1, tokens, 8))
+    for rank in range(world):
+        g = type("G", (), {"world": world, "rank": rank})()
+        share = tokens // world
+        mine = Shards(g).rows(e, 1, tokens)
+        got = torch.broadcast_to(repeat_e(mine, torch.empty(1, share, 8)), (1, share, 6, 8))
+        assert torch.equal(got, whole[:, rank * share:(rank + 1) * share])

@@ -70,6 +70,25 @@ class Shards:
             self._tables[id(t)] = held
         return held[1]
 
+    def rows(self, t: torch.Tensor, dim: int, tokens: int) -> torch.Tensor:
+        """A table along dim with a row per run of consecutive tokens (Wan 2.2's modulation per frame), spread over all
+        `tokens` as ComfyUI's repeat_e spreads it on one process, as this rank's share of them: a slice of t (which the
+        block repeats as on one process) where the share starts and ends on a row's edge, else one row per token. Made
+        once per call and table: the blocks of a call share it."""
+        held = self._tables.get(id(t))
+        if held is None or held[0] is not t:
+            rows = t.shape[dim]
+            per = tokens // rows if (tokens // rows) * rows == tokens else tokens // rows + 1
+            share = tokens // self.g.world
+            start = self.g.rank * share
+            if share % per == 0:
+                mine = t.narrow(dim, start // per, share // per)
+            else:
+                mine = t.index_select(dim, torch.arange(start, start + share, device=t.device) // per)
+            held = t, mine
+            self._tables[id(t)] = held
+        return held[1]
+
     def whole(self, tokens: int) -> int:
         """How many of this rank's `tokens` of an exchanged attention come first and are alike on every rank (the text
         where it is whole); the rest are split. An attention over the image tokens alone has none."""

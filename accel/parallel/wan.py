@@ -5,11 +5,10 @@ token too."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .group import gather, shard
+from .group import gather
 from .shards import Shards, argument, parameters, replaced
 
 CLASSES = (("comfy.ldm.wan.model", "WanModel"),)
@@ -30,11 +29,8 @@ def attach(model: nn.Module, shards: Shards) -> list[RemovableHandle]:
         x = shards.tokens(argument(names, args, kwargs, "x"))
         values = {"x": x, "freqs": shards.table(argument(names, args, kwargs, "freqs"), 1)}
         e = argument(names, args, kwargs, "e")
-        if e is not None and e.dim() == 4 and e.shape[1] > 1:
-            # Wan 2.2's modulation per frame or token: spread over all tokens (as the block's repeat_e does), then
-            # this rank's share
-            tokens = x.shape[1] * g.world
-            values["e"] = shard(torch.repeat_interleave(e, tokens // e.shape[1], dim=1), 1, g)
+        if e is not None and e.dim() == 4 and e.shape[1] > 1:  # Wan 2.2's modulation per frame or token
+            values["e"] = shards.rows(e, 1, x.shape[1] * g.world)
         return replaced(names, args, kwargs, **values)
 
     def head(_module, args):

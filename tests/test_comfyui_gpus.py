@@ -150,8 +150,9 @@ def test_parts_of_the_model_replaced_in_comfyuis_process_keep_the_run_on_one_pro
 
 
 def test_a_second_node_output_on_the_model_shares_the_workers_copy(pack, wan):
-    """A widget changed (a new node output on the same ComfyUI model): the workers keep their copy, take the weights
-    again and build nothing; dropping either output leaves the other's."""
+    """A widget changed (a new node output on the same ComfyUI model): the workers keep their copy, build nothing and
+    take no weights (the host's are those they hold); dropping either output leaves the other's. Through a LoRA on the
+    same model, a new output shares the copy and sends the LoRA's weights."""
     from sd_accel.accel.progress import StageLog
 
     model, acc, pos, neg, plain = wan
@@ -161,11 +162,17 @@ def test_a_second_node_output_on_the_model_shares_the_workers_copy(pack, wan):
     stages = []
     accelerated_unet.session_of(other).slot.spread.progress = lambda: StageLog(stages.append)
     assert H.rel(sample(other, pos, neg), plain) <= 1e-5 and status(other).spread_calls == 2
-    assert pool().pids() == pids and stages and not any("building" in s for s in stages), stages
+    assert pool().pids() == pids and not any("building" in s or "sending" in s for s in stages), stages
     accelerated_unet.session_of(other).slot.spread.close()
     before = status(acc).spread_calls
     assert H.rel(sample(acc, pos, neg), plain) <= 1e-5 and status(acc).spread_calls == before + 2
     assert pool().pids() == pids
+    lora = spread(pack, with_lora(model), 2)
+    accelerated_unet.session_of(lora).slot.spread.progress = lambda: StageLog(stages.append)
+    assert H.rel(sample(lora, pos, neg), sample(with_lora(model), pos, neg)) <= 1e-5
+    assert pool().pids() == pids and any("sending" in s for s in stages) and not any("building" in s for s in stages)
+    accelerated_unet.session_of(lora).slot.spread.close()
+    assert H.rel(sample(acc, pos, neg), plain) <= 1e-5  # its weights go back to the workers
 
 
 def test_a_killed_worker_leaves_the_run_to_one_process_with_one_message(wan):

@@ -83,7 +83,6 @@ class Spread:
         self._pool: Pool | None = None
         self._key: Hashable | None = None
         self._module: nn.Module | None = None
-        self._weights_key = None
         self._dropper: weakref.finalize | None = None
         self._tries: dict[tuple, list[str]] = {}  # per input shapes: the layouts left to try, best first
         self._refused: dict[tuple, str] = {}  # per input shapes that no layout takes: why
@@ -150,9 +149,7 @@ class Spread:
         the workers cannot start or load the model (said once; not tried again for it)."""
         pool = self._pool
         if pool is not None and module is self._module and self._key in pool.models:
-            if weights_key != self._weights_key:
-                pool.send_weights(self._key, module, self.progress())
-                self._weights_key = weights_key
+            pool.sync(self._key, module, self.progress(), weights_key)
             return pool
         if module is not self._module:  # what the layouts took or refused was this module's
             self._tries, self._refused = {}, {}
@@ -161,12 +158,12 @@ class Spread:
         key = new_key()
         try:
             pool = pool_for(self.devices, self.progress, self.timeout)
-            pool.load(key, self.recipe(), module, {**self.options, **SPREAD_OPTIONS}, self.progress())
+            pool.load(key, self.recipe(), module, {**self.options, **SPREAD_OPTIONS}, self.progress(), weights_key)
         except WorkerLost as e:
             self._off = (f"the worker processes for {len(self.devices) - 1} more device(s) could not start or load the "
                          f"model ({e}); it runs on one GPU until the node runs again.")
             return self._alone("spread:off", self._off)
-        self._pool, self._module, self._key, self._weights_key = pool, module, key, weights_key
+        self._pool, self._module, self._key = pool, module, key
         self._dropper = weakref.finalize(self, pool.drop, key)
         self.start_seconds = time.perf_counter() - start
         log.info("sd-accel: the model is on %d devices (%s); workers ready in %.1f s", len(self.devices),

@@ -157,7 +157,8 @@ class Pool:
         self.backend = "nccl" if torch.device(self.devices[0]).type == "cuda" else "gloo"
         self.layouts: dict[str, Layout] = {}
         self.models: set[Hashable] = set()
-        self._sources: dict[Hashable, tuple[weakref.ref, dict]] = {}  # per model: its host module, its options
+        # per model: its host module, its options, the weights key its weights were last sent under
+        self._sources: dict[Hashable, tuple[weakref.ref, dict, Hashable]] = {}
         self.running = False
         self._joined = False  # this process is in the pool's process group (the default one)
         self._workers: list[_Worker] = []
@@ -239,40 +240,52 @@ class Pool:
 
     # -- models
 
-    def load(self, key: Hashable, recipe: Recipe, module: nn.Module, options: dict, progress: Progress) -> None:
-        """Every worker builds the model (recipe), takes module's values and prepares the torch path with options.
-        A module the workers hold already with these options (another node output on the same host model: a widget
-        changed, two nodes) is shared under the new key and only takes the host's weights again."""
-        tensors = self._tensors(module)
-        same = next((k for k, (held, opts) in self._sources.items() if held() is module and opts == options), None)
+    def load(self, key: Hashable, recipe: Recipe, module: nn.Module, options: dict, progress: Progress,
+             weights: Hashable = None) -> None:
+        """Every worker builds the model (recipe), takes module's values and prepares the torch path with options;
+        weights: the host's key for those values (its patches' identity). A module the workers hold already with these
+        options (another node output on the same host model: a widget changed, two nodes) is shared under the new key,
+        and takes the host's values again unless it holds them (sync)."""
+        same = next((k for k, (held, opts, _) in self._sources.items() if held() is module and opts == options), None)
         if same is not None:
             with self._exchange():
                 for w in self._workers:
                     w.send(("share", key, same))
-                self._resend(key, tensors, progress)
-        else:
-            spec = [(name, tuple(t.shape), t.dtype) for name, t in tensors]
-            with self._exchange():
-                progress.stage(f"building the model on {self.world - 1} worker(s)", total=self.world - 1)
-                for w in self._workers:
-                    w.send(("load", key, pickle.dumps(recipe), options, spec))
-                for w in self._workers:
-                    self._expect(w, "built")
-                    progress.advance()
-                self._send_weights(tensors, progress)
-                progress.stage(f"preparing the torch path on {self.world - 1} worker(s)", total=self.world - 1)
-                for w in self._workers:
-                    self._expect(w, "ready")
-                    progress.advance()
-                progress.done()
+            self.models.add(key)
+            self._sources[key] = (weakref.ref(module), dict(options), self._sources[same][2])
+            self.sync(key, module, progress, weights)
+            return
+        tensors = self._tensors(module)
+        spec = [(name, tuple(t.shape), t.dtype) for name, t in tensors]
+        with self._exchange():
+            progress.stage(f"building the model on {self.world - 1} worker(s)", total=self.world - 1)
+            for w in self._workers:
+                w.send(("load", key, pickle.dumps(recipe), options, spec))
+            for w in self._workers:
+                self._expect(w, "built")
+                progress.advance()
+            self._send_weights(tensors, progress)
+            progress.stage(f"preparing the torch path on {self.world - 1} worker(s)", total=self.world - 1)
+            for w in self._workers:
+                self._expect(w, "ready")
+                progress.advance()
+            progress.done()
         self.models.add(key)
-        self._sources[key] = (weakref.ref(module), dict(options))
+        self._sources[key] = (weakref.ref(module), dict(options), weights)
 
-    def send_weights(self, key: Hashable, module: nn.Module, progress: Progress) -> None:
-        """The host's weights changed (a LoRA added or removed): every worker takes them again."""
+    def sync(self, key: Hashable, module: nn.Module, progress: Progress, weights: Hashable) -> None:
+        """The workers' copy of the model under key holds the host's values under the weights key `weights`: sent
+        again where the copy holds others (a LoRA added or removed; another node output on the same module sent its
+        own). Every key sharing the copy holds them then."""
+        _, options, sent = self._sources[key]
+        if sent == weights:
+            return
         tensors = self._tensors(module)
         with self._exchange():
             self._resend(key, tensors, progress)
+        for k, (other, opts, _) in list(self._sources.items()):
+            if other() is module and opts == options:
+                self._sources[k] = (other, opts, weights)
 
     def _resend(self, key: Hashable, tensors: list[tuple[str, torch.Tensor]], progress: Progress) -> None:
         for w in self._workers:

@@ -39,10 +39,11 @@ def test_every_layout_gives_the_one_process_output(worlds):
     assert set(timed) == {(1, "1 GPU"), (2, "sequence"), (2, "CFG"), (4, "sequence"), (4, "CFG x sequence")}, rows
     assert all(row["model"] == "tiny-wan" and row["size"] == "64x64" for row in rows)
     base = timed[1, "1 GPU"]
-    assert base["speedup"] == 1.0 and base["rel_err"] is None
+    # the yardstick: the one-process output moved by one bf16 rounding of its input, far above fp32's differences
+    assert base["speedup"] == 1.0 and base["rel_err"] is None and base["noise"] > 1e-4, base
     for key, row in timed.items():
         if key[0] > 1:
-            assert 0 <= row["rel_err"] <= 1e-5, row
+            assert 0 <= row["rel_err"] <= 1e-5 and row["noise"] is None, row
             assert row["speedup"] == pytest.approx(base["ms"] / row["ms"]), row
     progress = [f"[tiny-wan 64x64] {w} GPUs, {layout}: " for w, layout in timed if w > 1]
     assert all(line in r.stderr for line in ["[tiny-wan 64x64] 1 GPU: ", *progress]), r.stderr

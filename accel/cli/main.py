@@ -237,7 +237,8 @@ def _main(argv: list[str] | None) -> int:
                    help="multi-GPU: one step of each --models transformer (ComfyUI's class, --comfyui DIR) in N "
                         "processes for each N (1 always, first: the baseline), one GPU each through NCCL, in every "
                         "layout that divides N: CFG (the CFG batch over 2 GPUs), sequence (Ulysses), CFG x sequence; "
-                        "ms per step, speed-up over 1 GPU, peak memory, distance from the 1-GPU output. With --tiny: "
+                        "ms per step, speed-up over 1 GPU, peak memory, distance from the 1-GPU output (and the "
+                        "1-GPU output's bf16 noise, the yardstick). With --tiny: "
                         "tiny models in processes on the CPU (gloo)")
     b.add_argument("--video-sizes", metavar="WxH,...",
                    help="with --gpus, or --vae --models wan21/wan22: Wan's video sizes in pixels (default 832x480; "

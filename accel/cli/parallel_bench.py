@@ -52,6 +52,7 @@ class Result:
     speedup: float | None = None
     peak_gb: float | None = None
     rel_err: float | None = None
+    noise: float | None = None  # the 1-GPU row's: how far its output moves with its input moved by one bf16 rounding
     note: str = ""
 
 
@@ -267,7 +268,21 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
     worst = torch.tensor([statistics.median(times), _peak_gb(device) or 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     row.ms, row.peak_gb = worst[0].item(), (worst[1].item() if job.cuda else None)
+    if job.world == 1:
+        row.noise = _noise(acc, args, out)
     return row, out
+
+
+def _noise(acc: Callable[..., torch.Tensor], args: tuple, out: torch.Tensor) -> float:
+    """The yardstick a spread output's distance is read against: the 1-GPU output's distance when its input x moves by
+    one bf16 rounding, x (1 + 2^-8 r) with r ~ N(0, 1) (seeded): the difference any other order of bf16 rounding may
+    make."""
+    x = args[0]
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(x.device, torch.float32)
+    moved = (x.float() * (1 + r / 256)).to(x.dtype)
+    with torch.inference_mode():
+        other = acc(moved, *args[1:])
+    return rel_l2(other.float().cpu(), out.float().cpu())
 
 
 def _compare(row: Result, out: torch.Tensor | None, job: Job) -> None:
@@ -293,7 +308,8 @@ def _line(r: Result) -> str:
     if r.ms is None:
         return f"{where}: {r.note}"
     peak = "" if r.peak_gb is None else f", peak {r.peak_gb:.1f} GB"
-    return f"{where}: {r.ms:.1f} ms/step, x{r.speedup:.2f}{peak}, err {_fmt(r.rel_err, '.1e')}"
+    err = f"bf16 noise {r.noise:.1e}" if r.noise is not None else f"err {_fmt(r.rel_err, '.1e')}"
+    return f"{where}: {r.ms:.1f} ms/step, x{r.speedup:.2f}{peak}, {err}"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -303,7 +319,9 @@ def _fmt(value: float | None, spec: str) -> str:
 
 LEGEND = ("ms/step = one sampling step of the whole batch (both CFG halves), median of the timed calls on the slowest "
           "rank; speedup over the 1-GPU row of the same model and size; peak GB = the most any rank allocated; "
-          "rel err = relative L2 distance of the output from the 1-GPU output, in fp32. No CUDA graphs in any row.")
+          "rel err = relative L2 distance of the output from the 1-GPU output, in fp32; on the 1-GPU row, in brackets, "
+          "its bf16 noise: its own distance when its input moves by one bf16 rounding (x (1 + 2^-8 r)), the yardstick "
+          "for the others. No CUDA graphs in any row.")
 
 
 def table(rows: list[Result]) -> str:
@@ -312,7 +330,8 @@ def table(rows: list[Result]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.model:<14} {r.size:<10} {r.gpus:>4} {r.layout:<15} {_fmt(r.ms, '9.1f')} "
-                     f"{_fmt(r.speedup, '8.2f')} {_fmt(r.peak_gb, '8.1f')} {_fmt(r.rel_err, '9.1e')}")
+                     f"{_fmt(r.speedup, '8.2f')} {_fmt(r.peak_gb, '8.1f')} "
+                     + (f"({r.noise:.1e})" if r.noise is not None else _fmt(r.rel_err, '9.1e')))
         if r.note:
             lines.append(f"{'':<14} {r.note}")
     lines.append(LEGEND)

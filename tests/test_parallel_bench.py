@@ -74,6 +74,21 @@ def test_more_processes_than_gpus_is_one_line():
                                 "machine with GPUs, or add --tiny to run tiny models in processes on the CPU.")
 
 
+def test_profile_of_processes_on_the_cpu_is_one_line():
+    r = run("--tiny", "--gpus", "2", "--profile", "--comfyui", os.environ.get("COMFYUI_ROOT", "x"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("sd-accel: --profile reads the GPUs' kernel times, and --tiny runs on the CPU. Drop one "
+                                "of them.")
+
+
+def test_collective_kernels_are_a_class_of_their_own():
+    from sd_accel.accel.cli.profile import by_class
+
+    kernels = {"ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": (2.0, 3),
+               "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT": (5.0, 10), "fmha_cudnn_kernel": (1.5, 2)}
+    assert by_class(kernels) == {"collective": 2.0, "gemm": 5.0, "attention": 1.5, "busy total": 8.5, "launches": 15}
+
+
 def test_a_model_it_cannot_spread_is_one_line():
     r = run("--tiny", "--gpus", "2", "--models", "sdxl")
     assert r.returncode == 2 and r.stderr.startswith("sd-accel: the multi-GPU bench has no model 'sdxl'.")

@@ -141,7 +141,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         try:
             rows = bench_parallel(models, args.gpus, args.video_sizes, args.iters, args.tiny, args.comfyui,
-                                  log=(lambda s: print(s, file=sys.stderr, flush=True)))
+                                  log=(lambda s: print(s, file=sys.stderr, flush=True)), profile=args.profile)
         except RuntimeError as e:  # a rank failed: its own message, no stack trace
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 1
@@ -245,7 +245,8 @@ def _main(argv: list[str] | None) -> int:
                         "with --vae 832x480,1280x720; frames as in the model's native clip: 81 for Wan 2.1)")
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae/--first-call: time the UNets too")
     b.add_argument("--profile", action="store_true",
-                   help="GPU kernel time per step by operator class, kernel launches per step and the top kernels")
+                   help="GPU kernel time per step by operator class, kernel launches per step and the top kernels "
+                        "(with --gpus: each row's, rank 0's, collectives apart)")
     hosts = b.add_mutually_exclusive_group()
     hosts.add_argument("--comfyui", metavar="DIR",
                        help="build the models with ComfyUI's own classes from this ComfyUI checkout (UNetModel for "

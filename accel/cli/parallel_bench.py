@@ -53,6 +53,7 @@ class Result:
     peak_gb: float | None = None
     rel_err: float | None = None
     noise: float | None = None  # the 1-GPU row's: how far its output moves with its input moved by one bf16 rounding
+    kernels: dict[str, float] | None = None  # with --profile: rank 0's GPU ms per step by operator class
     note: str = ""
 
 
@@ -69,6 +70,7 @@ class Job:
     comfyui: str
     folder: str  # the W=1 outputs, each world's rows and any rank's error
     baseline_ms: dict[str, float]  # "model size" -> the W=1 row's ms (empty while W=1 runs)
+    profile: bool = False
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -127,13 +129,16 @@ def layouts(world: int, batch: int) -> list[tuple[str, str | None]]:
 
 
 def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters: int, tiny: bool,
-                   comfyui: str | None, log: Callable[[str], None] = print) -> list[Result]:
-    """Rows for every model, size, world size and layout (see the module's docstring). BadInput for what the user
-    can fix; RuntimeError with a rank's own message when a process failed."""
+                   comfyui: str | None, log: Callable[[str], None] = print, profile: bool = False) -> list[Result]:
+    """Rows for every model, size, world size and layout (see the module's docstring); with profile, each row's GPU
+    time by operator class (collectives apart). BadInput for what the user can fix; RuntimeError with a rank's own
+    message when a process failed."""
     worlds = parse_gpus(gpus)
     names = model_names(models, tiny)
     if iters < 1:
         raise BadInput(f"--iters {iters}: nothing would be timed.", "Give --iters 1 or more.")
+    if profile and tiny:
+        raise BadInput("--profile reads the GPUs' kernel times, and --tiny runs on the CPU.", "Drop one of them.")
     if not tiny:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if worlds[-1] > have:
@@ -152,7 +157,8 @@ def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters:
         for world in worlds:
             how = "gloo, on the CPU" if tiny else "NCCL, one GPU each"
             log(f"[{world} GPU{'s' if world > 1 else ''}] starting {world} process{'es' if world > 1 else ''} ({how})")
-            job = Job(world, free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, baseline)
+            job = Job(world, free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, baseline,
+                      profile)
             found = _run_world(job)
             if world == 1:
                 baseline = {f"{r.model} {r.size}": r.ms for r in found}
@@ -270,6 +276,11 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
     row.ms, row.peak_gb = worst[0].item(), (worst[1].item() if job.cuda else None)
     if job.world == 1:
         row.noise = _noise(acc, args, out)
+    if job.profile:  # every rank runs the profiled calls (their collectives); rank 0's kernels are the row's
+        from .profile import by_class, kernel_times
+
+        with torch.inference_mode():
+            row.kernels = by_class(kernel_times(call, runs=2))
     return row, out
 
 
@@ -309,7 +320,13 @@ def _line(r: Result) -> str:
         return f"{where}: {r.note}"
     peak = "" if r.peak_gb is None else f", peak {r.peak_gb:.1f} GB"
     err = f"bf16 noise {r.noise:.1e}" if r.noise is not None else f"err {_fmt(r.rel_err, '.1e')}"
-    return f"{where}: {r.ms:.1f} ms/step, x{r.speedup:.2f}{peak}, {err}"
+    kernels = ""
+    if r.kernels:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r.kernels.items(), key=lambda kv: -kv[1])
+                          if k not in ("busy total", "launches"))
+        kernels = (f"; rank 0's GPU: busy {r.kernels['busy total']:.1f} ms ({parts}), "
+                   f"{r.kernels['launches']:.0f} kernels")
+    return f"{where}: {r.ms:.1f} ms/step, x{r.speedup:.2f}{peak}, {err}{kernels}"
 
 
 def _fmt(value: float | None, spec: str) -> str:

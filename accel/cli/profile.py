@@ -10,6 +10,8 @@ import torch
 
 # Kernel names differ by library version; the first class whose pattern matches wins.
 _CLASSES = [
+    # NCCL's kernels run for as long as a collective waits for its peers too: the exchange plus any imbalance
+    ("collective", re.compile(r"nccl", re.I)),
     ("attention", re.compile(r"fmha|flash|attention|sdpa|softmax", re.I)),
     ("norm", re.compile(r"norm|welford|moments|ComputeFusedParams|_stats_nhwc|_stats_nchw|_apply_nhwc|_apply_nchw"
                         r"|_finalize_kernel", re.I)),

@@ -9,10 +9,8 @@ shape is captured again instead of replaying stale weights.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -59,26 +57,6 @@ class WeightsWatch:
         return tuple(map(torch.Tensor.data_ptr, self.tensors()))
 
 
-# What a GraphCache does with a call: run it plainly, replay its graph, or capture one (a warm-up and the capture, then
-# a replay). Ordered so that the most any process needs serves all (agreeing).
-EAGER, REPLAY, CAPTURE = 0, 1, 2
-_agree: Callable[[int], int] | None = None
-
-
-@contextlib.contextmanager
-def agreeing(decide: Callable[[int], int]) -> Iterator[None]:
-    """While it lasts, each GraphCache call does what decide(its own choice) says, the same on every process of a
-    call that several run together (the most any of them chose: layout.py): graphs that hold collectives must run them
-    as many times on every process (a capture runs the call twice, a plain call or a replay once). A process told to
-    replay a graph it lacks runs the call plainly instead: the same collectives, once."""
-    global _agree
-    previous, _agree = _agree, decide
-    try:
-        yield
-    finally:
-        _agree = previous
-
-
 @dataclass
 class _Entry:
     graph: torch.cuda.CUDAGraph
@@ -114,30 +92,18 @@ class GraphCache:
     def signature(tensors: Sequence[torch.Tensor]) -> tuple:
         return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
 
-    def choice(self, tensors: Sequence[torch.Tensor], token: tuple) -> int:
-        """What this cache would do with a call: REPLAY a graph of these weights, CAPTURE a shape seen before, else
-        run it plainly (EAGER)."""
-        key = self.signature(tensors)
-        entry = self._entries.get(key)
-        if entry is not None and entry.token == token:
-            return REPLAY
-        return CAPTURE if key in self._seen else EAGER
-
     def __call__(self, tensors: Sequence[torch.Tensor], token: tuple) -> torch.Tensor:
         key = self.signature(tensors)
-        mine = self.choice(tensors, token)
-        if mine != REPLAY:  # a graph of other weights
-            self._entries.pop(key, None)
         entry = self._entries.get(key)
-        seen = key in self._seen
-        decision = _agree(mine) if _agree is not None else mine
-        if decision == EAGER or (decision == REPLAY and entry is None):
-            self._seen.add(key)
-            return self.fn(*tensors) if seen else self.run_first(self.fn, *tensors)
-        if decision == CAPTURE:
+        if entry is not None and entry.token != token:
+            del self._entries[key]
+            entry = None
+        if entry is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return self.run_first(self.fn, *tensors)
             entry = self._capture(tensors, token)
             self._entries[key] = entry
-            self._seen.add(key)
             while len(self._entries) > self.max_graphs:
                 self._entries.popitem(last=False)
         self._entries.move_to_end(key)

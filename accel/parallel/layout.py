@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine import graphs
 from .batch import batch_parallel
 from .group import Group, mesh
 from .sequence import sequence_parallel
@@ -32,19 +31,10 @@ class Layout:
 
     def run(self, model: nn.Module, call: Callable[..., torch.Tensor], *inputs: torch.Tensor | None) -> torch.Tensor:
         """call(*inputs) spread as this layout says (model: the module call runs, which sequence_parallel hooks); every
-        process gets the whole output. Every process runs it, and the torch path's CUDA graphs, which then hold the
-        layout's collectives, are captured and replayed alike on every process."""
+        process gets the whole output."""
         spread = sequence_parallel(model, self.seq) if self.seq is not None else contextlib.nullcontext()
-        with spread, graphs.agreeing(_most):
+        with spread:
             return batch_parallel(call, self.batch, *inputs) if self.batch is not None else call(*inputs)
-
-
-def _most(mine: int) -> int:
-    """The most any process chose (graphs.agreeing): one that needs a capture makes every process capture."""
-    on_gpu = dist.get_backend() == "nccl"
-    choice = torch.tensor([mine], device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
-    dist.all_reduce(choice, op=dist.ReduceOp.MAX)
-    return int(choice.item())
 
 
 def make_layouts() -> dict[str, Layout]:

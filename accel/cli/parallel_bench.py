@@ -32,12 +32,13 @@ from ..errors import BadInput
 from ..models.configs import COMFY_DIT_CONFIGS, DIT_SHAPES, cfg_batch
 from ..parallel.layout import Layout, make_layouts
 from ..parallel.rendezvous import NO_MULTICAST, cpu_threads, free_port, join
+from ..parallel.spread import SPREAD_OPTIONS
 from .bench import _peak_gb, _peak_reset, _sync, rel_l2
 
 # How long a rank waits for the others, at start-up and in any collective, before it fails rather than hangs. Ranks
 # meet once per step, so the longest wait is about one step of the largest model on one GPU, or one model build.
 COLLECTIVE_TIMEOUT_S = 180
-WARMUP = 1  # the first call at a shape: cuDNN plans, Triton kernels, NCCL's communicators
+WARMUP = 2  # the first call at a shape (cuDNN plans, Triton kernels, NCCL's communicators), then a graph's capture
 # The VAE's spatial factor: the latent is the video's pixel size over it (Wan 2.2 5B's VAE: 16, Wan 2.1's: 8).
 SPATIAL = {"wan22-5b": 16}
 
@@ -223,9 +224,9 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
         where[0] = f"building {name}"
         start = time.perf_counter()
         model = build_dit(name, "comfy", seed=0, device=device, dtype=dtype, comfyui_root=job.comfyui)
-        # No CUDA graphs in any layout, the baseline included: a host's multi-GPU run makes its collectives
-        # eagerly (collectives inside captured graphs are not what we ship), and the speed-up compares like with like.
-        acc = accelerate(model, preference="torch", options={"cuda_graphs": False},
+        # The torch path as the node's workers run it: CUDA graphs for the 1-GPU and CFG calls, none under sequence
+        # parallelism (engine).
+        acc = accelerate(model, preference="torch", options=dict(SPREAD_OPTIONS),
                          gpu=detect(rank) if job.cuda else cpu_info())
         _sync(device)
         if rank == 0:
@@ -338,7 +339,7 @@ LEGEND = ("ms/step = one sampling step of the whole batch (both CFG halves), med
           "rank; speedup over the 1-GPU row of the same model and size; peak GB = the most any rank allocated; "
           "rel err = relative L2 distance of the output from the 1-GPU output, in fp32; on the 1-GPU row, in brackets, "
           "its bf16 noise: its own distance when its input moves by one bf16 rounding (x (1 + 2^-8 r)), the yardstick "
-          "for the others. No CUDA graphs in any row.")
+          "for the others. CUDA graphs in the 1 GPU and CFG rows; none in sequence-parallel calls.")
 
 
 def table(rows: list[Result]) -> str:

@@ -75,10 +75,9 @@ def standing_in(module, name: str, fn: StandIn) -> Iterator[None]:
         setattr(module, name, fn.host)
 
 
-def standing() -> tuple[int, ...]:
-    """Which stand-ins are in place: a CUDA graph captured while one was replays what it did (a sequence-parallel
-    exchange), so it serves only while the same ones are."""
-    return tuple(id(fn) for fn in _STANDING)
+def standing() -> bool:
+    """Whether a stand-in is in place (a sequence-parallel exchange): such calls run without a CUDA graph."""
+    return bool(_STANDING)
 
 
 class FlashAttnProcessor:

@@ -29,11 +29,12 @@ from .workers import DEFAULT_TIMEOUT, Pool, Recipe, WorkerLost, new_key, pool_fo
 log = logging.getLogger("sd-accel")
 
 GPUS = ("1", "2", "4", "all")
-# The torch path's options while calls are spread, on every process alike: no CUDA graphs (collectives inside graphs are
-# not what we ship), and no compiling ahead (kernels/ahead.py runs a call twice in a process that lacks kernels, so the
-# processes' collectives would fall out of step), and no torch.compile (sequence parallelism hooks the blocks afresh for
-# each call, and compiled blocks guard on their hooks: a recompile every step).
-SPREAD_OPTIONS = {"cuda_graphs": False, "parallel_compile": False, "compile": False}
+# The torch path's options while calls are spread, on every process alike: no compiling ahead (kernels/ahead.py runs a
+# call twice in a process that lacks kernels, so the processes' collectives would fall out of step), and no
+# torch.compile (sequence parallelism hooks the blocks afresh for each call, and compiled blocks guard on their hooks: a
+# recompile every step). CUDA graphs stay as asked: a CFG half's call holds no collective and replays its graph; a
+# sequence-parallel call runs without one (the engine: its exchanges captured in a graph ran three times slower).
+SPREAD_OPTIONS = {"parallel_compile": False, "compile": False}
 
 
 def devices_for(asked: str, first: torch.device, visible: int, nccl: bool) -> tuple[list[str], str]:

@@ -268,7 +268,9 @@ class TorchEngine:
             timesteps = timesteps.expand(x.shape[0])
         if guidance is not None and guidance.dim() == 0:
             guidance = guidance.expand(x.shape[0])
-        if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device:
+        # A call under sequence parallelism (stand-ins in place) runs without a graph: its exchanges, captured in one,
+        # made a spread Flux step three times slower (BENCHMARKS.md).
+        if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device or standing():
             return self._compiling_ahead(self._run, x_in, timesteps, ctx, y, control, guidance, **kwargs).to(x.dtype)
         ctrl, layout = _flatten_control(control)
         self._layout = (y is not None, guidance is not None, layout)
@@ -276,9 +278,8 @@ class TorchEngine:
                    + [c.to(dtype) for c in ctrl])
         if self._fp8 is not None:
             self._fp8.refresh()
-        # The layout is part of the signature: the same shapes with another control structure is another graph; so
-        # are the attention stand-ins in place (a graph captured under sequence parallelism replays its exchanges).
-        sig_token = (self._weights.token(), self._layout, standing())
+        # The layout is part of the signature: the same shapes with another control structure is another graph.
+        sig_token = (self._weights.token(), self._layout)
         return self.graphs(tensors, sig_token).to(x.dtype)
 
     def release(self) -> None:

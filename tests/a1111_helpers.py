@@ -132,19 +132,23 @@ def python() -> str:
     return os.environ["A1111_PYTHON"]
 
 
-def make_models(models: Path, name: str = "tiny", lora: str = "testlora", full_size: bool = False) -> None:
-    """A seeded SD1.x checkpoint and a LoRA for it: tiny (with its config beside it, as A1111 reads one), or with
-    the full SD1.5 architecture (A1111's v1-inference.yaml)."""
+def make_models(models: Path, name: str = "tiny", lora: str = "testlora", arch: str = "tiny",
+                device: str = "cpu") -> None:
+    """A seeded checkpoint and a LoRA for it, built by A1111's own classes on `device`: arch "tiny" (an SD1.x with
+    its config beside it, as A1111 reads one), "sd15" (the full SD1.5 architecture, A1111's v1-inference.yaml) or
+    "sdxl" (generative-models' sd_xl_base.yaml, as A1111 reads an SDXL checkpoint)."""
     ckpt_dir, lora_dir = models / "Stable-diffusion", models / "Lora"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     lora_dir.mkdir(parents=True, exist_ok=True)
-    config = a1111_root() / "configs" / "v1-inference.yaml" if full_size else HERE / "tiny-sd1.yaml"
-    if not full_size:
+    repos = repositories(a1111_root())
+    config = {"tiny": HERE / "tiny-sd1.yaml", "sd15": a1111_root() / "configs" / "v1-inference.yaml",
+              "sdxl": repos / "generative-models" / "configs" / "inference" / "sd_xl_base.yaml"}[arch]
+    if arch == "tiny":
         shutil.copy(config, ckpt_dir / f"{name}.yaml")
-    env = host_env({"PYTHONPATH": str(repositories(a1111_root()) / REPOSITORIES[0])})
+    env = host_env({"PYTHONPATH": os.pathsep.join(str(repos / r) for r in REPOSITORIES[:2])})
     run = subprocess.run([python(), str(HERE / "make_checkpoint.py"), str(config),
                           str(ckpt_dir / f"{name}.safetensors"), "--lora", str(lora_dir / f"{lora}.safetensors"),
-                          "--half"], env=env, capture_output=True, text=True, timeout=600)
+                          "--half", "--device", device], env=env, capture_output=True, text=True, timeout=600)
     if run.returncode:
         raise RuntimeError(f"building the test checkpoint failed:\n{run.stderr[-3000:]}")
 
@@ -160,12 +164,14 @@ def _writable_copy(source: Path, target: Path) -> None:
 
 
 class Server(HostServer):
-    """A1111's (or Forge's) launch.py --nowebui --api on the CPU in full precision, on a loopback port, with this
-    repository as its one extension (besides the built-in ones) and `data` as its data folder."""
+    """A1111's (or Forge's) launch.py --nowebui --api on the CPU in full precision (with gpu: on the GPU with the
+    host's defaults, fp16), on a loopback port, with this repository as its one extension (besides the built-in ones)
+    and `data` as its data folder."""
 
     probe = "/sdapi/v1/sd-models"
 
-    def __init__(self, data: Path, *flags: str, forge: bool = False, startup_timeout: float = 180) -> None:
+    def __init__(self, data: Path, *flags: str, forge: bool = False, gpu: bool = False,
+                 startup_timeout: float = 180) -> None:
         super().__init__()
         self.name = "Forge" if forge else "A1111"
         self.data = data
@@ -189,11 +195,12 @@ class Server(HostServer):
             _writable_copy(Path(os.environ["FORGE_ROOT"]) if forge else a1111_root(), root)
         if forge:
             cwd = data
-            cmd = [os.environ["FORGE_PYTHON"], str(root / "launch.py"), "--always-cpu"]
+            cmd = [os.environ["FORGE_PYTHON"], str(root / "launch.py"), *([] if gpu else ["--always-cpu"])]
         else:
             # A1111 finds its `ldm` repository in the working folder too; the others beside it.
             cwd = repositories(a1111_root()) / REPOSITORIES[0]
-            cmd = [python(), str(root / "launch.py"), "--use-cpu", "all", "--no-half", "--precision", "full"]
+            cmd = [python(), str(root / "launch.py"),
+                   *([] if gpu else ["--use-cpu", "all", "--no-half", "--precision", "full"])]
         cmd += ["--skip-torch-cuda-test", "--skip-prepare-environment", "--skip-install", "--skip-version-check",
                 "--api", "--nowebui", "--server-name", "127.0.0.1", "--port", str(self.port), "--data-dir", str(data),
                 *flags]

@@ -40,7 +40,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data = tmp_path_factory.mktemp("forge")
-    a1.make_models(data / "models", name="sd15", full_size=True)
+    a1.make_models(data / "models", name="sd15", arch="sd15")
     srv = a1.Server(data, forge=True, startup_timeout=300)
     yield srv
     srv.stop()

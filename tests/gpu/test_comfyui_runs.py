@@ -9,16 +9,16 @@ JSON."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 import comfy_helpers as H
 import gpus
+import hosts
 import sequences
+from reporting import report as _report
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the GPU suite runs on one (tests/gpu/run)"),
@@ -34,22 +34,11 @@ def _chosen() -> tuple[str, ...]:
     if wanted == "full":
         return tuple(n for n in sequences.MODELS if n not in sequences.NOT_IN_FULL)
     names = tuple(n.strip() for n in wanted.split(",") if n.strip())
-    unknown = [n for n in names if n not in sequences.MODELS and n not in gpus.CHECKS]
+    unknown = [n for n in names if n not in sequences.MODELS and n not in gpus.CHECKS and n not in hosts.HOSTS]
     if unknown:
         raise ValueError(f"SD_ACCEL_GPU_MODELS: unknown {unknown}; use quick, full or "
-                         f"{', '.join([*sequences.MODELS, *gpus.CHECKS])}")
+                         f"{', '.join([*sequences.MODELS, *gpus.CHECKS, *hosts.HOSTS])}")
     return names
-
-
-def _report(name: str, table: str, record: dict) -> None:
-    """Print the table; with SD_ACCEL_GPU_REPORT, also write it and the record there."""
-    print("\n" + table, flush=True)
-    folder = os.environ.get("SD_ACCEL_GPU_REPORT")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"{name}.txt").write_text(table + "\n")
-        Path(folder, f"{name}.json").write_text(json.dumps({"model": name, "gpu": torch.cuda.get_device_name(),
-                                                            **record}, indent=1))
 
 
 @pytest.mark.parametrize("name", [n for n in _chosen() if n in sequences.MODELS])

@@ -23,18 +23,19 @@ def _check(python: str, path: list[Path], *args: str) -> dict:
     return {r["model"]: r for r in map(json.loads, (ln for ln in run.stdout.splitlines() if ln.startswith("{")))}
 
 
-def _assert_same_function(results: dict, models: set) -> None:
+def _assert_same_function(results: dict, models: set, also: tuple[str, ...] = ()) -> None:
     assert set(results) == models
     for r in results.values():
         assert r["rel"] <= 1e-4 and r["undo_exact"], r
-        assert all(r["counts"][k] > 0 for k in ("groupnorm", "geglu", "resnet", "qkv", "conv_bias")), r
+        assert all(r["counts"][k] > 0 for k in ("groupnorm", "geglu", "resnet", "qkv", "conv_bias", *also)), r
 
 
 @pytest.mark.skipif(a1.missing() is not None, reason=f"A1111 tests: {a1.missing()}")
 def test_fusions_keep_the_function_of_a1111s_unet_classes_and_undo_restores_them():
     repos = a1.repositories(a1.a1111_root())
     results = _check(a1.python(), [repos / "stable-diffusion-stability-ai", repos / "generative-models"])
-    _assert_same_function(results, {"ldm (SD1.x)", "sgm (SDXL)"})
+    # ldm's and sgm's transformer blocks take the skip-LayerNorm and channels_last layout fusions too
+    _assert_same_function(results, {"ldm (SD1.x)", "sgm (SDXL)"}, ("skip_layernorm", "layout"))
 
 
 @pytest.mark.skipif(a1.forge_missing() is not None, reason=f"Forge tests: {a1.forge_missing()}")

@@ -8,7 +8,8 @@ a channels_last tensor, so dropping the copy keeps the whole UNet in one layout.
 runs as the GEMM it is, with its bias added in the GEMM's epilogue.
 
 ComfyUI's SpatialTransformer.forward is restated below without that copy (the same calls, the same
-transformer_options bookkeeping); it serves channels_last input only, anything else runs the original.
+transformer_options bookkeeping), and so are ldm's and sgm's (A1111's classes); they serve channels_last input only,
+anything else runs the original.
 """
 
 from __future__ import annotations
@@ -55,26 +56,24 @@ def _output_channels_last(self, hidden_states, residual, batch_size, height, wid
     return hidden_states + residual
 
 
-def _spatial_transformer_channels_last(self, x, context=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
-    if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous():
-        return type(self).forward(self, x, context, transformer_options)
-    if not isinstance(context, list):
-        context = [context] * len(self.transformer_blocks)
-    b, c, h, w = x.shape
-    transformer_options["activations_shape"] = list(x.shape)
-    x_in = x
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+    """norm and proj_in of a SpatialTransformer (ComfyUI's, ldm's, sgm's: the same parts) as (B, H*W, C) tokens."""
     if _gemm_proj_in(self, x):
-        x = _proj_in_tokens(self.proj_in, self.norm(x))
-    else:
-        x = self.norm(x)
-        if not self.use_linear:
-            x = self.proj_in(x)
-        x = x.movedim(1, 3).flatten(1, 2).contiguous()
-        if self.use_linear:
-            x = self.proj_in(x)
-    for i, block in enumerate(self.transformer_blocks):
-        transformer_options["block_index"] = i
-        x = block(x, context=context[i], transformer_options=transformer_options)
+        return _proj_in_tokens(self.proj_in, self.norm(x))
+    x = self.norm(x)
+    if not self.use_linear:
+        x = self.proj_in(x)
+    x = x.movedim(1, 3).flatten(1, 2).contiguous()
+    return self.proj_in(x) if self.use_linear else x
+
+
+def _image(self, x: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
+    """proj_out of the tokens, as a channels_last view of the image (no NCHW copy), plus the block's input."""
+    h, w = x_in.shape[-2:]
     if self.use_linear:
         x = self.proj_out(x)
     x = x.reshape(x.shape[0], h, w, x.shape[-1]).movedim(3, 1)
@@ -83,12 +82,44 @@ def _spatial_transformer_channels_last(self, x, context=None, transformer_option
     return x + x_in
 
 
+def _spatial_transformer_channels_last(self, x, context=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
+    if not _channels_last(x):
+        return type(self).forward(self, x, context, transformer_options)
+    if not isinstance(context, list):
+        context = [context] * len(self.transformer_blocks)
+    transformer_options["activations_shape"] = list(x.shape)
+    x_in, x = x, _tokens(self, x)
+    for i, block in enumerate(self.transformer_blocks):
+        transformer_options["block_index"] = i
+        x = block(x, context=context[i], transformer_options=transformer_options)
+    return _image(self, x, x_in)
+
+
+def _ldm_spatial_transformer_channels_last(self, x, context=None):
+    """ldm's (A1111's SD1.x/SD2.x) and sgm's (its SDXL) SpatialTransformer.forward without the NCHW copy."""
+    if not _channels_last(x):
+        return type(self).forward(self, x, context)
+    if not isinstance(context, list):
+        context = [context]
+    sgm = type(self).__module__.startswith("sgm.")  # sgm gives every block the one context it was given
+    x_in, x = x, _tokens(self, x)
+    for i, block in enumerate(self.transformer_blocks):
+        x = block(x, context=context[0 if sgm and len(context) == 1 else i])
+    return _image(self, x, x_in)
+
+
 def _comfy_spatial_transformer(m: nn.Module) -> bool:
     """ComfyUI's SpatialTransformer as restated above: the same parts and forward(x, context, transformer_options)."""
     if type(m).__name__ != "SpatialTransformer" or not all(
             hasattr(m, a) for a in ("norm", "proj_in", "transformer_blocks", "proj_out", "use_linear")):
         return False
     return comfy_forward(m)
+
+
+def _ldm_spatial_transformer(m: nn.Module) -> bool:
+    """ldm's or sgm's SpatialTransformer (the repositories A1111 runs): the same parts, forward(x, context)."""
+    return (type(m).__name__ == "SpatialTransformer" and type(m).__module__.startswith(("ldm.", "sgm."))
+            and all(hasattr(m, a) for a in ("norm", "proj_in", "transformer_blocks", "proj_out", "use_linear")))
 
 
 @fusion("layout")
@@ -101,5 +132,8 @@ def apply(model: nn.Module, undo: Undo) -> int:
             n += 1
         elif _comfy_spatial_transformer(m):
             patch_forward(m, _spatial_transformer_channels_last, undo)
+            n += 1
+        elif _ldm_spatial_transformer(m):
+            patch_forward(m, _ldm_spatial_transformer_channels_last, undo)
             n += 1
     return n

@@ -1,5 +1,5 @@
-"""Residual add + LayerNorm as one pass in diffusers' and ComfyUI's BasicTransformerBlock (ONNX Runtime's
-SkipLayerNorm).
+"""Residual add + LayerNorm as one pass in diffusers', ComfyUI's, ldm's and sgm's BasicTransformerBlock (ONNX
+Runtime's SkipLayerNorm).
 
 Inside the block the residual stream goes attention -> add -> LayerNorm twice (before cross-attention and
 before the feed-forward); each add and each norm reads and writes the whole (tokens, channels) stream.
@@ -10,8 +10,8 @@ no pass of its own is left. SD1.5 has 16 such blocks, SDXL 70.
 
 Covered: diffusers' plain text-to-image block (norm_type "layer_norm", self- and cross-attention, no positional
 embedding, no GLIGEN, feed-forward not chunked) and ComfyUI's (its forward restated for calls without
-transformer patches: no ff_in, self-attention in attn1, cross-attention in attn2, residual feed-forward) where
-the Triton kernels run; any other call runs the block's own forward. The attention modules are still called.
+transformer patches: no ff_in, self-attention in attn1, cross-attention in attn2, residual feed-forward), and
+ldm's and sgm's (A1111's classes: self-attention in attn1, cross-attention in attn2) where the Triton kernels run; any other call runs the block's own forward. The attention modules are still called.
 """
 
 from __future__ import annotations
@@ -64,6 +64,28 @@ def _comfy_forward(self, x, context=None, transformer_options={}):  # noqa: B006
     return _feed_forward(self, n, h)
 
 
+def _ldm_covered(m: nn.Module) -> bool:
+    """ldm's or sgm's BasicTransformerBlock (A1111's classes) with a self-attention and a cross-attention."""
+    return not m.disable_self_attn and m.attn2 is not None and _plain_norms(m.norm2, m.norm3)
+
+
+def _ldm_forward(self, x, context=None, *args, **kwargs):
+    # ldm's and sgm's _forward: attn1, + x, norm2, attn2, + x, norm3, feed-forward, + x (sgm's forward hands _forward
+    # only x and context; other inputs take the block's own forward).
+    layernorm = kernel_module("layernorm")
+    if args or kwargs or x.dim() != 3 or not _ldm_covered(self) or not layernorm.supported(x):
+        return type(self).forward(self, x, context, *args, **kwargs)
+    n = self.attn1(_norm1(self, x), context=None)
+    n2, h = layernorm.layer_norm(n, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=x)
+    n = self.attn2(n2, context=context)
+    return _feed_forward(self, n, h)
+
+
+def _is_ldm_block(m: nn.Module) -> bool:
+    return (type(m).__module__.startswith(("ldm.", "sgm.")) and hasattr(m, "_forward")
+            and all(hasattr(m, a) for a in ("attn1", "attn2", "norm1", "norm2", "norm3", "ff", "disable_self_attn")))
+
+
 def _norm1(self, x):
     # The block's first norm has no residual to fuse, but torch's LayerNorm kernel reaches about half the copy
     # bandwidth at SD shapes; the Triton one serves it in one read and one write.
@@ -111,5 +133,8 @@ def apply(model: nn.Module, undo: Undo) -> int:
             n += 1
         elif _is_comfy_block(m) and _comfy_covered(m):
             patch_forward(m, _comfy_forward, undo)
+            n += 1
+        elif _is_ldm_block(m) and _ldm_covered(m):
+            patch_forward(m, _ldm_forward, undo)
             n += 1
     return n

@@ -140,6 +140,17 @@ def workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
+def recording() -> bool:
+    """Whether this thread is in a recording run of `call`, where launches of our kernels not compiled yet do nothing:
+    a time taken then is not theirs."""
+    if not _hooks_supported():
+        return False
+    from triton import knobs
+
+    hook = knobs.runtime.jit_cache_hook
+    return isinstance(hook, _Recorder) and hook.thread == threading.get_ident()
+
+
 def call(fn: Callable[..., Any], *args: Any, on_compile: Callable[[int], None] | None = None, **kwargs: Any) -> Any:
     """fn(*args, **kwargs), with the kernels of ours it launches for the first time compiled in parallel first.
 
@@ -188,4 +199,4 @@ def call(fn: Callable[..., Any], *args: Any, on_compile: Callable[[int], None] |
     return fn(*args, **kwargs)
 
 
-__all__ = ["Totals", "call", "totals", "workers"]
+__all__ = ["Totals", "call", "recording", "totals", "workers"]

@@ -87,6 +87,52 @@ def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, family, monkeyp
     assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_blocks_serve_under_another_attention_comfyui_chose_and_an_override_runs_comfyuis_forward(
+        pack, family, monkeypatch, caplog):
+    """ComfyUI started with --use-split-cross-attention (as with --use-sage-attention, whose sage needs a GPU): the
+    node's fused blocks still serve, equal to plain ComfyUI with its PyTorch attention, and say once what they run (on
+    the CPU: SDPA, nothing timed); a model patch's optimized_attention_override runs ComfyUI's own forward."""
+    import comfy.ldm.flux.math
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+
+    from sd_accel.accel.engine import host_attention
+    from sd_accel.accel.engine.fusions import transformer
+
+    monkeypatch.setattr(host_attention, "_CHOICES", {})
+    monkeypatch.setattr(host_attention, "_SAID", set())
+    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention.attention_pytorch)
+    monkeypatch.setattr(mmdit, "optimized_attention", attention.attention_pytorch)
+    model = H.tiny_dit(family, 2)
+    pos, neg = H.tiny_dit_conditioning(family, 3)
+    plain = sample(model, pos, neg)
+    split = H.use_comfy_attention("split", monkeypatch.setattr)
+    fused = []
+    monkeypatch.setattr(transformer, "sdpa", lambda *a, f=transformer.sdpa: fused.append(1) or f(*a))
+    acc, _ = accelerate(pack, model)
+    accelerated_unet.session_of(acc).slot.options["triton_kernels"] = True
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        out, again = sample(acc, pos, neg), sample(acc, pos, neg)
+    assert ((out - plain).norm() / plain.norm()).item() <= 1e-5 and torch.equal(out, again)
+    assert fused and status(acc).engine_calls == 4 and status(acc).plain_calls == 0
+    said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
+    assert len(said) == 1 and any(said[0].endswith(m) for m in status(acc).messages), (said, status(acc).messages)
+    if not torch.cuda.is_available():
+        assert not split and "nothing is timed: the fused blocks run PyTorch's SDPA" in said[0]
+    overrides, calls = [], len(fused)
+
+    def override(fn, *args, **kwargs):
+        overrides.append(fn.__name__)
+        return fn(*args, **kwargs)
+
+    patched = acc.clone()
+    patched.model_options["transformer_options"]["optimized_attention_override"] = override
+    assert H.rel(sample(patched, pos, neg), plain) <= 1e-5  # ComfyUI's split attention, through the override
+    assert overrides and set(overrides) == {"attention_split"} and len(fused) == calls
+    assert status(patched).plain_calls == 2
+
+
 @pytest.mark.parametrize("family", ["flux", "chroma"])
 def test_flux_lora_after_the_node_matches_plain_lora(pack, family):
     import comfy.sd

@@ -145,6 +145,57 @@ def test_fusions_that_restate_a_comfyui_forward_cover_its_class(tiny, fusion, bl
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() <= (1e-2 if device.type == "cuda" else 1e-5)
 
 
+@pytest.mark.parametrize("host_faster", [False, True])
+def test_qkv_fusion_under_another_attention_comfyui_chose_runs_the_faster_and_leaves_an_override_its_call(
+        tiny, monkeypatch, caplog, host_faster):
+    """ComfyUI's CrossAttention with the packed projections while ComfyUI's choice for the whole host is its split
+    attention (--use-split-cross-attention; --use-sage-attention chooses sage the same way): the fused forward serves,
+    with its own attention where nothing is timed (the CPU) or where that was faster, else with ComfyUI's (the timing,
+    which needs a GPU, told here); a model patch's override keeps its call."""
+    import comfy.ldm.modules.attention as attention
+
+    from sd_accel.accel.engine import fusions, host_attention
+    from sd_accel.accel.engine.fusions import packing
+
+    monkeypatch.setattr(host_attention, "_CHOICES", {})
+    monkeypatch.setattr(host_attention, "_SAID", set())
+    if host_faster:
+        monkeypatch.setattr(host_attention, "_may_time", lambda q: True)
+        turns = iter([2.0, 1.0] * 8)  # ours is timed first, then ComfyUI's, per shape
+        monkeypatch.setattr(host_attention, "_ms", lambda fn, q, k, v: next(turns))
+    unet = tiny.model.diffusion_model
+    g = torch.Generator().manual_seed(5)
+    x, t, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10.0, 500.0]), torch.randn(2, 77, 768, generator=g)
+    overrides = []
+
+    def override(fn, *args, **kwargs):
+        overrides.append(fn.__name__)
+        return fn(*args, **kwargs)
+
+    with torch.no_grad():
+        monkeypatch.setattr(attention, "optimized_attention", attention.attention_pytorch)
+        ref = unet(x, t, ctx)
+        split = H.use_comfy_attention("split", monkeypatch.setattr)
+        undo, counts = fusions.apply(unet, ["qkv", "cross_attention"])
+        try:
+            with caplog.at_level(logging.WARNING, logger="sd-accel"):
+                out = unet(x, t, ctx)
+            served = len(split)
+            unet(x, t, ctx, transformer_options={"optimized_attention_override": override})
+        finally:
+            undo()
+            packing.unpack(unet)
+    n = sum(type(m).__name__ == "CrossAttention" for m in unet.modules())
+    assert counts["qkv"] == n and ((out - ref).norm() / ref.norm()).item() <= 1e-5
+    assert overrides == ["attention_split"] * n
+    said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
+    assert len(said) == 1, said
+    if host_faster:
+        assert served == n and "the fused blocks run it: 1.00 ms against 2.00 ms for sd-accel's attention" in said[0]
+    elif not torch.cuda.is_available():
+        assert served == 0 and "on the cpu nothing is timed" in said[0], said
+
+
 def test_sdxl_model_is_accelerated(pack):
     xl = H.tiny_model(5, xl=True)
     pos, neg = H.tiny_conditioning(6, xl=True)

@@ -213,6 +213,148 @@ def test_fused_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_py
     undo()
 
 
+@pytest.fixture()
+def host_attention(monkeypatch):
+    """accel/engine/host_attention.py with no choice made and nothing said yet in this process."""
+    from sd_accel.accel.engine import host_attention
+
+    monkeypatch.setattr(host_attention, "_CHOICES", {})
+    monkeypatch.setattr(host_attention, "_SAID", set())
+    return host_attention
+
+
+def _counted_sdpa(monkeypatch) -> list:
+    """The fused blocks' own attention (transformer.sdpa), counted."""
+    from sd_accel.accel.engine.fusions import transformer
+
+    calls = []
+    monkeypatch.setattr(transformer, "sdpa", lambda *a, f=transformer.sdpa: calls.append(a[0].shape) or f(*a))
+    return calls
+
+
+@pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
+                                                ("tiny-chroma", "chroma", 5)])
+def test_fused_blocks_serve_under_another_attention_comfyui_chose_for_the_whole_host(comfy_pytorch_attention,
+                                                                                      host_attention, monkeypatch,
+                                                                                      caplog, name, fusion, blocks):
+    """ComfyUI started with --use-split-cross-attention (as --use-sage-attention chooses sage, which needs a GPU): the
+    fused blocks still serve, equal to ComfyUI's forward with its PyTorch attention; on the CPU, where nothing is
+    timed, with SDPA, and they say so once."""
+    import logging
+
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = configs.build_dit(name, "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    inp = configs.dit_example_inputs(name, batch=2, latent=(8, 10), device=DEVICE)
+    canon = CanonicalDiT(model)
+    with torch.no_grad():
+        ref = canon(**inp)  # ComfyUI's PyTorch attention
+        split = H.use_comfy_attention("split", monkeypatch.setattr)
+        sdpa = _counted_sdpa(monkeypatch)
+        undo, counts = fusions.apply(model)
+        with caplog.at_level(logging.WARNING, logger="sd-accel"):
+            out, again = canon(**inp), canon(**inp)
+        undo()
+    assert counts[fusion] == blocks and sdpa and rel(out, ref) <= FUSED_TOL and torch.equal(out, again)
+    said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
+    assert len(said) == 1 and "(--use-split-cross-attention)" in said[0], said
+    if DEVICE == "cpu":
+        assert not split and "on the cpu nothing is timed: the fused blocks run PyTorch's SDPA" in said[0], said
+
+
+def test_where_comfyuis_choice_is_timed_faster_the_fused_blocks_run_it_and_time_each_shape_once(
+        comfy_pytorch_attention, host_attention, monkeypatch, caplog):
+    """The timing itself needs a GPU: here it is told. Once per shape (Flux's double and single blocks attend over
+    the same joint sequence), then the same choice at every call."""
+    import logging
+
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = configs.build_dit("tiny-flux", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    inp = configs.dit_example_inputs("tiny-flux", batch=2, latent=(8, 10), device=DEVICE)
+    canon = CanonicalDiT(model)
+    timed = []
+    monkeypatch.setattr(host_attention, "_may_time", lambda q: True)
+    monkeypatch.setattr(host_attention, "_ms", lambda fn, q, k, v: timed.append(q.shape) or (1.0 if timed[1:] else 2.0))
+    with torch.no_grad():
+        ref = canon(**inp)
+        split = H.use_comfy_attention("split", monkeypatch.setattr)
+        sdpa = _counted_sdpa(monkeypatch)
+        undo, _ = fusions.apply(model)
+        with caplog.at_level(logging.WARNING, logger="sd-accel"):
+            out = canon(**inp)
+            calls = len(split)
+            again = canon(**inp)
+        undo()
+    assert len(timed) == 2 and not sdpa and len(split) == 2 * calls == 8  # 4 blocks' attention, twice
+    assert rel(out, ref) <= FUSED_TOL and torch.equal(out, again)
+    said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
+    assert len(said) == 1 and "the fused blocks run it: 1.00 ms against 2.00 ms for PyTorch's SDPA" in said[0] \
+        and "at 27 tokens" in said[0], said
+
+
+def test_an_attention_override_or_another_nodes_function_runs_the_blocks_own_forward(comfy_pytorch_attention,
+                                                                                      host_attention, monkeypatch):
+    """A model patch's optimized_attention_override, per call, and a node's own function put in ComfyUI's place: the
+    blocks' own forward calls them, as ComfyUI's does; the fused forward runs neither."""
+    pytest.importorskip("triton")
+    import comfy.ldm.flux.math
+
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.engine.fusions.base import comfy_choice
+
+    model = configs.build_dit("tiny-flux", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    block = model.double_blocks[0]
+    img, txt, vec = (torch.randn(*shape, device=DEVICE) for shape in ((1, 12, 64), (1, 5, 64), (1, 64)))
+    pe = model.pe_embedder(torch.zeros(1, 17, 3, device=DEVICE))
+    H.use_comfy_attention("split", monkeypatch.setattr)
+    own = comfy.ldm.flux.math.optimized_attention
+    overrides, nodes = [], []
+
+    def override(fn, *args, **kwargs):
+        overrides.append(fn)
+        return fn(*args, **kwargs)
+
+    def node(*args, **kwargs):
+        nodes.append(1)
+        return own(*args, **kwargs)
+
+    sdpa = _counted_sdpa(monkeypatch)
+    with torch.no_grad():
+        undo, _ = fusions.apply(model)
+        block(img.clone(), txt.clone(), vec, pe, transformer_options={"optimized_attention_override": override})
+        assert [f.__name__ for f in overrides] == ["attention_split"] and not sdpa
+        monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", node)
+        block(img.clone(), txt.clone(), vec, pe)
+        assert nodes == [1] and not sdpa and comfy_choice(node) is None
+        monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", own)
+        block(img.clone(), txt.clone(), vec, pe)
+        undo()
+    assert len(sdpa) == 1 and comfy_choice(own) == "split"
+
+
+def test_a_cuda_graph_depends_on_the_attention_functions_the_fused_blocks_read(comfy_pytorch_attention, monkeypatch):
+    """The torch path's graph token: another function in a place a fused forward reads changes it; undone
+    fusions read nothing."""
+    pytest.importorskip("triton")
+    import comfy.ldm.flux.math
+    import comfy.ldm.modules.attention as attention
+
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.engine.attention import read
+
+    model = configs.build_dit("tiny-flux", "comfy", comfyui_root=H.comfy_root())
+    before = read()
+    undo, _ = fusions.apply(model)
+    pytorch = read()
+    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention.attention_split)
+    split = read()
+    undo()
+    assert len({before, pytorch, split}) == 3 and read() == before
+
+
 def _dit_bf16(name, dtype=torch.bfloat16, form="comfy"):
     return configs.build_dit(name, form, comfyui_root=H.comfy_root(), dtype=dtype, device=DEVICE)
 

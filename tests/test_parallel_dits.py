@@ -2,8 +2,9 @@
 processes on the CPU. Tiny seeded models of ComfyUI's own classes (4 heads) give on every rank the output of one
 process, in float32, with text the world splits (8 tokens) and text it does not (7, as SD3.5's 333): with ComfyUI's
 own blocks, and with the torch path's fused blocks (accelerate() with the Triton kernels, run by Triton's
-interpreter), whose attention the exchange reaches too. After the context the model is its own again; image token
-counts the world does not divide, and ControlNet residuals, are refused."""
+interpreter), whose attention the exchange reaches too, also where ComfyUI chose another attention function for the
+whole host. After the context the model is its own again; image token counts the world does not divide, and
+ControlNet residuals, are refused."""
 
 from __future__ import annotations
 
@@ -90,20 +91,16 @@ def _plain(name: str, g) -> dict:
             and getattr(importlib.import_module(module), attr) is host}
 
 
-def _fused(name: str, g) -> dict:
-    """The torch path's fused blocks (ComfyUI's PyTorch attention, as on a GPU, which they require): the parallel
-    output against one process's and ComfyUI's own, and how many attentions the fused blocks ran in each."""
-    import comfy.ldm.flux.math
-    import comfy.ldm.modules.attention as attention
-    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
-
+def _fused(name: str, g, attention: str = "pytorch") -> dict:
+    """The torch path's fused blocks, with ComfyUI's `attention` chosen for the whole host (its PyTorch attention, as
+    on a GPU; or another, as its flags choose: the fused blocks take that call too): the parallel output against one
+    process's and ComfyUI's own, and how many attentions the fused blocks ran in each."""
     from sd_accel.accel.accelerate import accelerate
     from sd_accel.accel.engine.fusions import transformer
     from sd_accel.accel.models.dit import CanonicalDiT
     from sd_accel.accel.parallel.sequence import sequence_parallel
 
-    comfy.ldm.flux.math.optimized_attention = attention.attention_pytorch
-    mmdit.optimized_attention = attention.attention_pytorch
+    H.use_comfy_attention(attention)
     calls = [0]
     sdpa = transformer.sdpa
 
@@ -133,6 +130,7 @@ def _ranks(world: int) -> dict:
 
     result = {name: _plain(name, Group()) for name in MODELS}
     result.update({f"{name} fused": _fused(name, Group()) for name, (fusion, _) in MODELS.items() if fusion})
+    result["tiny-flux fused under split"] = _fused("tiny-flux", Group(), "split")
     return result
 
 
@@ -146,12 +144,11 @@ def test_transformers_over_several_processes_equal_one_process(tmp_path, world):
             assert plain["rel"] <= 1e-5 and plain["restored"], (name, plain)
             assert [f"do not split over {world} processes" in plain["refused"][0],
                     "ControlNet" in plain["refused"][1]] == [True, True], (name, plain)
-            if MODELS[name][0]:
-                fused = r[f"{name} fused"]
-                # every attention of the one-process call ran in a fused block, under the exchange as well
-                assert fused["calls"][0] > 0 and fused["calls"][0] == fused["calls"][1] and fused["fused"], \
-                    (name, fused)
-                assert fused["rel"] <= 1e-5 and fused["rel_plain"] <= 1e-5, (name, fused)
+        for name in [f"{n} fused" for n, (fusion, _) in MODELS.items() if fusion] + ["tiny-flux fused under split"]:
+            fused = r[name]
+            # every attention of the one-process call ran in a fused block, under the exchange as well
+            assert fused["calls"][0] > 0 and fused["calls"][0] == fused["calls"][1] and fused["fused"], (name, fused)
+            assert fused["rel"] <= 1e-5 and fused["rel_plain"] <= 1e-5, (name, fused)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -1,5 +1,6 @@
-"""Attention kernel choice: which PyTorch SDPA backends may run, best first, or the flash_attn package; and the form
-of a function that stands in for a host's attention function.
+"""Attention kernel choice: which PyTorch SDPA backends may run, best first, or the flash_attn package; the form
+of a function that stands in for a host's attention function; and which host attention functions patched forwards
+read, which a CUDA graph depends on.
 
 Choosing happens around the UNet call (a context), so diffusers' default SDPA processor and ComfyUI's
 PyTorch attention both pick it up without any module being replaced.
@@ -8,6 +9,8 @@ PyTorch attention both pick it up without any module being replaced.
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -43,6 +46,41 @@ def sdpa_kernels(preferred: str) -> Iterator[None]:
         ctx = sdpa_kernel([backends[0], SDPBackend.MATH])
     with ctx:
         yield
+
+
+def sdpa_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The SDPA kernel PyTorch takes now (under sdpa_kernels) for (B, heads, L, D) q, k and v, in words, for a
+    message."""
+    try:  # private API: the words are worth no failure
+        from torch.nn.attention import SDPBackend
+
+        chosen = SDPBackend(torch._fused_sdp_choice(q, k, v)).name
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return "PyTorch's SDPA"
+    name = next((n for n, backend in _SDPA.items() if backend == chosen), None)
+    return f"PyTorch's SDPA ({name})" if name else "PyTorch's SDPA"
+
+
+_READ: Counter[tuple[str, str]] = Counter()  # (module, name) of host attention functions patched forwards read
+
+
+def reads(module: str, name: str) -> Callable[[], None]:
+    """Note that a patched forward reads the host's attention function `name` of `module` at each call (what a
+    ComfyUI block calls: its module's optimized_attention); returns the way back."""
+    _READ[module, name] += 1
+
+    def back() -> None:
+        _READ[module, name] -= 1
+        if not _READ[module, name]:
+            del _READ[module, name]
+    return back
+
+
+def read() -> tuple[int, ...]:
+    """The functions those places hold now: which one runs, or which one a fused block timed its own attention
+    against (accel/engine/host_attention.py), is part of what a CUDA graph captured, so a graph serves only while the
+    same ones are there."""
+    return tuple(id(getattr(sys.modules.get(m), n, None)) for m, n in sorted(_READ))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ...models.dit import CanonicalDiT
 from ...models.spec import CanonicalUNet
 from ...plan.options import Runtime, TorchOptions
 from ...progress import NullProgress, Progress
-from ..attention import FlashAttnProcessor, sdpa_kernels, standing
+from ..attention import FlashAttnProcessor, read, sdpa_kernels, standing
 from ..graphs import GraphCache, WeightsWatch
 
 log = logging.getLogger("sd-accel")
@@ -278,8 +278,9 @@ class TorchEngine:
                    + [c.to(dtype) for c in ctrl])
         if self._fp8 is not None:
             self._fp8.refresh()
-        # The layout is part of the signature: the same shapes with another control structure is another graph.
-        sig_token = (self._weights.token(), self._layout)
+        # The layout is part of the signature: the same shapes with another control structure is another graph; so
+        # are the host attention functions the fused forwards read (a graph replays the one they chose to run).
+        sig_token = (self._weights.token(), self._layout, read())
         return self.graphs(tensors, sig_token).to(x.dtype)
 
     def release(self) -> None:

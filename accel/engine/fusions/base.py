@@ -14,6 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import host_attention
+from ..attention import StandIn, reads
+from ..host_attention import Attend
+
 
 def kernel_module(name: str) -> types.ModuleType:
     """kernels/<name>.py, imported when a fusion first needs it: Triton is slow to import and optional."""
@@ -208,10 +212,49 @@ def attend(m: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head
     return out.transpose(1, 2).reshape(B, Lq, C)
 
 
-def comfy_pytorch_attention(m: nn.Module, transformer_options: dict) -> bool:
-    """Whether a ComfyUI CrossAttention call would go to ComfyUI's PyTorch attention (the default on NVIDIA and
-    AMD GPUs), with no attention override from a model patch."""
-    module = sys.modules.get(type(m).__module__)
-    pytorch = getattr(module, "attention_pytorch", None)
-    return (pytorch is not None and getattr(module, "optimized_attention", None) is pytorch
-            and "optimized_attention_override" not in (transformer_options or {}))
+# The flags by which ComfyUI's start-up chooses an attention function for the whole host, by the name its registry
+# gives the function; the others come without one (sub-quadratic where its PyTorch attention is off, as on the CPU;
+# xformers wherever it is installed)
+COMFY_FLAGS = {"sage": "--use-sage-attention", "flash": "--use-flash-attention",
+               "split": "--use-split-cross-attention"}
+
+
+def comfy_choice(fn: Callable | None) -> str | None:
+    """The name ComfyUI's attention registry gives `fn` ("pytorch", "sage", "flash", "xformers", "split", "sub_quad")
+    when it is one of ComfyUI's own attention functions that its start-up may choose for the whole host: a preference,
+    not a patch. None for any other function (a node's own, put in a module's place). A ComfyUI from before the
+    registry: its PyTorch attention alone."""
+    home = sys.modules.get(getattr(fn, "__module__", None) or "")
+    registry = getattr(home, "REGISTERED_ATTENTION_FUNCTIONS", None)
+    if registry is None:
+        return "pytorch" if fn is not None and getattr(home, "attention_pytorch", None) is fn else None
+    return next((name for name, f in registry.items()
+                 if f is fn and getattr(home, getattr(f, "__name__", ""), None) is f), None)
+
+
+def comfy_attention(module_name: str, transformer_options: dict | None) -> Callable | None:
+    """The attention function ComfyUI's blocks of `module_name` call (its `optimized_attention`; under a StandIn, the
+    function it stands in for) when it is ComfyUI's choice for the whole host and no model patch overrides it for the
+    call: the fused forwards then serve the call. None where they must leave it to the host's forward."""
+    if "optimized_attention_override" in (transformer_options or {}):
+        return None
+    fn = getattr(sys.modules.get(module_name), "optimized_attention", None)
+    fn = fn.host if isinstance(fn, StandIn) else fn
+    return fn if comfy_choice(fn) is not None else None
+
+
+def reads_comfy_attention(module_name: str, undo: Undo) -> None:
+    """A patched forward reads the attention function of ComfyUI's `module_name` at each call (comfy_attention)."""
+    undo.add(reads(module_name, "optimized_attention"))
+
+
+def comfy_attend(host: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ours: Attend,
+                 ours_name: Callable[[], str], theirs: Attend) -> torch.Tensor:
+    """ours(q, k, v) where `host` (a comfy_attention) is ComfyUI's PyTorch attention; else the faster of ours and
+    theirs(q, k, v), host called in the form of q, k and v (host_attention.py). ours_name() says what ours runs."""
+    name = comfy_choice(host)
+    if name == "pytorch":
+        return ours(q, k, v)
+    flag = COMFY_FLAGS.get(name)
+    why = f"ComfyUI's attention is {name}" + (f" ({flag})" if flag else "")
+    return host_attention.attend(q, k, v, ours, ours_name, host_attention.Host(host, name, why, theirs))

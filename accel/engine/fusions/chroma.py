@@ -3,8 +3,9 @@ computes them), with the modulations handed in by the model (its approximator ru
 projected in each block, and LayerNorm modules in place of Flux's functional ones (the same normalization: no affine,
 eps 1e-6).
 
-A call it does not cover runs the block's own forward: an attention mask, an attention override or another attention
-than PyTorch's in ComfyUI, Linear layers with per-call weight functions (lowvram), a tensor the kernels cannot run on.
+A call it does not cover runs the block's own forward: an attention mask, an attention override or another node's
+attention function in ComfyUI, Linear layers with per-call weight functions (lowvram), a tensor the kernels cannot run
+on.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, kernel_module, of_class, patch_forward
+from .base import Undo, kernel_module, of_class, patch_forward, reads_comfy_attention
 from .registry import fusion
-from .transformer import EPS, covered, double_block, fused_call, linears, single_block
+from .transformer import EPS, FLUX_ATTENTION, covered, double_block, fused_call, linears, single_block
 
 LAYERS = "comfy.ldm.chroma.layers"
 
@@ -60,4 +61,6 @@ def apply(model: nn.Module, undo: Undo) -> int:
         else:
             continue
         n += 1
+    if n:
+        reads_comfy_attention(FLUX_ATTENTION, undo)
     return n

@@ -6,8 +6,9 @@ plan per image size (`base.attend`).
 The fusion marks the attention modules it covers (diffusers' Attention with the sdpa_processor fusion's processor,
 ComfyUI's CrossAttention with the qkv fusion's forward); those two call `base.attend` in place of SDPA and get None
 back wherever it does not take the call (long key sets, the CPU, fp32 where the kernel would be chosen), which then
-runs as before. In ComfyUI only calls that would have gone to its PyTorch attention are taken: another attention
-function chosen by the user (sage, xformers, ...) or a model patch's attention override keeps its call.
+runs as before. In ComfyUI, where the user chose another attention function for the whole host (sage, flash,
+xformers, ...), the two are timed against each other per shape and the faster runs (accel/engine/host_attention.py); a
+model patch's attention override, or another node's function put in its place, keeps its call.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ float32 copies); one pass that adds the gated attention output to the stream and
 the MLP; the tanh GELU; one in-place gated residual. A single-stream block splits its input projection in two GEMMs
 (q, k and v; the MLP's input) and its output projection in two GEMMs into one output (attention part, then the MLP
 part accumulated on it) instead of concatenating the attention output and the MLP activation. The projections run
-as fp8 products where accel/engine/fp8.py marked them (the `precision` option).
+as fp8 products where accel/engine/fp8.py marked them (the `precision` option). The attention is SDPA, or the function
+ComfyUI chose for the whole host (--use-sage-attention, ...) where it was timed faster (accel/engine/host_attention.py).
 
 A call it does not cover runs the block's own forward: modulation_dims or an attention mask (Kontext and other
-reference-image models), an attention override or another attention than PyTorch's in ComfyUI, Linear layers with
+reference-image models), an attention override or another node's attention function in ComfyUI, Linear layers with
 per-call weight functions (lowvram), a tensor the kernels cannot run on. ComfyUI's cast-on-the-fly layers (fp8-loaded
 weights) are covered: the fused forward calls them, or takes them as fp8 products.
 """
@@ -20,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, kernel_module, of_class, patch_forward
+from .base import Undo, kernel_module, of_class, patch_forward, reads_comfy_attention
 from .registry import fusion
-from .transformer import EPS, covered, double_block, fused_call, linears, single_block
+from .transformer import EPS, FLUX_ATTENTION, covered, double_block, fused_call, linears, single_block
 
 FLUX = "comfy.ldm.flux"  # the package: its classes are in comfy.ldm.flux.layers
 
@@ -66,4 +67,6 @@ def apply(model: nn.Module, undo: Undo) -> int:
         else:
             continue
         n += 1
+    if n:
+        reads_comfy_attention(FLUX_ATTENTION, undo)
     return n

@@ -2,12 +2,13 @@
 
 A JointBlock runs its context and image halves as one forward here: one adaLN pass per stream into its qkv
 projection; one pass per stream that writes q, k (RMS-normalized where the model has qk norm, SD3.5) and v at their
-place in the joint sequence (no concatenation); SDPA; per stream one pass that adds the gated attention output and
+place in the joint sequence (no concatenation); the attention (SDPA, or the function ComfyUI chose for the whole host
+where it was timed faster: accel/engine/host_attention.py); per stream one pass that adds the gated attention output and
 normalizes and modulates the sum for the MLP, the tanh GELU, and an in-place gated residual. MMDiT-X blocks (SD3.5
 medium's first 13) add their image-only attention's gated output before that pass. ComfyUI's activation
 checkpointing around the block does nothing at inference and is skipped.
 
-Calls it does not cover run the block's own forward: an attention override or another attention than PyTorch's in
+Calls it does not cover run the block's own forward: an attention override or another node's attention function in
 ComfyUI, Linear layers with per-call weight functions (lowvram), a tensor the kernels cannot run on. The projections
 run as fp8 products where accel/engine/fp8.py marked them. Blocks of
 other layouts (RMSNorm blocks, scale-only modulation, SwiGLU, LayerNorm qk norm) keep their forward.
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import Undo, kernel_module, of_class, patch_forward
+from .base import Undo, comfy_attention, kernel_module, of_class, patch_forward, reads_comfy_attention
 from .registry import fusion
 from .. import fp8
 from .transformer import (EPS, comfy_sdpa, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
-                          norm_weight, pytorch_attention)
+                          norm_weight)
 
 MODULE = "comfy.ldm.modules.diffusionmodules.mmdit"
 
@@ -51,7 +52,7 @@ def _half_covered(b: nn.Module) -> bool:
 
 
 def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_options={}):  # noqa: B006
-    if (not pytorch_attention(MODULE, transformer_options) or not kernels_run_on(x) or context.dtype != x.dtype
+    if (comfy_attention(MODULE, transformer_options) is None or not kernels_run_on(x) or context.dtype != x.dtype
             or context.shape[0] != x.shape[0]):
         return type(self).forward(self, context, x, c=c, use_checkpoint=use_checkpoint,
                                   transformer_options=transformer_options)
@@ -90,14 +91,17 @@ def _final_forward(self, x, c):
 
 @fusion("mmdit")
 def apply(model: nn.Module, undo: Undo) -> int:
-    n = 0
+    n, joint = 0, False
     for m in model.modules():
         if of_class(m, "JointBlock", MODULE) and _half_covered(m.context_block) and _half_covered(m.x_block) \
                 and not m.context_block.x_block_self_attn:
             patch_forward(m, _joint_forward, undo)
+            joint = True
         elif of_class(m, "FinalLayer", MODULE) and linears(m.linear) and not m.norm_final.elementwise_affine:
             patch_forward(m, _final_forward, undo)
         else:
             continue
         n += 1
+    if joint:
+        reads_comfy_attention(MODULE, undo)
     return n

@@ -10,8 +10,9 @@ conditioning) gets a K/V GEMM of its own module's rows.
 
 The packed projections (packing.project) are used by the diffusers processor of sdpa_processor and by ComfyUI's
 CrossAttention, whose forward is restated here (the same calls: ComfyUI's optimized_attention of the module's own
-namespace); a call with a separate value tensor, or a module whose weights are not plain (lowvram casts, LoRA
-layers), runs as it did.
+namespace, or, where that is ComfyUI's choice for the whole host, sd-accel's attention when it was timed faster:
+accel/engine/host_attention.py); a call with a separate value tensor, or a module whose weights are not plain (lowvram
+casts, LoRA layers), runs as it did.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import sys
 from torch import nn
 
 from . import packing
-from .base import (Undo, attend, comfy_pytorch_attention, forward_takes, patch_forward, plain_linear, projections,
-                   set_projections)
+from .base import (Undo, attend, comfy_attend, comfy_attention, forward_takes, patch_forward, plain_linear,
+                   projections, reads_comfy_attention, set_projections)
 from .registry import fusion
 
 
@@ -66,10 +67,17 @@ def _comfy_forward(self, x, context=None, value=None, mask=None, transformer_opt
         out = attention.optimized_attention_masked(q, k, v, self.heads, mask, attn_precision=self.attn_precision,
                                                    transformer_options=transformer_options)
     else:
-        out = attend(self, q, k, v, self.heads) if comfy_pytorch_attention(self, transformer_options) else None
-        if out is None:
+        host = comfy_attention(type(self).__module__, transformer_options)
+        if host is None:  # a model patch's override, or another node's function: the host's call
             out = attention.optimized_attention(q, k, v, self.heads, attn_precision=self.attn_precision,
                                                 transformer_options=transformer_options)
+        else:
+            def ours(q, k, v):
+                out = attend(self, q, k, v, self.heads)
+                return attention.attention_pytorch(q, k, v, self.heads) if out is None else out
+
+            out = comfy_attend(host, q, k, v, ours, lambda: "sd-accel's attention (its kernel or PyTorch's SDPA)",
+                               lambda q, k, v: host(q, k, v, self.heads, attn_precision=self.attn_precision))
     return self.to_out(out)
 
 
@@ -83,7 +91,11 @@ def _comfy_attention(m: nn.Module) -> bool:
 
 @fusion("qkv")
 def apply(model: nn.Module, undo: Undo) -> int:
+    homes = set()
     for m in model.modules():
         if _comfy_attention(m):
             patch_forward(m, _comfy_forward, undo)
+            homes.add(type(m).__module__)
+    for home in sorted(homes):
+        reads_comfy_attention(home, undo)
     return _pack(model, undo)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8
-from ..attention import StandIn
-from .base import kernel_module, plain_linear
+from ..attention import StandIn, sdpa_name
+from .base import comfy_attend, comfy_attention, kernel_module, plain_linear
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
@@ -23,22 +23,6 @@ def linears(*layers: nn.Module) -> bool:
     per-call functions (lowvram, a LoRA applied per call), which only the host's forward applies in step."""
     return all(isinstance(layer, nn.Linear) and not getattr(layer, "weight_function", None)
                and not getattr(layer, "bias_function", None) for layer in layers)
-
-
-def _comfy_attention(module_name: str):
-    """The attention function ComfyUI's blocks of `module_name` call: its `optimized_attention` (None before it is
-    imported)."""
-    return getattr(sys.modules.get(module_name), "optimized_attention", None)
-
-
-def pytorch_attention(module_name: str, transformer_options: dict | None) -> bool:
-    """Whether ComfyUI's attention for the blocks of `module_name` is its PyTorch SDPA one (itself, or a StandIn
-    over it), with no override."""
-    fn = _comfy_attention(module_name)
-    attention = sys.modules.get("comfy.ldm.modules.attention")
-    return (attention is not None
-            and (fn.host if isinstance(fn, StandIn) else fn) is getattr(attention, "attention_pytorch", object())
-            and "optimized_attention_override" not in (transformer_options or {}))
 
 
 def kernels_run_on(x: torch.Tensor) -> bool:
@@ -53,10 +37,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """sdpa for a fused block of ComfyUI's `module_name`: through the `around` of a StandIn that takes the place of
-    that module's attention function (sequence parallelism's exchange), where one does."""
-    fn = _comfy_attention(module_name)
-    return fn.around(sdpa, q, k, v) if isinstance(fn, StandIn) else sdpa(q, k, v)
+    """sdpa for a fused block of ComfyUI's `module_name`, or ComfyUI's attention chosen for the whole host where it was
+    timed faster for the shape (base.comfy_attend); through the `around` of a StandIn that takes the place of that
+    module's attention function (sequence parallelism's exchange), where one does."""
+    fn = getattr(sys.modules.get(module_name), "optimized_attention", None)
+    host = fn.host if isinstance(fn, StandIn) else fn
+
+    def attend(q, k, v):
+        return comfy_attend(host, q, k, v, sdpa, lambda: sdpa_name(*(t.transpose(1, 2) for t in (q, k, v))),
+                            lambda q, k, v: host(q.flatten(2), k.flatten(2), v.flatten(2), q.shape[2]))
+
+    return fn.around(attend, q, k, v) if isinstance(fn, StandIn) else attend(q, k, v)
 
 
 def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, *consumers: nn.Module,
@@ -110,9 +101,9 @@ def covered(m: nn.Module, *modulation: nn.Module) -> bool:
 
 
 def fused_call(x: torch.Tensor, transformer_options: dict | None, *conditions: bool) -> bool:
-    """Whether a Flux-layout block call takes the fused forward (every one of `conditions` false, ComfyUI's PyTorch
-    attention, tensors the kernels run on)."""
-    return (not any(conditions) and pytorch_attention(FLUX_ATTENTION, transformer_options)
+    """Whether a Flux-layout block call takes the fused forward (every one of `conditions` false, ComfyUI's attention
+    chosen for the whole host and not overridden, tensors the kernels run on)."""
+    return (not any(conditions) and comfy_attention(FLUX_ATTENTION, transformer_options) is not None
             and kernels_run_on(x))
 
 

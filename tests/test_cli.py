@@ -253,6 +253,29 @@ def test_bench_times_comfyuis_own_unet(tmp_path):
     assert all(row["rel_err"] <= 1e-5 for row in rows if row["variant"] == "sd-accel torch")
 
 
+@pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+def test_bench_runs_comfyuis_classes_with_the_attention_its_flags_choose(tmp_path):
+    """--comfy-attention split starts ComfyUI as --use-split-cross-attention does (sage and flash need their packages
+    and a GPU): the eager rows run it and say so; every row's error is against exact attention."""
+    import importlib.util
+
+    out = tmp_path / "bench.json"
+    r = run("bench", "--tiny", "--models", "flux,sd15", "--iters", "1", "--paths", "torch", "--comfyui",
+            os.environ["COMFYUI_ROOT"], "--comfy-attention", "split", "--json-file", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["unet"]
+    by = {(row["model"], row["variant"]): row for row in rows}
+    for model in ("tiny-flux/comfy", "tiny-sd15/comfy"):
+        eager, ours = by[(model, "eager (ComfyUI's split attention)")], by[(model, "sd-accel torch")]
+        assert 0 < eager["rel_err"] <= 1e-5 and ours["rel_err"] <= 1e-5, (eager, ours)
+    r = run("bench", "--tiny", "--models", "flux", "--comfy-attention", "split")
+    assert r.returncode == 2 and "pass --comfyui DIR" in r.stderr
+    if importlib.util.find_spec("sageattention") is None:
+        r = run("bench", "--tiny", "--models", "flux", "--comfyui", os.environ["COMFYUI_ROOT"], "--comfy-attention",
+                "sage")
+        assert r.returncode == 2 and "needs the sageattention package" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_demo_saves_png_and_reports(tmp_path):
     png = tmp_path / "demo.png"
     r = run("demo", "--out", str(png), "--steps", "4")

@@ -22,6 +22,7 @@ import torch
 from ..models.configs import DIT_NAMES, SHAPES, build_host_unet, build_unet, example_inputs, ldm_example_inputs
 from ..models.spec import CanonicalUNet
 from ..progress import StageLog
+from .comfy_attention import eager_variant, exact_attention
 
 
 @dataclass
@@ -113,7 +114,7 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
     else:
         ref_model = build_unet(name, seed=0, device=device, dtype=torch.float32)
         x, t, ctx, y = example_inputs(ref_model, batch=2, latent=latent, tokens=tokens, device=device)
-    with torch.inference_mode():
+    with torch.inference_mode(), exact_attention():
         ref = CanonicalUNet(ref_model)(x, t, ctx, y)
     model = copy.deepcopy(ref_model).to(dtype)
     del ref_model
@@ -130,7 +131,8 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
     if dit_only:
         log(f"[{name}] {', '.join(dit_only)}: for diffusion transformers only; not timed for a UNet")
     rows = time_variants(name, canon, (xh, t, ch, yh), ref, device, iters, compile_modes,
-                         [p for p in paths if p not in DIT_PATHS], log, profile, amp, channels_last=True)
+                         [p for p in paths if p not in DIT_PATHS], log, profile, amp, channels_last=True,
+                         eager=eager_variant(host))
     del model, canon
     _peak_reset(device)
     return rows
@@ -138,9 +140,10 @@ def bench_unet(name: str, device: torch.device, dtype: torch.dtype, iters: int, 
 
 def time_variants(name: str, canon: torch.nn.Module, args: tuple, ref: torch.Tensor, device: torch.device, iters: int,
                   compile_modes: list[str], paths: list[str], log: Callable[[str], None], profile: bool = False,
-                  amp: Callable = contextlib.nullcontext, channels_last: bool = False) -> list[Row]:
-    """The rows of one model in the same run: eager, eager + CUDA graph (+ channels_last for UNets), each
-    torch.compile mode, each sd-accel path; canon(*args) is the model's canonical call."""
+                  amp: Callable = contextlib.nullcontext, channels_last: bool = False,
+                  eager: str = "eager (SDPA)") -> list[Row]:
+    """The rows of one model in the same run: eager (named `eager`), eager + CUDA graph (+ channels_last for UNets),
+    each torch.compile mode, each sd-accel path; canon(*args) is the model's canonical call."""
     rows: list[Row] = []
     model = canon.unet
 
@@ -154,7 +157,7 @@ def time_variants(name: str, canon: torch.nn.Module, args: tuple, ref: torch.Ten
         rows.append(Row(name, variant, ms, base / ms, _peak_gb(device), err, setup_s, note, extra))
         log(f"[{name}] {variant}: {ms:.2f} ms/step, x{base / ms:.2f}, err {err:.2e}")
 
-    add("eager (SDPA)", lambda: canon(*args))
+    add(eager, lambda: canon(*args))
     if profile and device.type == "cuda":
         _profile(rows[-1], lambda: canon(*args), log)
     if device.type == "cuda":

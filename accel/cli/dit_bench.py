@@ -14,6 +14,7 @@ import torch
 from ..models.configs import build_dit, cfg_batch, dit_example_inputs
 from ..models.dit import CanonicalDiT
 from .bench import Row, _sync, time_ms, time_variants
+from .comfy_attention import eager_variant, exact_attention
 
 GEMM_SIDE = 8192  # a square bf16 GEMM this large runs at the GPU's sustained tensor-core rate
 
@@ -53,7 +54,7 @@ def bench_dit(name: str, device: torch.device, iters: int, compile_modes: list[s
                       comfyui_root=host[1] if host else None)
     inputs = dit_example_inputs(name, batch, device=device)
     canon = CanonicalDiT(model)
-    with torch.inference_mode():
+    with torch.inference_mode(), exact_attention():
         ref = canon(**inputs)
     model.to(dtype)
     if form == "comfy":
@@ -70,7 +71,7 @@ def bench_dit(name: str, device: torch.device, iters: int, compile_modes: list[s
     log(f"[{label}] {flops / 1e12:.1f} TFLOP per step; GEMM rate {rate:.0f} TFLOP/s; floor {floor_ms:.1f} ms")
     fp8_weights = "torch-fp8weights" in paths
     rows = time_variants(label, canon, args, ref, device, iters, compile_modes,
-                         [p for p in paths if p != "torch-fp8weights"], log, profile)
+                         [p for p in paths if p != "torch-fp8weights"], log, profile, eager=eager_variant(host))
     if fp8_weights:
         del model, canon
         rows += _fp8_weights(name, label, device, iters, args, ref, log, profile, host)
@@ -93,6 +94,7 @@ def _fp8_weights(name: str, label: str, device: torch.device, iters: int, args: 
     model = build_dit(name, "comfy", seed=0, device=device, dtype=torch.float8_e4m3fn, comfyui_root=host[1])
     model.dtype = args[0].dtype
     canon = CanonicalDiT(model)
-    rows = time_variants(f"{label}/fp8-weights", canon, args, ref, device, iters, [], ["torch"], log, profile)
+    rows = time_variants(f"{label}/fp8-weights", canon, args, ref, device, iters, [], ["torch"], log, profile,
+                         eager=eager_variant(host))
     del model, canon
     return rows

@@ -93,6 +93,17 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if rerun is not None:
         return rerun
+    if args.comfy_attention:
+        from .comfy_attention import use_comfy_attention
+
+        if not args.comfyui:
+            print("sd-accel bench: --comfy-attention chooses ComfyUI's attention: pass --comfyui DIR.", file=sys.stderr)
+            return 2
+        try:
+            use_comfy_attention(args.comfy_attention)
+        except ValueError as e:
+            print(f"sd-accel bench: {e}", file=sys.stderr)
+            return 2
     if args.iters is None:
         args.iters = 3 if args.gpus else 20
     models = [m for m in (args.models or ("wan21-14b" if args.gpus else "sd15,sdxl")).split(",") if m]
@@ -256,6 +267,14 @@ def _main(argv: list[str] | None) -> int:
                        help="build them with A1111's own classes (ldm for sd15, sgm for sdxl) from A1111's "
                             "repositories folder; the eager baseline's attention is PyTorch SDPA, as A1111's default")
     hosts.add_argument("--forge", metavar="DIR", help="build them with Forge's own UNet class from this Forge checkout")
+    from .comfy_attention import COMFY_ATTENTION
+
+    b.add_argument("--comfy-attention", choices=sorted(COMFY_ATTENTION),
+                   help="with --comfyui: ComfyUI's attention for the whole process, as its flags choose it "
+                        "(--use-sage-attention, --use-flash-attention, --use-split-cross-attention, ...): the eager "
+                        "rows run it, and the torch path's fused blocks time it against their own attention per shape "
+                        "and run the faster; the fp32 reference keeps exact attention (sage: the sageattention "
+                        "package)")
     b.add_argument("--json", action="store_true",
                    help="print the results as JSON on stdout (the tables and progress go to stderr)")
     b.add_argument("--json-file", metavar="FILE", help="also write the results as JSON to FILE")

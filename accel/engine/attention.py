@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -61,19 +60,15 @@ def sdpa_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     return f"PyTorch's SDPA ({name})" if name else "PyTorch's SDPA"
 
 
-_READ: Counter[tuple[str, str]] = Counter()  # (module, name) of host attention functions patched forwards read
+# (module, name) of every host attention function a patched forward of this process has read. Kept when the patches
+# are undone: an engine's graph token must not change because another engine's fusions came or went.
+_READ: set[tuple[str, str]] = set()
 
 
-def reads(module: str, name: str) -> Callable[[], None]:
+def reads(module: str, name: str) -> None:
     """Note that a patched forward reads the host's attention function `name` of `module` at each call (what a
-    ComfyUI block calls: its module's optimized_attention); returns the way back."""
-    _READ[module, name] += 1
-
-    def back() -> None:
-        _READ[module, name] -= 1
-        if not _READ[module, name]:
-            del _READ[module, name]
-    return back
+    ComfyUI block calls: its module's optimized_attention)."""
+    _READ.add((module, name))
 
 
 def read() -> tuple[int, ...]:

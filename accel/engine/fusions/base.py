@@ -243,9 +243,9 @@ def comfy_attention(module_name: str, transformer_options: dict | None) -> Calla
     return fn if comfy_choice(fn) is not None else None
 
 
-def reads_comfy_attention(module_name: str, undo: Undo) -> None:
+def reads_comfy_attention(module_name: str) -> None:
     """A patched forward reads the attention function of ComfyUI's `module_name` at each call (comfy_attention)."""
-    undo.add(reads(module_name, "optimized_attention"))
+    reads(module_name, "optimized_attention")
 
 
 def comfy_attend(host: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ours: Attend,

@@ -62,5 +62,5 @@ def apply(model: nn.Module, undo: Undo) -> int:
             continue
         n += 1
     if n:
-        reads_comfy_attention(FLUX_ATTENTION, undo)
+        reads_comfy_attention(FLUX_ATTENTION)
     return n

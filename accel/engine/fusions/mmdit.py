@@ -103,5 +103,5 @@ def apply(model: nn.Module, undo: Undo) -> int:
             continue
         n += 1
     if joint:
-        reads_comfy_attention(MODULE, undo)
+        reads_comfy_attention(MODULE)
     return n

@@ -97,5 +97,5 @@ def apply(model: nn.Module, undo: Undo) -> int:
             patch_forward(m, _comfy_forward, undo)
             homes.add(type(m).__module__)
     for home in sorted(homes):
-        reads_comfy_attention(home, undo)
+        reads_comfy_attention(home)
     return _pack(model, undo)

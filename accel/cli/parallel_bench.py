@@ -34,6 +34,7 @@ from ..parallel.layout import Layout, make_layouts
 from ..parallel.rendezvous import NO_MULTICAST, cpu_threads, free_port, join
 from ..parallel.spread import SPREAD_OPTIONS
 from .bench import _peak_gb, _peak_reset, _sync, rel_l2
+from .video_sizes import parse_video_sizes
 
 # How long a rank waits for the others, at start-up and in any collective, before it fails rather than hangs. Ranks
 # meet once per step, so the longest wait is about one step of the largest model on one GPU, or one model build.
@@ -107,15 +108,9 @@ def model_sizes(name: str, video_sizes: str) -> tuple[tuple[str, tuple[int, int]
         latent = DIT_SHAPES[name][1]
         return ((f"{8 * latent}x{8 * latent}", (latent, latent)),)
     factor = SPATIAL.get(name, 8)
-    sizes = []
-    for text in video_sizes.split(","):
-        w, _, h = text.strip().partition("x")
-        if not (w.isdigit() and h.isdigit()) or int(w) % (2 * factor) or int(h) % (2 * factor) or not int(w) * int(h):
-            raise BadInput(f"--video-sizes: {text.strip()!r} is not a video size {name} takes.",
-                           f"Give width x height in pixels, each a multiple of {2 * factor} (the VAE's factor {factor} "
-                           "times the 2x2 patch), e.g. 832x480,1280x720.")
-        sizes.append((f"{w}x{h}", (int(h) // factor, int(w) // factor)))
-    return tuple(sizes)
+    sizes = parse_video_sizes(video_sizes, 2 * factor, f"{name} takes",
+                              f" (the VAE's factor {factor} times the 2x2 patch)")
+    return tuple((f"{w}x{h}", (h // factor, w // factor)) for w, h in sizes)
 
 
 def layouts(world: int, batch: int) -> list[tuple[str, str | None]]:

@@ -16,9 +16,10 @@ from typing import Callable
 
 import torch
 
-from ..errors import BackendUnavailable, BadInput
+from ..errors import BackendUnavailable
 from ..models.configs import build_comfy_video_vae, build_vae, COMFY_VIDEO_VAE_CONFIGS
 from ..vae import decode, decode_video, naive_tiled_decode, tile_plan, video_plan
+from .video_sizes import parse_video_sizes
 from ..vae.memory import _OOM
 
 SIZES = (512, 1024, 2048, 4096, 8192)
@@ -223,15 +224,7 @@ def _spatial_factor(name: str) -> int:
 
 def video_sizes(name: str, text: str) -> list[tuple[int, int]]:
     """(width, height) pixels of each "WxH" in `text`, checked against the VAE `name`'s spatial factor."""
-    factor = _spatial_factor(name)
-    sizes = []
-    for item in text.split(","):
-        w, _, h = item.strip().partition("x")
-        if not (w.isdigit() and h.isdigit()) or not int(w) * int(h) or int(w) % factor or int(h) % factor:
-            raise BadInput(f"--video-sizes: {item.strip()!r} is not a video size {name} decodes.",
-                           f"Give width x height in pixels, each a multiple of {factor}, e.g. 832x480,1280x720.")
-        sizes.append((int(w), int(h)))
-    return sizes
+    return parse_video_sizes(text, _spatial_factor(name), f"{name} decodes")
 
 
 def bench_video_vae(models: list[str], comfyui_root: str, sizes: str | None = None, tiny: bool = False,

@@ -86,7 +86,8 @@ class AcceleratedUNetNode:
                     "visible. With more than 1, a worker process on each other GPU holds a copy of the model (started "
                     "on the first step: tens of seconds for a 14B model) and every step is split: CFG's two halves on "
                     "two GPUs, the image or video tokens (Wan, Flux, Chroma, SD3/SD3.5, Qwen-Image) over the others. "
-                    "Calls that cannot be split run on one GPU. Sequence-parallel calls run without CUDA graphs. Linux (NCCL).")})},
+                    "Calls that cannot be split run on one GPU. Sequence-parallel calls run without CUDA graphs. "
+                    "Linux (NCCL).")})},
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from ..errors import BadInput
 from ..models.configs import COMFY_DIT_CONFIGS, DIT_SHAPES, cfg_batch
-from ..parallel.layout import Layout, make_layouts
+from ..parallel.layout import Layout, candidates, make_layouts
 from ..parallel.rendezvous import NO_MULTICAST, cpu_threads, free_port, join
 from ..parallel.spread import SPREAD_OPTIONS
 from .bench import _peak_gb, _peak_reset, _sync, rel_l2
@@ -113,15 +113,14 @@ def model_sizes(name: str, video_sizes: str) -> tuple[tuple[str, tuple[int, int]
     return tuple((f"{w}x{h}", (h // factor, w // factor)) for w, h in sizes)
 
 
-def layouts(world: int, batch: int) -> list[tuple[str, str | None]]:
+def layouts(world: int, batch: int, spread: dict[str, Layout]) -> list[tuple[str, str | None]]:
     """(row name, accel/parallel/layout.py layout or None for the 1-GPU call) of each layout of `world` processes
-    for a model run at `batch` (2: a CFG batch): the layouts the ComfyUI node's workers run."""
+    (spread: their layouts, make_layouts) for a model run at `batch`: those the ComfyUI node's workers try, sequence
+    first."""
     if world == 1:
         return [("1 GPU", None)]
-    found: list[tuple[str, str | None]] = [("sequence", "sequence")]
-    if batch == 2 and world % 2 == 0:
-        found.append(("CFG" if world == 2 else "CFG x sequence", "cfg"))
-    return found
+    names = {"sequence": "sequence", "cfg": "CFG" if world == 2 else "CFG x sequence"}
+    return [(names[key], key) for key in sorted(candidates(batch, spread), key=lambda key: key != "sequence")]
 
 
 def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters: int, tiny: bool,
@@ -230,7 +229,7 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
         for size, latent in job.sizes[name]:
             inputs = dit_example_inputs(name, batch, latent, device=device, dtype=dtype)
             args = (inputs["x"], inputs["timesteps"], inputs["context"], inputs.get("y"), None, inputs.get("guidance"))
-            for layout, key in layouts(job.world, batch):
+            for layout, key in layouts(job.world, batch, spread):
                 where[0] = f"{name} {size}, {layout}"
                 row, out = _layout_row(job, model, acc, args, spread.get(key), layout, device)
                 row.model, row.size = name, size

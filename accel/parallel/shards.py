@@ -61,31 +61,34 @@ class Shards:
     def table(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """A per-token table along dim over the text and then the image tokens (a rotary embedding): this rank's rows
         (its text rows, or all of them where the text is whole, then its image rows), made once per call and table."""
-        held = self._tables.get(id(t))
-        if held is None or held[0] is not t:
+        def make() -> torch.Tensor:
             text = t.shape[dim] - self.image * self.g.world
             rows = t.narrow(dim, 0, text)
-            held = t, torch.cat((shard(rows, dim, self.g) if self.text else rows,
-                                 shard(t.narrow(dim, text, t.shape[dim] - text), dim, self.g)), dim)
-            self._tables[id(t)] = held
-        return held[1]
+            return torch.cat((shard(rows, dim, self.g) if self.text else rows,
+                              shard(t.narrow(dim, text, t.shape[dim] - text), dim, self.g)), dim)
+
+        return self._once(t, make)
 
     def rows(self, t: torch.Tensor, dim: int, tokens: int) -> torch.Tensor:
         """A table along dim with a row per run of consecutive tokens (Wan 2.2's modulation per frame), spread over all
         `tokens` as ComfyUI's repeat_e spreads it on one process, as this rank's share of them: a slice of t (which the
         block repeats as on one process) where the share starts and ends on a row's edge, else one row per token. Made
         once per call and table: the blocks of a call share it."""
-        held = self._tables.get(id(t))
-        if held is None or held[0] is not t:
-            rows = t.shape[dim]
-            per = tokens // rows if (tokens // rows) * rows == tokens else tokens // rows + 1
+        def make() -> torch.Tensor:
+            per = -(-tokens // t.shape[dim])
             share = tokens // self.g.world
             start = self.g.rank * share
             if share % per == 0:
-                mine = t.narrow(dim, start // per, share // per)
-            else:
-                mine = t.index_select(dim, torch.arange(start, start + share, device=t.device) // per)
-            held = t, mine
+                return t.narrow(dim, start // per, share // per)
+            return t.index_select(dim, torch.arange(start, start + share, device=t.device) // per)
+
+        return self._once(t, make)
+
+    def _once(self, t: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """make() for table t, made once per call (kept with t, whose id another tensor may take later)."""
+        held = self._tables.get(id(t))
+        if held is None or held[0] is not t:
+            held = t, make()
             self._tables[id(t)] = held
         return held[1]
 

@@ -159,7 +159,7 @@ class Spread:
         key = new_key()
         try:
             pool = pool_for(self.devices, self.progress, self.timeout)
-            pool.load(key, self.recipe(), module, {**self.options, **SPREAD_OPTIONS}, self.progress(), weights_key)
+            pool.load(key, self.recipe(), module, self.options, self.progress(), weights_key)
         except WorkerLost as e:
             self._off = (f"the worker processes for {len(self.devices) - 1} more device(s) could not start or load the "
                          f"model ({e}); it runs on one GPU until the node runs again.")

@@ -61,6 +61,29 @@ def test_gated_add_is_the_gated_residual_in_place(B, L, C, dtype):
         adaln.gated_add_(x[:, ::2], gate, u[:, ::2])
 
 
+@pytest.mark.parametrize("T,L", [(3, 12), (4, 18), (7, 7), (5, 3)])
+def test_modulation_per_run_of_tokens_is_comfyuis_repeat_e(T, L):
+    """Wan 2.2's modulation (B, T, C), spread over L tokens as ComfyUI's repeat_e spreads it: T dividing L, not
+    dividing it (each row once more, the end cut), a row per token, more rows than tokens; and the stream after Wan's
+    cross-attention, whose update comes ungated."""
+    B, C = 2, 24
+    x, u = _randn(B, L, C), _randn(B, L, C, seed=2)
+    scale, shift, gate = (_randn(B, T, C, seed=s, scale=0.5) for s in (3, 4, 5))
+    per = L // T if L // T * T == L else L // T + 1
+    rows = lambda t: torch.repeat_interleave(t, per, dim=1)[:, :L]  # noqa: E731 (repeat_e's arithmetic)
+    norm = lambda s: F.layer_norm(s, (C,), eps=1e-6) * (1 + rows(scale)) + rows(shift)  # noqa: E731
+    y, s = adaln.modulated_layer_norm(x, scale, shift, update=u, gate=gate)
+    _close(s, x + rows(gate) * u, torch.float32)
+    _close(y, norm(s), torch.float32)
+    y, s = adaln.modulated_layer_norm(x, scale, shift, update=u)
+    _close(s, x + u, torch.float32)
+    _close(y, norm(x + u), torch.float32)
+    _close(adaln.modulated_layer_norm_ref(x, scale, shift, update=u, gate=gate)[0], norm(x + rows(gate) * u),
+           torch.float32)
+    want = x + rows(gate) * u
+    _close(adaln.gated_add_(x, gate, u), want, torch.float32)
+
+
 def test_modulation_of_one_sample_broadcasts_over_the_batch():
     x = _randn(3, 4, 24)
     scale, shift = _randn(1, 24, seed=1), _randn(1, 24, seed=2)
@@ -73,8 +96,8 @@ def test_modulated_layer_norm_errors_say_what_to_do():
     x = _randn(2, 3, 8)
     with pytest.raises(BadInput, match="scale has shape"):
         adaln.modulated_layer_norm(x, _randn(2, 7), None)
-    with pytest.raises(BadInput, match="update and gate come together"):
-        adaln.modulated_layer_norm(x, _randn(2, 8), None, update=x)
+    with pytest.raises(BadInput, match="a gate goes with an update"):
+        adaln.modulated_layer_norm(x, _randn(2, 8), None, gate=_randn(2, 8))
     with pytest.raises(BadInput, match="batch, tokens, channels"):
         adaln.modulated_layer_norm(_randn(6, 8), _randn(2, 8), None)
 

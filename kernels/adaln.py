@@ -169,8 +169,8 @@ def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
         with on_device(x):
             _gated_add_kernel[(cdiv(M, block_m), cdiv(C, block_c))](
-                x, u, u2, g, M, L, C, _run_length(L, runs), g_stride, g_tstride, HAS_U2=update2 is not None, BLOCK_M=block_m, BLOCK_C=block_c,
-                num_warps=warps(block_m * block_c))
+                x, u, u2, g, M, L, C, _run_length(L, runs), g_stride, g_tstride, HAS_U2=update2 is not None,
+                BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps(block_m * block_c))
     return x
 
 

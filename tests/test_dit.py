@@ -226,16 +226,18 @@ def _tiny_wan(**cfg):
 
 
 @pytest.mark.parametrize("case", ["per frame", "per token", "runs that do not divide the tokens", "image to video",
-                                  "no cross-attention norm"])
+                                  "no cross-attention norm", "no q/k norm"])
 def test_comfyuis_wan_variants_with_fused_kernels_match_their_own_forward(comfy_pytorch_attention, case):
     """Wan 2.2's timesteps per latent frame or per token (a modulation row per run of tokens, as ComfyUI's repeat_e
     spreads it; 7 rows over 60 tokens: 9 each, the end cut), image-to-video's cross-attention to CLIP image tokens, and
-    a block without the cross-attention's LayerNorm: every block fused, within float32 rounding of ComfyUI's own."""
+    blocks without the cross-attention's LayerNorm or the q/k norms: every block fused, within float32 rounding of
+    ComfyUI's own."""
     pytest.importorskip("triton")
     from sd_accel.accel.engine import fusions
 
     model = _tiny_wan(**{"image to video": {"model_type": "i2v"},
-                         "no cross-attention norm": {"cross_attn_norm": False}}.get(case, {}))
+                         "no cross-attention norm": {"cross_attn_norm": False},
+                         "no q/k norm": {"qk_norm": False}}.get(case, {}))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 16, 3, 8, 10, generator=g).to(DEVICE)  # 3 x 4 x 5 = 60 tokens
     ctx = torch.randn(2, 7, 32, generator=g).to(DEVICE)

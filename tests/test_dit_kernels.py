@@ -152,6 +152,28 @@ def test_qk_norm_rope_assembles_a_joint_sequence_from_strided_rows():
         _close(out, w, torch.float32)
 
 
+@pytest.mark.parametrize("B,L,H,D,dtype", [(2, 13, 3, 8, torch.float32), (1, 21, 5, 16, torch.bfloat16)])
+def test_qk_row_norm_rope_is_wan_attention_input(B, L, H, D, dtype):
+    """Wan's self-attention inputs: q and k RMS-normalized over all heads (its RMSNorm of dim channels), rotated by the
+    table of its rope_encode (B|1, L, 1, D / 2, 2, 2), whose transpose the kernel takes."""
+    q, k, v = (_randn(B, L, H * D, dtype=dtype, seed=s, scale=2.0) for s in (3, 4, 5))
+    qw, kw = _randn(H * D, seed=1, offset=1.0, scale=0.1), _randn(H * D, seed=2, offset=1.0, scale=0.1)
+    pe = _flux_pe(1, L, D)
+    got = qk_rope.empty_qkv(B, L, H, D, q)
+    qk_rope.qk_row_norm_rope((q, k, v), H, got, qw.to(dtype), kw.to(dtype), 1e-6, pe)
+
+    def wan(t, w):  # RMSNorm over the row, then the rotation in float32 per head, as ComfyUI's apply_rope1
+        t = F.rms_norm(t, (H * D,), w.to(dtype), 1e-6).view(B, L, H, D)
+        t2 = t.float().reshape(B, L, H, -1, 1, 2)
+        rows = pe.transpose(1, 2)  # (1, L, 1, D / 2, 2, 2): Wan's layout
+        return (rows[..., 0] * t2[..., 0] + rows[..., 1] * t2[..., 1]).reshape(t.shape).to(dtype)
+
+    for out, want in zip(got, (wan(q, qw), wan(k, kw), v.view(B, L, H, D))):
+        _close(out, want, dtype)
+    with pytest.raises(BadInput, match="rows have"):
+        qk_rope.qk_row_norm_rope((q, k, v), H, got, qw[:D], kw, 1e-6, pe)
+
+
 def test_qk_norm_rope_errors_say_what_to_do():
     qkv = _randn(1, 4, 48)
     out = qk_rope.empty_qkv(1, 4, 2, 8, qkv)

@@ -1,23 +1,21 @@
 """Wan 2.1/2.2's blocks and output head (ComfyUI's comfy.ldm.wan.model) with the DiT kernels.
 
-A WanAttentionBlock makes: one adaLN pass into the self-attention's q, k and v projections; q and k RMS-normalized
-by the attention's own norm modules, then one pass that rotates them and writes q, k and v in SDPA's layout; the
-attention; one pass that adds the gated attention output to the stream and applies the cross-attention's affine
-LayerNorm (its weight as 1 + scale, its bias as shift); the cross-attention, ComfyUI's own module; one pass that adds
-its output and normalizes and modulates the sum for the FFN; the tanh GELU; one in-place gated residual. Wan 2.2's
-modulation per frame or token (e of four dims, a row per run of tokens) is read by the kernels where ComfyUI's
-repeat_e spreads it, with no per-token copy.
-
-Wan's q/k RMSNorm spans all heads' channels, where the qk_rope kernel normalizes per head: the norm stays ComfyUI's
-module (one pass each) and the kernel does the rotation, whose table has Flux's layout (Wan's rope_encode moves the
-heads axis in front of the tokens; its transpose is Flux's pe).
+A WanAttentionBlock makes: one adaLN pass into the self-attention's q, k and v projections; one pass that
+RMS-normalizes q and k over all heads' channels (Wan's q/k norm spans the row, where Flux's is per head: the qk_rope
+kernel's row variant), rotates them (the table is Flux's layout once the swap of the heads and tokens axes in Wan's
+rope_encode is undone, a view) and writes q, k and v in SDPA's layout; the attention; one pass that adds the gated
+attention output to the stream and applies the cross-attention's affine LayerNorm (its weight as 1 + scale, its bias
+as shift); the cross-attention, ComfyUI's own module; one pass that adds its output and normalizes and modulates the
+sum for the FFN; the tanh GELU; one in-place gated residual. Wan 2.2's modulation per frame or token (e of four dims,
+a row per run of tokens) is read by the kernels where ComfyUI's repeat_e spreads it, with no per-token copy.
 
 The self-attention runs as the block's own self_attn module, patched too, so that the hooks on it (sequence
 parallelism marks its calls for the exchange, accel/parallel/wan.py) see every call; its attention goes through
 transformer.comfy_sdpa. The projections run as fp8 products where accel/engine/fp8.py marked them. A call it does not
 cover runs the module's own forward: an attention override or another node's attention function in ComfyUI, a tensor
-the kernels cannot run on. Blocks with per-call weight functions (lowvram, a LoRA applied per call) and subclasses
-(VACE's blocks, whose forward calls WanAttentionBlock.forward by name) keep their forward.
+the kernels cannot run on. Blocks with per-call weight functions (lowvram, a LoRA applied per call), q/k norms other
+than torch's RMSNorm, and subclasses (VACE's blocks, whose forward calls WanAttentionBlock.forward by name) keep their
+forward.
 """
 
 from __future__ import annotations
@@ -54,9 +52,14 @@ def _self_attention(self, x, freqs, transformer_options={}):  # noqa: B006 (Comf
         return type(self).forward(self, x, freqs, transformer_options=transformer_options)
     rope = kernel_module("qk_rope")
     (B, L), H = x.shape[:2], self.num_heads
-    q, k = self.norm_q(fp8.project(self.q, x)), self.norm_k(fp8.project(self.k, x))
-    qkv = rope.empty_qkv(B, L, H, self.head_dim, q)
-    rope.qk_norm_rope((q, k, fp8.project(self.v, x)), H, qkv, pe=freqs.transpose(1, 2))
+    projected = tuple(fp8.project(layer, x) for layer in (self.q, self.k, self.v))
+    qkv = rope.empty_qkv(B, L, H, self.head_dim, projected[0])
+    pe = freqs.transpose(1, 2)
+    if isinstance(self.norm_q, nn.RMSNorm):
+        weights = (n.weight.to(device=pe.device, dtype=qkv[0].dtype) for n in (self.norm_q, self.norm_k))
+        rope.qk_row_norm_rope(projected, H, qkv, *weights, self.norm_q.eps, pe)
+    else:
+        rope.qk_norm_rope(projected, H, qkv, pe=pe)
     return self.o(comfy_sdpa(WAN, *qkv))
 
 
@@ -85,12 +88,21 @@ def _head_forward(self, x, e):
     return self.head(kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS))
 
 
+def _qk_norms_covered(sa: nn.Module) -> bool:
+    """Wan's q/k RMSNorms (the kernel normalizes over the whole row with their weights and eps), or none."""
+    q, k = sa.norm_q, sa.norm_k
+    if type(q) is nn.Identity and type(k) is nn.Identity:
+        return True
+    return (isinstance(q, nn.RMSNorm) and isinstance(k, nn.RMSNorm) and q.weight is not None and k.weight is not None
+            and q.eps is not None and q.eps == k.eps and own_weights(q, k))
+
+
 def _block_covered(m: nn.Module) -> bool:
     sa, ffn, norm3 = m.self_attn, m.ffn, m.norm3
     return (forward_takes(m, "x", "e", "freqs", "context", "context_img_len", "transformer_options")
             and of_class(sa, "WanSelfAttention", WAN, "norm_q", "norm_k") and forward_takes(sa, "x", "freqs",
                                                                                             "transformer_options")
-            and sa.head_dim % 2 == 0 and linears(sa.q, sa.k, sa.v, sa.o, ffn[0], ffn[2])
+            and sa.head_dim % 2 == 0 and _qk_norms_covered(sa) and linears(sa.q, sa.k, sa.v, sa.o, ffn[0], ffn[2])
             and isinstance(ffn[1], nn.GELU) and ffn[1].approximate == "tanh" and plain_layer_norms(m.norm1, m.norm2)
             and (type(norm3) is nn.Identity or (isinstance(norm3, nn.LayerNorm) and norm3.eps == EPS
                                                 and norm3.weight is not None and norm3.bias is not None

@@ -46,10 +46,9 @@ def _fused(x: torch.Tensor, freqs: torch.Tensor | None, transformer_options: dic
             and freqs.dtype == torch.float32 and freqs.shape[1] == x.shape[1])
 
 
-def _self_attention(self, x, freqs, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
-    # x comes as fp8 Rows from a fused block only, which has checked the call
-    if not isinstance(x, fp8.Rows) and not _fused(x, freqs, transformer_options):
-        return type(self).forward(self, x, freqs, transformer_options=transformer_options)
+def _attention_inputs(self: nn.Module, x, freqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v of the self-attention in SDPA's layout; the projections they are made from are freed on return,
+    before the attention (at a video's token counts each is hundreds of MB)."""
     rope = kernel_module("qk_rope")
     (B, L), H = x.shape[:2], self.num_heads
     projected = tuple(fp8.project(layer, x) for layer in (self.q, self.k, self.v))
@@ -60,7 +59,14 @@ def _self_attention(self, x, freqs, transformer_options={}):  # noqa: B006 (Comf
         rope.qk_row_norm_rope(projected, H, qkv, *weights, self.norm_q.eps, pe)
     else:
         rope.qk_norm_rope(projected, H, qkv, pe=pe)
-    return self.o(comfy_sdpa(WAN, *qkv))
+    return qkv
+
+
+def _self_attention(self, x, freqs, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
+    # x comes as fp8 Rows from a fused block only, which has checked the call
+    if not isinstance(x, fp8.Rows) and not _fused(x, freqs, transformer_options):
+        return type(self).forward(self, x, freqs, transformer_options=transformer_options)
+    return self.o(comfy_sdpa(WAN, *_attention_inputs(self, x, freqs)))
 
 
 def _block_forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}):  # noqa: B006

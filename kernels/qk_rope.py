@@ -7,6 +7,10 @@ blocks project qkv and the MLP input together), or comes as three (batch, tokens
 and v, as diffusers' attention makes them). The rotary table `pe` is Flux's (B|1, 1, tokens, head_dim / 2, 2, 2)
 float32 rotation matrices over the whole joint sequence. Like the eager code, the normalized q and k are rounded to
 the input dtype before the rotation, which is computed in float32.
+
+Wan normalizes q and k over all heads' channels, not per head: `qk_row_norm_rope` takes its three projections and
+its rotary table (Wan's rope_encode, heads and tokens axes swapped back: Flux's layout), one program per run of
+tokens across all heads.
 """
 
 from __future__ import annotations
@@ -19,12 +23,30 @@ from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tl
 from .errors import BadInput
 
 
+@jit
+def _rotations(pe_ptr, rows, tok, L, D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The 2x2 rotations [[m00, m01], [m10, m11]] of pe's `rows` (one per pair of elements), for tokens `tok`."""
+    c = tl.arange(0, 2 * BLOCK_D)[None, :]
+    pe = tl.load(pe_ptr + rows * (2 * D) + c, mask=(tok < L) & (c < 2 * D), other=0.0)
+    left, right = tl.split(tl.reshape(pe, (BLOCK_L, BLOCK_D // 2, 2, 2)))
+    m00, m10 = tl.split(left)
+    m01, m11 = tl.split(right)
+    return m00, m01, m10, m11
+
+
+@jit
+def _rotate(x, m00, m01, m10, m11, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+    # the rotation pairs adjacent elements through split and join
+    e, o = tl.split(tl.reshape(x, (BLOCK_L, BLOCK_D // 2, 2)))
+    return tl.reshape(tl.join(m00 * e + m01 * o, m10 * e + m11 * o), (BLOCK_L, BLOCK_D))
+
+
 @jit(do_not_specialize=("L", "total", "offset", "row_stride", "pe_stride"))
 def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, total, offset, row_stride,
                     pe_stride, eps,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                     HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr):
-    # Whole rows are loaded and stored (coalesced); the rotation pairs adjacent elements through split and join.
+    # Whole rows are loaded and stored (coalesced).
     b = tl.program_id(1)
     h = tl.program_id(2)
     tok = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
@@ -33,13 +55,8 @@ def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr
     src = (b * L + tok).to(tl.int64) * row_stride + h * D + d
     dst = ((b * total + offset + tok).to(tl.int64) * H + h) * D + d
     if HAS_PE:
-        # a row holds one 2x2 rotation [[m00, m01], [m10, m11]] per pair of elements
-        c = tl.arange(0, 2 * BLOCK_D)[None, :]
-        pe = tl.load(pe_ptr + b * pe_stride + (offset + tok).to(tl.int64) * (2 * D) + c, mask=(tok < L) & (c < 2 * D),
-                     other=0.0)
-        left, right = tl.split(tl.reshape(pe, (BLOCK_L, BLOCK_D // 2, 2, 2)))
-        m00, m10 = tl.split(left)
-        m01, m11 = tl.split(right)
+        m00, m01, m10, m11 = _rotations(pe_ptr + b * pe_stride, (offset + tok).to(tl.int64), tok, L, D, BLOCK_L,
+                                        BLOCK_D)
     for part in tl.static_range(2):
         w_ptr = qw_ptr if part == 0 else kw_ptr
         out_ptr = q_ptr if part == 0 else k_ptr
@@ -50,10 +67,42 @@ def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr
             w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
             x = (x * rstd * w).to(out_ptr.dtype.element_ty).to(tl.float32)
         if HAS_PE:
-            e, o = tl.split(tl.reshape(x, (BLOCK_L, BLOCK_D // 2, 2)))
-            x = tl.reshape(tl.join(m00 * e + m01 * o, m10 * e + m11 * o), (BLOCK_L, BLOCK_D))
+            x = _rotate(x, m00, m01, m10, m11, BLOCK_L, BLOCK_D)
         tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + dst, tl.load(vs_ptr + src, mask=mask, other=0.0), mask=mask)
+
+
+@jit(do_not_specialize=("L", "row_stride", "pe_stride"))
+def _row_norm_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, row_stride,
+                          pe_stride, eps, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_L: tl.constexpr):
+    # One program holds BLOCK_L tokens of every head: the RMS over the whole row is summed head by head, then each
+    # head is read again (from cache), normalized, rotated and stored.
+    b = tl.program_id(1)
+    tok = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (tok < L) & (d < D)
+    row = (b * L + tok).to(tl.int64)
+    src = row * row_stride + d
+    dst = row * (H * D) + d
+    m00, m01, m10, m11 = _rotations(pe_ptr + b * pe_stride, tok.to(tl.int64), tok, L, D, BLOCK_L, BLOCK_D)
+    for part in tl.static_range(2):
+        w_ptr = qw_ptr if part == 0 else kw_ptr
+        out_ptr = q_ptr if part == 0 else k_ptr
+        in_ptr = qs_ptr if part == 0 else ks_ptr
+        squares = tl.zeros((BLOCK_L,), dtype=tl.float32)
+        for h in range(H):
+            x = tl.load(in_ptr + src + h * D, mask=mask, other=0.0).to(tl.float32)
+            squares += tl.sum(x * x, 1)
+        rstd = tl.rsqrt(squares / (H * D) + eps)[:, None]
+        for h in range(H):
+            x = tl.load(in_ptr + src + h * D, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + h * D + d, mask=d < D, other=0.0).to(tl.float32)
+            x = _rotate((x * rstd * w).to(out_ptr.dtype.element_ty).to(tl.float32), m00, m01, m10, m11, BLOCK_L,
+                        BLOCK_D)
+            tl.store(out_ptr + dst + h * D, x.to(out_ptr.dtype.element_ty), mask=mask)
+    for h in range(H):
+        tl.store(v_ptr + dst + h * D, tl.load(vs_ptr + src + h * D, mask=mask, other=0.0), mask=mask)
 
 
 def supported(qkv: torch.Tensor) -> bool:
@@ -81,6 +130,21 @@ def _sources(qkv, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return parts
 
 
+def _layout(name: str, sq: torch.Tensor, heads: int, out: tuple[torch.Tensor, ...]) -> tuple[int, int, int, int]:
+    """(B, L, head_dim, the outputs' tokens) of a call, its heads and outputs checked."""
+    B, L, C = sq.shape
+    if C % heads or (C // heads) % 2:
+        raise BadInput(f"{name}: {C} channels are not {heads} heads of an even head size.",
+                       "Pass the number of heads the projection was made for.")
+    D = C // heads
+    total = out[0].shape[1]
+    for t in out:
+        if t.shape != (B, total, heads, D) or not t.is_contiguous() or t.dtype != sq.dtype or t.device != sq.device:
+            raise BadInput(f"{name}: an output is {tuple(t.shape)} {t.dtype}; expected contiguous "
+                           f"({B}, {total}, {heads}, {D}) {sq.dtype}.", "Make the outputs with empty_qkv.")
+    return B, L, D, total
+
+
 def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Three (batch, tokens, heads, head_dim) buffers for `qk_norm_rope` to fill."""
     return tuple(torch.empty(batch, tokens, heads, head_dim, dtype=like.dtype, device=like.device) for _ in range(3))
@@ -95,18 +159,9 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
     with q_weight and k_weight (when given), then rotated by pe's rows offset..offset + L (when given)."""
     sq, sk, sv = _sources(qkv, heads)
     require(sq, _qk_rope_kernel, "qk_norm_rope")
-    B, L, C = sq.shape
-    if C % heads or (C // heads) % 2:
-        raise BadInput(f"qk_norm_rope: {C} channels are not {heads} heads of an even head size.",
-                       "Pass the number of heads the projection was made for.")
-    D = C // heads
+    B, L, D, total = _layout("qk_norm_rope", sq, heads, out)
     qkv = sq
     q, k, v = out
-    total = q.shape[1]
-    for t in out:
-        if t.shape != (B, total, heads, D) or not t.is_contiguous() or t.dtype != qkv.dtype or t.device != qkv.device:
-            raise BadInput(f"qk_norm_rope: an output is {tuple(t.shape)} {t.dtype}; expected contiguous "
-                           f"({B}, {total}, {heads}, {D}) {qkv.dtype}.", "Make the outputs with empty_qkv.")
     if not 0 <= offset <= total - L:
         raise BadInput(f"qk_norm_rope: {L} tokens at offset {offset} do not fit {total}.", "Pass a fitting offset.")
     if (q_weight is None) != (k_weight is None):
@@ -136,6 +191,38 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
             HAS_PE=pe is not None, num_warps=4)
 
 
+def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, pe: torch.Tensor) -> None:
+    """Write the three (B, L, heads * head_dim) projections q, k and v into out[0..2], each (B, L, heads, head_dim):
+    q and k RMS-normalized over all heads' channels with q_weight and k_weight (heads * head_dim each: Wan's
+    q/k norm), then rotated by pe (B|1, 1, L, head_dim / 2, 2, 2)."""
+    sq, sk, sv = _sources(qkv, heads)
+    require(sq, _row_norm_rope_kernel, "qk_row_norm_rope")
+    B, L, D, total = _layout("qk_row_norm_rope", sq, heads, out)
+    C = heads * D
+    if total != L:
+        raise BadInput(f"qk_row_norm_rope: the outputs hold {total} tokens; q, k and v have {L}.",
+                       "Make the outputs with empty_qkv for these tokens.")
+    for w in (q_weight, k_weight):
+        if w.numel() != C or w.device != sq.device:
+            raise BadInput(f"qk_row_norm_rope: a norm weight has {w.numel()} elements; rows have {C}.",
+                           "Pass the RMSNorm weights over all heads.")
+    if pe.dtype != torch.float32 or pe.shape[-4:] != (L, D // 2, 2, 2) or pe.shape[0] not in (1, B) \
+            or pe.device != sq.device:
+        raise BadInput(f"qk_row_norm_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 "
+                       f"(B|1, 1, {L}, {D // 2}, 2, 2).", "Pass the rotary table of these tokens.")
+    pe = pe.contiguous()
+    if B * L == 0:
+        return
+    block_d = pow2(D)
+    block_l = max(1, min(pow2(L), 4096 // block_d))
+    with on_device(sq):
+        _row_norm_rope_kernel[(cdiv(L, block_l), B)](
+            sq, sk, sv, q_weight.contiguous(), k_weight.contiguous(), pe, *out, L, sq.stride(1),
+            pe.stride(0) if pe.shape[0] > 1 else 0, eps, H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l,
+            num_warps=4)
+
+
 def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,
                      k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, pe: Optional[torch.Tensor] = None,
                      offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,4 +243,4 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Ten
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "empty_qkv", "supported"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "empty_qkv", "supported"]

@@ -99,13 +99,14 @@ def comfy_pytorch_attention(monkeypatch):
     import comfy.ldm.flux.math
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+    import comfy.ldm.wan.model as wan
 
-    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention.attention_pytorch)
-    monkeypatch.setattr(mmdit, "optimized_attention", attention.attention_pytorch)
+    for module in (comfy.ldm.flux.math, mmdit, wan):
+        monkeypatch.setattr(module, "optimized_attention", attention.attention_pytorch)
 
 
 @pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
-                                                ("tiny-chroma", "chroma", 5)])
+                                                ("tiny-chroma", "chroma", 5), ("tiny-wan", "wan", 3)])
 def test_comfyuis_transformers_with_fused_kernels_match_their_own_forward(comfy_pytorch_attention, name, fusion,
                                                                            blocks):
     pytest.importorskip("triton")
@@ -213,6 +214,77 @@ def test_fused_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_py
     undo()
 
 
+def _tiny_wan(**cfg):
+    """ComfyUI's WanModel of tiny-wan's layout, changed by cfg, seeded."""
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    _, tiny = configs.COMFY_DIT_CONFIGS["tiny-wan"]
+    model = comfy.ldm.wan.model.WanModel(**{**{k: v for k, v in tiny.items() if k != "image_model"}, **cfg},
+                                         operations=comfy.ops.disable_weight_init, device=DEVICE)
+    return configs.seed_dit_parameters(model, 0).eval()
+
+
+@pytest.mark.parametrize("case", ["per frame", "per token", "runs that do not divide the tokens", "image to video",
+                                  "no cross-attention norm", "no q/k norm"])
+def test_comfyuis_wan_variants_with_fused_kernels_match_their_own_forward(comfy_pytorch_attention, case):
+    """Wan 2.2's timesteps per latent frame or per token (a modulation row per run of tokens, as ComfyUI's repeat_e
+    spreads it; 7 rows over 60 tokens: 9 each, the end cut), image-to-video's cross-attention to CLIP image tokens, and
+    blocks without the cross-attention's LayerNorm or the q/k norms: every block fused, within float32 rounding of
+    ComfyUI's own."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = _tiny_wan(**{"image to video": {"model_type": "i2v"},
+                         "no cross-attention norm": {"cross_attn_norm": False},
+                         "no q/k norm": {"qk_norm": False}}.get(case, {}))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, 3, 8, 10, generator=g).to(DEVICE)  # 3 x 4 x 5 = 60 tokens
+    ctx = torch.randn(2, 7, 32, generator=g).to(DEVICE)
+    t = {"per frame": torch.tensor([[0.2, 0.5, 0.9], [0.1, 0.1, 0.7]]), "per token": torch.rand(2, 60, generator=g),
+         "runs that do not divide the tokens": torch.rand(2, 7, generator=g)}.get(case, torch.tensor([0.3, 0.8]))
+    clip = torch.randn(2, 4, 1280, generator=g).to(DEVICE) if case == "image to video" else None
+    with torch.no_grad():
+        ref = model(x, t.to(DEVICE), ctx, clip_fea=clip)
+        undo, counts = fusions.apply(model, ["wan"])
+        out = model(x, t.to(DEVICE), ctx, clip_fea=clip)
+        undo()
+    assert counts["wan"] == 3 and H.rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)
+
+
+def test_fused_wan_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention):
+    """An attention override in transformer_options: the block's own forward serves the call, and calls it for the
+    self- and the cross-attention; a block whose cross-attention LayerNorm has a per-call weight function (lowvram)
+    keeps its forward."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = _tiny_wan()
+    block = model.blocks[0]
+    g = torch.Generator().manual_seed(4)
+    x, e, ctx = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((1, 48, 64), (1, 1, 6, 64), (1, 7, 64)))
+    freqs = model.rope_encode(3, 8, 8, device=DEVICE)  # 3 x 4 x 4 = 48 tokens
+    overrides = []
+
+    def override(fn, *args, **kwargs):
+        overrides.append(fn)
+        return fn(*args, **kwargs)
+
+    options = {"optimized_attention_override": override}
+    with torch.no_grad():
+        undo, _ = fusions.apply(model, ["wan"])
+        out = block(x, e, freqs, ctx, transformer_options=options)
+        assert len(overrides) == 2
+        fused = block(x, e, freqs, ctx)
+        undo()
+        ref = block(x, e, freqs, ctx, transformer_options=options)
+    assert len(overrides) == 4 and torch.equal(out, ref) and H.rel(fused, ref) <= FUSED_TOL
+    block.norm3.weight_function = [lambda w: w]
+    undo, counts = fusions.apply(model, ["wan"])
+    assert counts["wan"] == 2 and "forward" not in vars(block)
+    undo()
+
+
 @pytest.fixture()
 def host_attention(monkeypatch):
     """accel/engine/host_attention.py with no choice made and nothing said yet in this process."""
@@ -233,7 +305,7 @@ def _counted_sdpa(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
-                                                ("tiny-chroma", "chroma", 5)])
+                                                ("tiny-chroma", "chroma", 5), ("tiny-wan", "wan", 3)])
 def test_fused_blocks_serve_under_another_attention_comfyui_chose_for_the_whole_host(comfy_pytorch_attention,
                                                                                       host_attention, monkeypatch,
                                                                                       caplog, name, fusion, blocks):
@@ -259,8 +331,9 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_for_the_whole_
     assert counts[fusion] == blocks and sdpa and rel(out, ref) <= FUSED_TOL and torch.equal(out, again)
     said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
     assert len(said) == 1 and "(--use-split-cross-attention)" in said[0], said
-    if DEVICE == "cpu":
-        assert not split and "on the cpu nothing is timed: the fused blocks run PyTorch's SDPA" in said[0], said
+    if DEVICE == "cpu":  # Wan's cross-attention, ComfyUI's own module, calls ComfyUI's function: 2 blocks, 2 calls
+        assert len(split) == (4 if fusion == "wan" else 0), split
+        assert "on the cpu nothing is timed: the fused blocks run PyTorch's SDPA" in said[0], said
 
 
 def test_where_comfyuis_choice_is_timed_faster_the_fused_blocks_run_it_and_time_each_shape_once(

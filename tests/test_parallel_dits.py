@@ -1,6 +1,7 @@
-"""Sequence parallelism (accel/parallel) for ComfyUI's Flux, Chroma, SD3/SD3.5 MMDiT and Qwen-Image over 2 and 4 gloo
-processes on the CPU. Tiny seeded models of ComfyUI's own classes (4 heads) give on every rank the output of one
-process, in float32, with text the world splits (8 tokens) and text it does not (7, as SD3.5's 333): with ComfyUI's
+"""Sequence parallelism (accel/parallel) for ComfyUI's Flux, Chroma, SD3/SD3.5 MMDiT, Qwen-Image and Wan over 2 and 4
+gloo processes on the CPU. Tiny seeded models of ComfyUI's own classes (4 heads) give on every rank the output of one
+process, in float32, with text the world splits (8 tokens) and text it does not (7, as SD3.5's 333; Wan's text enters
+by cross-attention, outside the exchange): with ComfyUI's
 own blocks, and with the torch path's fused blocks (accelerate() with the Triton kernels, run by Triton's
 interpreter), whose attention the exchange reaches too, also where ComfyUI chose another attention function for the
 whole host. After the context the model is its own again; image token counts the world does not divide, and
@@ -19,11 +20,12 @@ pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is 
 # config name -> the torch path's fusion for its blocks (None where it has none), and the text tokens it is run with
 # in that form: split (8) for Flux as Flux's 512 are, whole (7) for SD3 as SD3.5's 333 are
 MODELS = {"tiny-flux": ("flux", 8), "tiny-chroma": ("chroma", 7), "tiny-sd3": ("mmdit", 7),
-          "tiny-qwen-image": (None, None)}
+          "tiny-qwen-image": (None, None), "tiny-wan": ("wan", 7)}
 ATTENTION = {"tiny-flux": ("comfy.ldm.flux.math", "optimized_attention"),
              "tiny-chroma": ("comfy.ldm.flux.math", "optimized_attention"),
              "tiny-sd3": ("comfy.ldm.modules.diffusionmodules.mmdit", "optimized_attention"),
-             "tiny-qwen-image": ("comfy.ldm.qwen_image.model", "optimized_attention_masked")}
+             "tiny-qwen-image": ("comfy.ldm.qwen_image.model", "optimized_attention_masked"),
+             "tiny-wan": ("comfy.ldm.wan.model", "optimized_attention")}
 
 
 def _model(name: str):

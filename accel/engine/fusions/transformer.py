@@ -1,4 +1,4 @@
-"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit) share: the call conditions, the
+"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan) share: the call conditions, the
 attention over the joint sequence, the gated residual / modulated MLP steps of a DiT block, and the computation of
 Flux's double and single blocks that ComfyUI's Flux and Chroma classes share."""
 
@@ -18,11 +18,16 @@ EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
 
 
+def own_weights(*layers: nn.Module) -> bool:
+    """Layers whose weights have no per-call functions (lowvram, a LoRA applied per call), which only the host's
+    forward applies in step."""
+    return all(not getattr(layer, "weight_function", None) and not getattr(layer, "bias_function", None)
+               for layer in layers)
+
+
 def linears(*layers: nn.Module) -> bool:
-    """Linear layers (ComfyUI's cast-on-the-fly ones included: the fused forwards call them) whose weights have no
-    per-call functions (lowvram, a LoRA applied per call), which only the host's forward applies in step."""
-    return all(isinstance(layer, nn.Linear) and not getattr(layer, "weight_function", None)
-               and not getattr(layer, "bias_function", None) for layer in layers)
+    """Linear layers (ComfyUI's cast-on-the-fly ones included: the fused forwards call them) of own_weights."""
+    return all(isinstance(layer, nn.Linear) for layer in layers) and own_weights(*layers)
 
 
 def kernels_run_on(x: torch.Tensor) -> bool:
@@ -62,10 +67,11 @@ def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | N
     return h if update is None else (h, s)
 
 
-def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, scale: torch.Tensor,
               shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
-    """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update; the caller adds the MLP's gated
-    output to s. With fp8 products the GELU runs in the pass that quantizes fc2's input."""
+    """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update (x + update where gate is None);
+    the caller adds the MLP's gated output to s. With fp8 products the GELU runs in the pass that quantizes fc2's
+    input."""
     h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
     a = fp8.project(fc1, h)
     if fp8.takes_rows(a, fc2):
@@ -75,10 +81,16 @@ def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, scale: 
 
 def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
                     update2: torch.Tensor | None = None) -> torch.Tensor:
-    """x += gate * (update (+ update2)) in place (gate per sample: (B, 1, C) or (B, C))."""
+    """x += gate * (update (+ update2)) in place (gate per sample: (B, 1, C) or (B, C); or per run of tokens,
+    (B, T, C), on a contiguous x: kernels/adaln.py)."""
     if x.is_contiguous() and update.shape == x.shape:
         return kernel_module("adaln").gated_add_(x, gate, update, update2)
     return x.addcmul_(gate if gate.dim() == 3 else gate.unsqueeze(1), update if update2 is None else update + update2)
+
+
+def plain_layer_norms(*norms: nn.Module) -> bool:
+    """LayerNorm modules of the DiTs' adaLN: no affine, eps 1e-6 (what the adaLN kernel computes)."""
+    return all(isinstance(n, nn.LayerNorm) and not n.elementwise_affine and n.eps == EPS for n in norms)
 
 
 def norm_weight(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:

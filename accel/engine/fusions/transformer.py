@@ -132,8 +132,8 @@ class Modulation(NamedTuple):
 @dataclass(frozen=True)
 class Stream:
     """One stream (text or image) of a block of joint attention, as `joint_block` computes it: its tokens, the
-    modulations of its attention and MLP halves (a Modulation, or Flux's ModulationOut), the layers its tokens go through, and its
-    per-head q/k RMSNorm weights (None: no norm) with their eps."""
+    modulations of its attention and MLP halves (a Modulation, or Flux's ModulationOut), the layers its tokens go
+    through, and its per-head q/k RMSNorm weights (None: no norm) with their eps."""
     x: torch.Tensor
     attn_mod: Any
     mlp_mod: Any
@@ -144,6 +144,16 @@ class Stream:
     proj: nn.Module
     fc1: nn.Module
     fc2: nn.Module
+
+
+def diffusers_stream(x: torch.Tensor, mods: torch.Tensor, qkv: tuple[nn.Module, nn.Module, nn.Module],
+                     q_norm: nn.Module, k_norm: nn.Module, proj: nn.Module, ff: nn.Module) -> Stream:
+    """A Stream of diffusers' double-block layout (which ComfyUI's Qwen-Image keeps): its modulations the six chunks of
+    one (B, 6C) projection (shift, scale and gate of the attention, then of the MLP), q, k and v projected by three
+    layers, q/k RMSNorm modules, a FeedForward of net[0].proj, the GELU, and net[2]."""
+    shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = mods.chunk(6, dim=-1)
+    return Stream(x, Modulation(shift, scale, gate), Modulation(mlp_shift, mlp_scale, mlp_gate), qkv, q_norm.weight,
+                  k_norm.weight, q_norm.eps, proj, ff.net[0].proj, ff.net[2])
 
 
 def joint_block(streams: Sequence[Stream], heads: int, attend: Callable[..., torch.Tensor],

@@ -5,8 +5,9 @@ written at a token offset so that a joint text+image sequence is assembled witho
 qkv holds (3, heads, head_dim) per token, as Flux's and MMDiT's projections do (rows may be strided: Flux's single
 blocks project qkv and the MLP input together), or comes as three (batch, tokens, heads * head_dim) projections (q, k
 and v, as diffusers' attention makes them). The rotary table `pe` is Flux's (B|1, 1, tokens, head_dim / 2, 2, 2)
-float32 rotation matrices over the whole joint sequence. Like the eager code, the normalized q and k are rounded to
-the input dtype before the rotation, which is computed in float32.
+rotation matrices over the whole joint sequence, in float32 or in q's dtype (Qwen-Image's forward casts them to it).
+Like the eager code, the normalized q and k are rounded to the input dtype before the rotation, which is computed in
+float32.
 
 Wan normalizes q and k over all heads' channels, not per head: `qk_row_norm_rope` takes its three projections and
 its rotary table (Wan's rope_encode, heads and tokens axes swapped back: Flux's layout), one program per run of
@@ -27,7 +28,7 @@ from .errors import BadInput
 def _rotations(pe_ptr, rows, tok, L, D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
     """The 2x2 rotations [[m00, m01], [m10, m11]] of pe's `rows` (one per pair of elements), for tokens `tok`."""
     c = tl.arange(0, 2 * BLOCK_D)[None, :]
-    pe = tl.load(pe_ptr + rows * (2 * D) + c, mask=(tok < L) & (c < 2 * D), other=0.0)
+    pe = tl.load(pe_ptr + rows * (2 * D) + c, mask=(tok < L) & (c < 2 * D), other=0.0).to(tl.float32)
     left, right = tl.split(tl.reshape(pe, (BLOCK_L, BLOCK_D // 2, 2, 2)))
     m00, m10 = tl.split(left)
     m01, m11 = tl.split(right)
@@ -172,10 +173,11 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
                            "Pass the per-head RMSNorm weights.")
     pe_stride = 0
     if pe is not None:
-        if pe.dtype != torch.float32 or pe.shape[-3:] != (D // 2, 2, 2) or pe.shape[-4] != total \
+        if pe.dtype not in (torch.float32, qkv.dtype) or pe.shape[-3:] != (D // 2, 2, 2) or pe.shape[-4] != total \
                 or pe.shape[0] not in (1, B) or pe.device != qkv.device:
-            raise BadInput(f"qk_norm_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 "
-                           f"(B|1, 1, {total}, {D // 2}, 2, 2).", "Pass Flux's rotary table for the joint sequence.")
+            raise BadInput(f"qk_norm_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 or "
+                           f"{qkv.dtype} (B|1, 1, {total}, {D // 2}, 2, 2).",
+                           "Pass Flux's rotary table for the joint sequence.")
         pe = pe.contiguous()
         pe_stride = pe.stride(0) if pe.shape[0] > 1 else 0
     qw = q_weight.contiguous() if q_weight is not None else qkv

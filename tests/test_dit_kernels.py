@@ -199,6 +199,27 @@ def test_qk_norm_rope_takes_q_k_and_v_as_three_projections():
     assert all(torch.equal(a, b) for a, b in zip(packed, separate))
 
 
+def test_qk_norm_rope_takes_a_rotary_table_in_the_activations_dtype():
+    """Qwen-Image's forward casts its table (B, L, 1, D / 2, 2, 2) to the activations' bfloat16 and rotates in
+    bfloat16 (its apply_rotary_emb); the kernel reads that table and rotates in float32, within bfloat16's rounding."""
+    B, L, H, D = 2, 11, 3, 16
+    q, k, v = (_randn(B, L, H * D, dtype=torch.bfloat16, seed=s, scale=2.0) for s in (3, 4, 5))
+    qw, kw = _randn(D, seed=1, offset=1.0, scale=0.1), _randn(D, seed=2, offset=1.0, scale=0.1)
+    table = _flux_pe(B, L, D).transpose(1, 2).to(torch.bfloat16)  # Qwen-Image's layout
+    got = qk_rope.empty_qkv(B, L, H, D, q)
+    qk_rope.qk_norm_rope((q, k, v), H, got, q_weight=qw, k_weight=kw, pe=table.transpose(1, 2))
+
+    def qwen(t, w):  # RMSNorm per head, then the rotation in bfloat16, as ComfyUI's Qwen-Image attention
+        t = F.rms_norm(t.view(B, L, H, D), (D,), w.to(t.dtype), 1e-6)
+        t2 = t.reshape(B, L, H, -1, 1, 2)
+        return (table[..., 0] * t2[..., 0] + table[..., 1] * t2[..., 1]).reshape(t.shape)
+
+    for out, want in zip(got, (qwen(q, qw), qwen(k, kw), v.view(B, L, H, D))):
+        _close(out, want, torch.bfloat16)
+    with pytest.raises(BadInput, match="pe has shape"):  # a 16-bit table of another dtype than q's
+        qk_rope.qk_norm_rope((q, k, v), H, got, pe=table.transpose(1, 2).half())
+
+
 @pytest.mark.parametrize("M,K,dtype", [(7, 300, torch.bfloat16), (5, 4096, torch.float16), (3, 64, torch.float32)])
 def test_quantize_rows_scales_each_row_to_e4m3s_range(M, K, dtype):
     """The kernel on a GPU against its reference; on the CPU the reference alone (what the CPU runs), since Triton's

@@ -1,10 +1,12 @@
-"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan) share: the call conditions, the
-attention over the joint sequence, the gated residual / modulated MLP steps of a DiT block, and the computation of
-Flux's double and single blocks that ComfyUI's Flux and Chroma classes share."""
+"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan, qwen_image) share: the call
+conditions, the attention over the joint sequence, the gated residual / modulated MLP steps of a DiT block, the
+double-stream block of joint text+image attention (Flux, Chroma, Qwen-Image) and Flux's single block."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +43,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).reshape(B, L, H * D)
 
 
-def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               name: str = "optimized_attention") -> torch.Tensor:
     """sdpa for a fused block of ComfyUI's `module_name`, or ComfyUI's attention chosen for the whole host where it was
     timed faster for the shape (base.comfy_attend); through the `around` of a StandIn that takes the place of that
-    module's attention function (sequence parallelism's exchange), where one does."""
-    fn = getattr(sys.modules.get(module_name), "optimized_attention", None)
+    module's attention function `name` (sequence parallelism's exchange), where one does."""
+    fn = getattr(sys.modules.get(module_name), name, None)
     host = fn.host if isinstance(fn, StandIn) else fn
 
     def attend(q, k, v):
@@ -119,30 +122,85 @@ def fused_call(x: torch.Tensor, transformer_options: dict | None, *conditions: b
             and kernels_run_on(x))
 
 
+class Modulation(NamedTuple):
+    """An adaLN modulation's shift, scale and gate ((B, C) or (B, 1, C)), as Flux's ModulationOut names them."""
+    shift: torch.Tensor
+    scale: torch.Tensor
+    gate: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One stream (text or image) of a block of joint attention, as `joint_block` computes it: its tokens, the
+    modulations of its attention and MLP halves (a Modulation, or Flux's ModulationOut), the layers its tokens go
+    through, and its per-head q/k RMSNorm weights (None: no norm) with their eps."""
+    x: torch.Tensor
+    attn_mod: Any
+    mlp_mod: Any
+    qkv: nn.Module | tuple[nn.Module, nn.Module, nn.Module]  # one packed projection, or q, k and v
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    proj: nn.Module
+    fc1: nn.Module
+    fc2: nn.Module
+
+
+def diffusers_stream(x: torch.Tensor, mods: torch.Tensor, qkv: tuple[nn.Module, nn.Module, nn.Module],
+                     q_norm: nn.Module, k_norm: nn.Module, proj: nn.Module, ff: nn.Module) -> Stream:
+    """A Stream of diffusers' double-block layout (which ComfyUI's Qwen-Image keeps): its modulations the six chunks of
+    one (B, 6C) projection (shift, scale and gate of the attention, then of the MLP), q, k and v projected by three
+    layers, q/k RMSNorm modules, a FeedForward of net[0].proj, the GELU, and net[2]."""
+    shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = mods.chunk(6, dim=-1)
+    return Stream(x, Modulation(shift, scale, gate), Modulation(mlp_shift, mlp_scale, mlp_gate), qkv, q_norm.weight,
+                  k_norm.weight, q_norm.eps, proj, ff.net[0].proj, ff.net[2])
+
+
+def joint_block(streams: Sequence[Stream], heads: int, attend: Callable[..., torch.Tensor],
+                pe: torch.Tensor | None) -> list[torch.Tensor]:
+    """A double-stream block's computation with the kernels (Flux, Chroma, Qwen-Image): the streams' tokens joined in
+    their order into one attention (attend(q, k, v), each (B, L, heads, head_dim), over the joint sequence, rotated by
+    pe's rows there), then each stream's gated residual, modulated MLP and gated residual. Returns the streams' new
+    tokens, in their order."""
+    rope = kernel_module("qk_rope")
+    first = streams[0].x
+    (B, _, C), total = first.shape, sum(s.x.shape[1] for s in streams)
+    qkv = rope.empty_qkv(B, total, heads, C // heads, first)
+    offset = 0
+    for s in streams:
+        layers = s.qkv if isinstance(s.qkv, tuple) else (s.qkv,)
+        h = modulated_norm(s.x, s.attn_mod.scale, s.attn_mod.shift, *layers)
+        projected = tuple(fp8.project(layer, h) for layer in layers)
+        rope.qk_norm_rope(projected if len(projected) == 3 else projected[0], heads, qkv, offset,
+                          norm_weight(s.q_norm, s.x), norm_weight(s.k_norm, s.x), s.eps, pe)
+        offset += s.x.shape[1]
+    out = attend(*qkv)
+    outs, offset = [], 0
+    for s in streams:
+        L = s.x.shape[1]
+        y, x = gated_mlp(s.x, s.proj(out[:, offset:offset + L]), s.attn_mod.gate, s.mlp_mod.scale, s.mlp_mod.shift,
+                         s.fc1, s.fc2)
+        outs.append(gated_residual_(x, s.mlp_mod.gate, y))
+        offset += L
+    return outs
+
+
 def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torch.Tensor | None, mods: tuple,
                  flipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A double-stream block's computation with the kernels; mods = (img_mod1, img_mod2, txt_mod1, txt_mod2), each
-    with shift, scale and gate of shape (B, 1, C)."""
-    rope = kernel_module("qk_rope")
+    """A double-stream block of Flux's layout; mods = (img_mod1, img_mod2, txt_mod1, txt_mod2), each with shift,
+    scale and gate of shape (B, 1, C)."""
     img_mod1, img_mod2, txt_mod1, txt_mod2 = mods
-    (B, Li, C), Lt, H = img.shape, txt.shape[1], self.num_heads
-    qkv = rope.empty_qkv(B, Lt + Li, H, C // H, img)
-    streams = [(txt, txt_mod1, self.txt_attn, 0), (img, img_mod1, self.img_attn, Lt)]
+
+    def stream(x, attn, mlp, mod1, mod2) -> Stream:
+        return Stream(x, mod1, mod2, attn.qkv, attn.norm.query_norm.scale, attn.norm.key_norm.scale, EPS, attn.proj,
+                      mlp[0], mlp[2])
+
+    streams = [stream(txt, self.txt_attn, self.txt_mlp, txt_mod1, txt_mod2),
+               stream(img, self.img_attn, self.img_mlp, img_mod1, img_mod2)]
     if flipped:
-        streams = [(img, img_mod1, self.img_attn, 0), (txt, txt_mod1, self.txt_attn, Li)]
-    for x, mod, attn, offset in streams:
-        h = modulated_norm(x, mod.scale, mod.shift, attn.qkv)
-        rope.qk_norm_rope(fp8.project(attn.qkv, h), H, qkv, offset, norm_weight(attn.norm.query_norm.scale, x),
-                          norm_weight(attn.norm.key_norm.scale, x), EPS, pe)
-    out = comfy_sdpa(FLUX_ATTENTION, *qkv)
-    first, second = out[:, :streams[0][0].shape[1]], out[:, streams[0][0].shape[1]:]
-    img_attn, txt_attn = (second, first) if not flipped else (first, second)
-    y, img = gated_mlp(img, self.img_attn.proj(img_attn), img_mod1.gate, img_mod2.scale, img_mod2.shift,
-                       self.img_mlp[0], self.img_mlp[2])
-    gated_residual_(img, img_mod2.gate, y)
-    y, txt = gated_mlp(txt, self.txt_attn.proj(txt_attn), txt_mod1.gate, txt_mod2.scale, txt_mod2.shift,
-                       self.txt_mlp[0], self.txt_mlp[2])
-    gated_residual_(txt, txt_mod2.gate, y)
+        streams.reverse()
+    new = joint_block(streams, self.num_heads, lambda q, k, v: comfy_sdpa(FLUX_ATTENTION, q, k, v), pe)
+    txt, img = new if not flipped else new[::-1]
     if txt.dtype == torch.float16:
         txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
     return img, txt

@@ -2,6 +2,12 @@
 the rotary embedding (Flux), and the (batch, tokens, heads, head_dim) layout that SDPA reads through a transpose,
 written at a token offset so that a joint text+image sequence is assembled without a concatenation.
 
+For fp8 attention q and k may be written in e4m3 instead, each divided by a per-tensor descale read from the device:
+after RMSNorm with weight w every element is bounded by sqrt(head_dim) * max|w| (a rotation keeps the norm of each
+pair), so a descale set from that bound never overflows, and e4m3, a floating-point format, keeps its relative
+precision below the bound. v, which no norm bounds, stays 16-bit; the pass accumulates its largest magnitude into a
+device scalar (atomic max) for the pass that quantizes it (kernels/quant.py quantize_tensor).
+
 qkv holds (3, heads, head_dim) per token, as Flux's and MMDiT's projections do (rows may be strided: Flux's single
 blocks project qkv and the MLP input together), or comes as three (batch, tokens, heads * head_dim) projections (q, k
 and v, as diffusers' attention makes them). The rotary table `pe` is Flux's (B|1, 1, tokens, head_dim / 2, 2, 2)
@@ -15,15 +21,18 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tl
+from .common import cdiv, e4m3, jit, on_device, pow2, require, supported_tensor, tl
 from .errors import BadInput
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 @jit(do_not_specialize=("L", "total", "offset", "row_stride", "pe_stride"))
-def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, total, offset, row_stride,
-                    pe_stride, eps,
+def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr, amax_ptr, L, total,
+                    offset, row_stride, pe_stride, eps,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                    HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr):
+                    HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr, QK_FP8: tl.constexpr, V_AMAX: tl.constexpr):
     # Whole rows are loaded and stored (coalesced); the rotation pairs adjacent elements through split and join.
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -48,12 +57,17 @@ def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr
         if HAS_NORM:
             rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
             w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            x = (x * rstd * w).to(out_ptr.dtype.element_ty).to(tl.float32)
+            x = (x * rstd * w).to(in_ptr.dtype.element_ty).to(tl.float32)
         if HAS_PE:
             e, o = tl.split(tl.reshape(x, (BLOCK_L, BLOCK_D // 2, 2)))
             x = tl.reshape(tl.join(m00 * e + m01 * o, m10 * e + m11 * o), (BLOCK_L, BLOCK_D))
+        if QK_FP8:
+            x = e4m3(x / tl.load(descale_ptr + part))
         tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + dst, tl.load(vs_ptr + src, mask=mask, other=0.0), mask=mask)
+    v = tl.load(vs_ptr + src, mask=mask, other=0.0)
+    tl.store(v_ptr + dst, v, mask=mask)
+    if V_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v.to(tl.float32)), 1), 0))
 
 
 def supported(qkv: torch.Tensor) -> bool:
@@ -81,18 +95,35 @@ def _sources(qkv, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return parts
 
 
-def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Three (batch, tokens, heads, head_dim) buffers for `qk_norm_rope` to fill."""
-    return tuple(torch.empty(batch, tokens, heads, head_dim, dtype=like.dtype, device=like.device) for _ in range(3))
+def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor,
+              qk_fp8: bool = False) -> tuple[torch.Tensor, ...]:
+    """Three (batch, tokens, heads, head_dim) buffers for `qk_norm_rope` to fill; q and k in e4m3 with qk_fp8."""
+    dtypes = (FP8 if qk_fp8 else like.dtype,) * 2 + (like.dtype,)
+    return tuple(torch.empty(batch, tokens, heads, head_dim, dtype=dt, device=like.device) for dt in dtypes)
+
+
+def qk_descales(q_weights: Sequence[torch.Tensor], k_weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(2,) float32 on the weights' device: the descales of q and k for `qk_norm_rope`'s e4m3 output, from the
+    RMSNorm weights of every stream written into the sequence (max|x| <= sqrt(head_dim) * max|w|), with room for the
+    rounding to the input dtype before the rotation. Computed on the device: no host sync, and a CUDA graph that
+    replays it follows a changed weight."""
+    head_dim = q_weights[0].numel()
+    w = torch.stack([t.reshape(head_dim) for t in (*q_weights, *k_weights)]).view(2, -1).float()
+    bound = torch.linalg.vector_norm(w, float("inf"), dim=1)
+    return (bound * (head_dim ** 0.5 * (1 + 2 ** -6) / FP8_MAX)).clamp_min(1e-12)
 
 
 def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], offset: int = 0,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                 pe: Optional[torch.Tensor] = None) -> None:
+                 pe: Optional[torch.Tensor] = None, descales: Optional[torch.Tensor] = None,
+                 v_amax: Optional[torch.Tensor] = None) -> None:
     """Write qkv's (B, L, 3 * heads * head_dim) q, k and v (or the three (B, L, heads * head_dim) tensors of a
     sequence) into out[0..2][:, offset:offset + L], each (B, total, heads, head_dim): q and k RMS-normalized per head
-    with q_weight and k_weight (when given), then rotated by pe's rows offset..offset + L (when given)."""
+    with q_weight and k_weight (when given), then rotated by pe's rows offset..offset + L (when given). With
+    `descales` ((2,) float32, `qk_descales`) q and k are written in e4m3 (out from empty_qkv(..., qk_fp8=True)) as
+    their values divided by the descales, saturated; with `v_amax` ((1,) float32) max|v| of these rows is folded into
+    it (atomic max: start it at 0 for a sequence)."""
     sq, sk, sv = _sources(qkv, heads)
     require(sq, _qk_rope_kernel, "qk_norm_rope")
     B, L, C = sq.shape
@@ -103,10 +134,19 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
     qkv = sq
     q, k, v = out
     total = q.shape[1]
-    for t in out:
-        if t.shape != (B, total, heads, D) or not t.is_contiguous() or t.dtype != qkv.dtype or t.device != qkv.device:
+    qk_dtype = FP8 if descales is not None else qkv.dtype
+    for t, dtype in zip(out, (qk_dtype, qk_dtype, qkv.dtype)):
+        if t.shape != (B, total, heads, D) or not t.is_contiguous() or t.dtype != dtype or t.device != qkv.device:
             raise BadInput(f"qk_norm_rope: an output is {tuple(t.shape)} {t.dtype}; expected contiguous "
-                           f"({B}, {total}, {heads}, {D}) {qkv.dtype}.", "Make the outputs with empty_qkv.")
+                           f"({B}, {total}, {heads}, {D}) {dtype}.", "Make the outputs with empty_qkv.")
+    if descales is not None and q_weight is None:
+        raise BadInput("qk_norm_rope: e4m3 q and k need the RMSNorm weights, whose bound sets their scale.",
+                       "Pass q_weight and k_weight, or write q and k in 16 bits.")
+    for t, n, what in ((descales, 2, "descales"), (v_amax, 1, "v_amax")):
+        if t is not None and (t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous()
+                              or t.device != qkv.device):
+            raise BadInput(f"qk_norm_rope: {what} is {tuple(t.shape)} {t.dtype}; expected {n} contiguous float32 on "
+                           f"{qkv.device}.", "Make descales with qk_descales and v_amax with torch.zeros(1).")
     if not 0 <= offset <= total - L:
         raise BadInput(f"qk_norm_rope: {L} tokens at offset {offset} do not fit {total}.", "Pass a fitting offset.")
     if (q_weight is None) != (k_weight is None):
@@ -131,15 +171,19 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
     block_l = max(1, min(pow2(L), 4096 // block_d))
     with on_device(qkv):
         _qk_rope_kernel[(cdiv(L, block_l), B, heads)](
-            sq, sk, sv, qw, kw, pe if pe is not None else qkv, q, k, v, L, total, offset, qkv.stride(1), pe_stride, eps,
-            H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l, HAS_NORM=q_weight is not None,
-            HAS_PE=pe is not None, num_warps=4)
+            sq, sk, sv, qw, kw, pe if pe is not None else qkv, q, k, v,
+            descales if descales is not None else qkv, v_amax if v_amax is not None else qkv, L, total, offset,
+            qkv.stride(1), pe_stride, eps, H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l,
+            HAS_NORM=q_weight is not None, HAS_PE=pe is not None, QK_FP8=descales is not None,
+            V_AMAX=v_amax is not None, num_warps=4)
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,
                      k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, pe: Optional[torch.Tensor] = None,
-                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch reference: (q, k, v), each (B, L, heads, head_dim), as Flux's eager code computes them."""
+                     offset: int = 0, descales: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference: (q, k, v), each (B, L, heads, head_dim), as Flux's eager code computes them; with
+    `descales` q and k in e4m3, quantized from the float32 rotation as the kernel does."""
     B, L, _ = qkv.shape
     q, k, v = qkv.reshape(B, L, 3, heads, -1).unbind(2)
     if q_weight is not None:
@@ -150,10 +194,12 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Ten
 
         def rotate(t: torch.Tensor) -> torch.Tensor:
             t2 = t.float().reshape(*t.shape[:-1], -1, 1, 2)
-            return (rows[..., 0] * t2[..., 0] + rows[..., 1] * t2[..., 1]).reshape(t.shape).to(t.dtype)
+            return (rows[..., 0] * t2[..., 0] + rows[..., 1] * t2[..., 1]).reshape(t.shape)
 
-        q, k = rotate(q), rotate(k)
+        q, k = (rotate(t) if descales is not None else rotate(t).to(t.dtype) for t in (q, k))
+    if descales is not None:
+        q, k = ((t.float() / d).clamp(-FP8_MAX, FP8_MAX).to(FP8) for t, d in zip((q, k), descales.float()))
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "empty_qkv", "supported"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "empty_qkv", "qk_descales", "supported", "FP8"]

@@ -30,7 +30,7 @@ FP8_MAX = 448.0
 
 @jit(do_not_specialize=("L", "total", "offset", "row_stride", "pe_stride"))
 def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr, amax_ptr, L, total,
-                    offset, row_stride, pe_stride, eps,
+                    offset, row_stride, pe_stride, descale_stride, eps,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                     HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr, QK_FP8: tl.constexpr, V_AMAX: tl.constexpr):
     # Whole rows are loaded and stored (coalesced); the rotation pairs adjacent elements through split and join.
@@ -62,7 +62,7 @@ def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr
             e, o = tl.split(tl.reshape(x, (BLOCK_L, BLOCK_D // 2, 2)))
             x = tl.reshape(tl.join(m00 * e + m01 * o, m10 * e + m11 * o), (BLOCK_L, BLOCK_D))
         if QK_FP8:
-            x = e4m3(x / tl.load(descale_ptr + part))
+            x = e4m3(x / tl.load(descale_ptr + part * descale_stride))
         tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
     v = tl.load(vs_ptr + src, mask=mask, other=0.0)
     tl.store(v_ptr + dst, v, mask=mask)
@@ -103,13 +103,14 @@ def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Te
 
 
 def qk_descales(q_weights: Sequence[torch.Tensor], k_weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(2,) float32 on the weights' device: the descales of q and k for `qk_norm_rope`'s e4m3 output, from the
+    """The descales of q and k for `qk_norm_rope`'s e4m3 output in column 0 of a (2, 4) float32 tensor on the weights'
+    device (each row 16 bytes: a library reading them as tensors of their own may want them aligned), from the
     RMSNorm weights of every stream written into the sequence (max|x| <= sqrt(head_dim) * max|w|), with room for the
     rounding to the input dtype before the rotation. Computed on the device: no host sync, and a CUDA graph that
     replays it follows a changed weight."""
     head_dim = q_weights[0].numel()
     w = torch.stack([t.reshape(head_dim) for t in (*q_weights, *k_weights)]).view(2, -1).float()
-    bound = torch.linalg.vector_norm(w, float("inf"), dim=1)
+    bound = torch.linalg.vector_norm(w, float("inf"), dim=1, keepdim=True).expand(2, 4)
     return (bound * (head_dim ** 0.5 * (1 + 2 ** -6) / FP8_MAX)).clamp_min(1e-12)
 
 
@@ -121,7 +122,7 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
     """Write qkv's (B, L, 3 * heads * head_dim) q, k and v (or the three (B, L, heads * head_dim) tensors of a
     sequence) into out[0..2][:, offset:offset + L], each (B, total, heads, head_dim): q and k RMS-normalized per head
     with q_weight and k_weight (when given), then rotated by pe's rows offset..offset + L (when given). With
-    `descales` ((2,) float32, `qk_descales`) q and k are written in e4m3 (out from empty_qkv(..., qk_fp8=True)) as
+    `descales` ((2, n) float32, column 0: `qk_descales`) q and k are written in e4m3 (out from empty_qkv(..., qk_fp8=True)) as
     their values divided by the descales, saturated; with `v_amax` ((1,) float32) max|v| of these rows is folded into
     it (atomic max: start it at 0 for a sequence)."""
     sq, sk, sv = _sources(qkv, heads)
@@ -142,11 +143,12 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
     if descales is not None and q_weight is None:
         raise BadInput("qk_norm_rope: e4m3 q and k need the RMSNorm weights, whose bound sets their scale.",
                        "Pass q_weight and k_weight, or write q and k in 16 bits.")
-    for t, n, what in ((descales, 2, "descales"), (v_amax, 1, "v_amax")):
-        if t is not None and (t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous()
-                              or t.device != qkv.device):
-            raise BadInput(f"qk_norm_rope: {what} is {tuple(t.shape)} {t.dtype}; expected {n} contiguous float32 on "
-                           f"{qkv.device}.", "Make descales with qk_descales and v_amax with torch.zeros(1).")
+    for t, what in ((descales, "descales"), (v_amax, "v_amax")):
+        if t is not None and (t.dtype != torch.float32 or t.device != qkv.device
+                              or (t.dim() != 2 or t.shape[0] != 2 if what == "descales" else t.numel() != 1)):
+            raise BadInput(f"qk_norm_rope: {what} is {tuple(t.shape)} {t.dtype}; expected float32 on {qkv.device}, "
+                           "(2, n) descales, one v_amax.", "Make descales with qk_descales and v_amax with "
+                           "torch.zeros(1).")
     if not 0 <= offset <= total - L:
         raise BadInput(f"qk_norm_rope: {L} tokens at offset {offset} do not fit {total}.", "Pass a fitting offset.")
     if (q_weight is None) != (k_weight is None):
@@ -173,7 +175,7 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
         _qk_rope_kernel[(cdiv(L, block_l), B, heads)](
             sq, sk, sv, qw, kw, pe if pe is not None else qkv, q, k, v,
             descales if descales is not None else qkv, v_amax if v_amax is not None else qkv, L, total, offset,
-            qkv.stride(1), pe_stride, eps, H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l,
+            qkv.stride(1), pe_stride, descales.stride(0) if descales is not None else 0, eps, H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l,
             HAS_NORM=q_weight is not None, HAS_PE=pe is not None, QK_FP8=descales is not None,
             V_AMAX=v_amax is not None, num_warps=4)
 
@@ -198,7 +200,7 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Ten
 
         q, k = (rotate(t) if descales is not None else rotate(t).to(t.dtype) for t in (q, k))
     if descales is not None:
-        q, k = ((t.float() / d).clamp(-FP8_MAX, FP8_MAX).to(FP8) for t, d in zip((q, k), descales.float()))
+        q, k = ((t.float() / d).clamp(-FP8_MAX, FP8_MAX).to(FP8) for t, d in zip((q, k), descales[:, 0].float()))
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 

@@ -36,14 +36,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.conste
 
 
 @jit(do_not_specialize=("N",))
-def _quantize_tensor_kernel(x_ptr, amax_ptr, q_ptr, scales_ptr, N, BLOCK: tl.constexpr):
+def _quantize_tensor_kernel(x_ptr, amax_ptr, q_ptr, descale_ptr, scale_ptr, N, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     descale = tl.maximum(tl.load(amax_ptr) / 448.0, 1e-12)
     x = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
     tl.store(q_ptr + i, e4m3(x / descale).to(q_ptr.dtype.element_ty), mask=i < N)
     if tl.program_id(0) == 0:
-        tl.store(scales_ptr, descale)
-        tl.store(scales_ptr + 1, 1.0 / descale)
+        tl.store(descale_ptr, descale)
+        tl.store(scale_ptr, 1.0 / descale)
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -81,30 +81,31 @@ def quantize_rows_ref(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 
-def quantize_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_fp8 of x's shape, scales (2,) float32 = (descale, 1 / descale)) for a contiguous x and its largest magnitude
-    `amax` ((1,) float32 on x's device): x = x_fp8 * descale, x_fp8 saturated at +-448. Runs under Triton's
-    interpreter too (its values are rounded to e4m3 before the conversion)."""
+def quantize_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_fp8 of x's shape, descale, 1 / descale), the scales (1,) float32 tensors of their own, for a contiguous x
+    and its largest magnitude `amax` ((1,) float32 on x's device): x = x_fp8 * descale, x_fp8 saturated at +-448.
+    Runs under Triton's interpreter too (its values are rounded to e4m3 before the conversion)."""
     require(x, _quantize_tensor_kernel, "quantize_tensor")
     if not x.is_contiguous() or amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device:
         raise BadInput(f"quantize_tensor: x is {tuple(x.shape)} with strides {x.stride()}, amax {tuple(amax.shape)} "
                        f"{amax.dtype}; it takes a contiguous x and one float32 amax on its device.",
                        "Use quantize_tensor_ref for other layouts.")
     q = torch.empty(x.shape, device=x.device, dtype=FP8)
-    scales = torch.empty(2, device=x.device, dtype=torch.float32)
+    descale, scale = (torch.empty(1, device=x.device, dtype=torch.float32) for _ in range(2))
     n = x.numel()
     block = min(tile_for(x), pow2(max(n, 1)))
     with on_device(x):
-        _quantize_tensor_kernel[(max(1, cdiv(n, block)),)](x, amax, q, scales, n, BLOCK=block,
+        _quantize_tensor_kernel[(max(1, cdiv(n, block)),)](x, amax, q, descale, scale, n, BLOCK=block,
                                                            num_warps=warps(block))
-    return q, scales
+    return q, descale, scale
 
 
-def quantize_tensor_ref(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensor_ref(x: torch.Tensor, amax: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch reference of `quantize_tensor` (amax: x's own where not given)."""
     amax = x.float().abs().amax().reshape(1) if amax is None else amax.float().reshape(1)
     descale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
-    return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8), torch.cat([descale, 1.0 / descale])
+    return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8), descale, 1.0 / descale
 
 
 __all__ = ["quantize_rows", "quantize_rows_ref", "quantize_tensor", "quantize_tensor_ref", "supported", "FP8",

@@ -246,8 +246,9 @@ def test_qk_norm_rope_writes_e4m3_q_and_k_and_gathers_vs_amax(B, H, D, dtype, ro
     weights = [_randn(D, seed=s, offset=1.0, scale=0.5).to(dtype) for s in (10, 11, 12, 13)]  # txt q, k; img q, k
     weights[2][3] = -6.0  # img's q weight has the largest magnitude
     descales = qk_rope.qk_descales([weights[0], weights[2]], [weights[1], weights[3]])
-    torch.testing.assert_close(descales, torch.tensor([6.0, max(w.abs().max().item() for w in weights[1::2])],
-                                                      device=DEVICE) * D ** 0.5 * (1 + 2 ** -6) / 448)
+    assert descales.shape == (2, 4) and descales.stride() == (4, 1)
+    torch.testing.assert_close(descales[:, 0], torch.tensor([6.0, max(w.abs().max().item() for w in weights[1::2])],
+                                                            device=DEVICE) * D ** 0.5 * (1 + 2 ** -6) / 448)
     pe = _flux_pe(1, Lt + Li, D) if rope else None
     got = qk_rope.empty_qkv(B, Lt + Li, H, D, img, qk_fp8=True)
     assert [t.dtype for t in got] == [qk_rope.FP8, qk_rope.FP8, dtype]
@@ -257,7 +258,7 @@ def test_qk_norm_rope_writes_e4m3_q_and_k_and_gathers_vs_amax(B, H, D, dtype, ro
     want = [torch.cat(p, dim=1) for p in zip(
         qk_rope.qk_norm_rope_ref(txt, H, weights[0], weights[1], pe=pe, offset=0, descales=descales),
         qk_rope.qk_norm_rope_ref(img, H, weights[2], weights[3], pe=pe, offset=Lt, descales=descales))]
-    for out, w, d in zip(got[:2], want[:2], descales):
+    for out, w, d in zip(got[:2], want[:2], descales[:, 0]):
         # torch's rms_norm rounds on the way where the kernel computes in float32: a 16-bit step apart before the
         # rotation, which may cancel down to a small value
         assert w.dtype == qk_rope.FP8
@@ -272,13 +273,13 @@ def test_qk_norm_rope_writes_e4m3_q_and_k_and_gathers_vs_amax(B, H, D, dtype, ro
     sixteen = qk_rope.empty_qkv(B, Lt + Li, H, D, img)
     qk_rope.qk_norm_rope(txt, H, sixteen, 0, weights[0], weights[1], pe=pe)
     qk_rope.qk_norm_rope(img, H, sixteen, Lt, weights[2], weights[3], pe=pe)
-    for out, ref, d in zip(got[:2], sixteen[:2], descales):
+    for out, ref, d in zip(got[:2], sixteen[:2], descales[:, 0]):
         _e4m3_close(out, (ref.float() / d).to(qk_rope.FP8), d)
 
 
 def test_qk_norm_rope_e4m3_needs_its_buffers_and_norm_weights():
     qkv = _randn(1, 4, 48)
-    descales = torch.ones(2, device=DEVICE)
+    descales = torch.ones(2, 4, device=DEVICE)
     with pytest.raises(BadInput, match="expected contiguous"):
         qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv), q_weight=_randn(8), k_weight=_randn(8),
                              descales=descales)
@@ -297,8 +298,8 @@ def test_quantize_tensor_rounds_to_e4m3_as_torch_does():
     values = values[~values.isnan()].sort().values
     x = torch.cat([values, (values[1:] + values[:-1]) / 2, torch.tensor([460.0, 464.0, 470.0, -1e4, 2 ** -11]),
                    _randn(3000, seed=9, scale=30.0).cpu()]).to(DEVICE)
-    q, scales = quant.quantize_tensor(x, torch.full((1,), 448.0, device=DEVICE))
-    assert scales.tolist() == [1.0, 1.0]
+    q, descale, scale = quant.quantize_tensor(x, torch.full((1,), 448.0, device=DEVICE))
+    assert descale.tolist() == [1.0] and scale.tolist() == [1.0]
     assert torch.equal(q.float(), x.clamp(-448, 448).to(quant.FP8).float())
 
 
@@ -308,10 +309,11 @@ def test_quantize_tensor_scales_by_a_device_amax(shape, dtype):
 
     x = _randn(*shape, dtype=dtype, scale=3.0)
     amax = x.float().abs().amax().reshape(1)
-    q, scales = quant.quantize_tensor(x, amax)
-    q_ref, scales_ref = quant.quantize_tensor_ref(x)
+    q, descale, scale = quant.quantize_tensor(x, amax)
+    q_ref, descale_ref, scale_ref = quant.quantize_tensor_ref(x)
     assert q.shape == x.shape and q.dtype == quant.FP8 and q.float().abs().max().item() == 448
-    torch.testing.assert_close(scales, scales_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(descale, descale_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
     assert torch.equal(q.float(), q_ref.float())
     # a smaller amax saturates rather than overflowing
     assert quant.quantize_tensor(x, amax / 4)[0].float().abs().max().item() == 448

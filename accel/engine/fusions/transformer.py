@@ -1,6 +1,7 @@
 """What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit) share: the call conditions, the
-attention over the joint sequence, the gated residual / modulated MLP steps of a DiT block, and the computation of
-Flux's double and single blocks that ComfyUI's Flux and Chroma classes share."""
+attention over the joint sequence (in fp8 where accel/engine/fp8_attention.py takes it), the gated residual /
+modulated MLP steps of a DiT block, and the computation of Flux's double and single blocks that ComfyUI's Flux and
+Chroma classes share."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8
+from .. import fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
 from .base import comfy_attend, comfy_attention, kernel_module, plain_linear
 
@@ -48,6 +49,36 @@ def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                             lambda q, k, v: host(q.flatten(2), k.flatten(2), v.flatten(2), q.shape[2]))
 
     return fn.around(attend, q, k, v) if isinstance(fn, StandIn) else attend(q, k, v)
+
+
+class Joint:
+    """One joint sequence's attention in a fused block: the (B, L, heads, head_dim) buffers that each stream's q, k
+    and v are written into (kernels/qk_rope.py), and the attention over them: in fp8 where fp8_attention takes it
+    (the streams' `projections` make fp8 products, every stream has q/k norm weights `norms`), else comfy_sdpa."""
+
+    def __init__(self, module_name: str, batch: int, tokens: int, heads: int, like: torch.Tensor,
+                 projections: tuple[nn.Module, ...], norms: list[tuple], consumers: tuple[nn.Module, ...]) -> None:
+        self.module_name, self.heads = module_name, heads
+        head_dim = like.shape[-1] // heads
+        self.eight = fp8_attention.sequence(module_name, batch, tokens, heads, head_dim, like, projections, norms,
+                                            consumers)
+        self.qkv = self.eight.qkv if self.eight else kernel_module("qk_rope").empty_qkv(batch, tokens, heads,
+                                                                                       head_dim, like)
+
+    def write(self, projected: torch.Tensor, offset: int, norm: tuple, pe: torch.Tensor | None = None) -> None:
+        """A stream's qkv projection at its offset: q and k RMS-normalized with norm's weights, rotated by pe."""
+        kernel_module("qk_rope").qk_norm_rope(projected, self.heads, self.qkv, offset, *norm, EPS, pe,
+                                              **(self.eight.kernel_args() if self.eight else {}))
+
+    def attend(self) -> torch.Tensor | fp8_attention.Output:
+        return self.eight.attend() if self.eight else comfy_sdpa(self.module_name, *self.qkv)
+
+
+def part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int | None,
+         consumer: nn.Module | None) -> torch.Tensor | fp8.Rows:
+    """Tokens start..stop of an attention output (B, L, heads * head_dim), in the form `consumer` takes (fp8 Rows from
+    fp8 attention for a projection making fp8 products; None: 16 bits)."""
+    return out.part(start, stop, consumer) if isinstance(out, fp8_attention.Output) else out[:, start:stop]
 
 
 def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, *consumers: nn.Module,
@@ -111,24 +142,28 @@ def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torc
                  flipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A double-stream block's computation with the kernels; mods = (img_mod1, img_mod2, txt_mod1, txt_mod2), each
     with shift, scale and gate of shape (B, 1, C)."""
-    rope = kernel_module("qk_rope")
     img_mod1, img_mod2, txt_mod1, txt_mod2 = mods
     (B, Li, C), Lt, H = img.shape, txt.shape[1], self.num_heads
-    qkv = rope.empty_qkv(B, Lt + Li, H, C // H, img)
     streams = [(txt, txt_mod1, self.txt_attn, 0), (img, img_mod1, self.img_attn, Lt)]
     if flipped:
         streams = [(img, img_mod1, self.img_attn, 0), (txt, txt_mod1, self.txt_attn, Li)]
-    for x, mod, attn, offset in streams:
-        h = modulated_norm(x, mod.scale, mod.shift, attn.qkv)
-        rope.qk_norm_rope(fp8.project(attn.qkv, h), H, qkv, offset, norm_weight(attn.norm.query_norm.scale, x),
-                          norm_weight(attn.norm.key_norm.scale, x), EPS, pe)
-    out = comfy_sdpa(FLUX_ATTENTION, *qkv)
-    first, second = out[:, :streams[0][0].shape[1]], out[:, streams[0][0].shape[1]:]
-    img_attn, txt_attn = (second, first) if not flipped else (first, second)
-    y, img = gated_mlp(img, self.img_attn.proj(img_attn), img_mod1.gate, img_mod2.scale, img_mod2.shift,
+    norms = [(norm_weight(attn.norm.query_norm.scale, x), norm_weight(attn.norm.key_norm.scale, x))
+             for x, _, attn, _ in streams]
+    joint = Joint(FLUX_ATTENTION, B, Lt + Li, H, img, (self.img_attn.qkv, self.txt_attn.qkv), norms,
+                  (self.img_attn.proj, self.txt_attn.proj))
+    for (x, mod, attn, offset), norm in zip(streams, norms):
+        joint.write(fp8.project(attn.qkv, modulated_norm(x, mod.scale, mod.shift, attn.qkv)), offset, norm, pe)
+    out = joint.attend()
+    split = streams[0][0].shape[1]
+    spans = {streams[0][2]: (0, split), streams[1][2]: (split, None)}
+
+    def update(attn: nn.Module) -> torch.Tensor:
+        return fp8.project(attn.proj, part(out, *spans[attn], attn.proj))
+
+    y, img = gated_mlp(img, update(self.img_attn), img_mod1.gate, img_mod2.scale, img_mod2.shift,
                        self.img_mlp[0], self.img_mlp[2])
     gated_residual_(img, img_mod2.gate, y)
-    y, txt = gated_mlp(txt, self.txt_attn.proj(txt_attn), txt_mod1.gate, txt_mod2.scale, txt_mod2.shift,
+    y, txt = gated_mlp(txt, update(self.txt_attn), txt_mod1.gate, txt_mod2.scale, txt_mod2.shift,
                        self.txt_mlp[0], self.txt_mlp[2])
     gated_residual_(txt, txt_mod2.gate, y)
     if txt.dtype == torch.float16:
@@ -138,28 +173,28 @@ def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torc
 
 def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod) -> torch.Tensor:
     """A single-stream block's computation with the kernels; mod has shift, scale and gate of shape (B, 1, C)."""
-    rope = kernel_module("qk_rope")
     (B, L, C), H = x.shape, self.num_heads
     h = modulated_norm(x, mod.scale, mod.shift, self.linear1)
     # linear1 as two products (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
     projected, mlp_in = fp8.split_linear(self.linear1, h, (3 * C, self.mlp_hidden_dim))
-    qkv = rope.empty_qkv(B, L, H, C // H, x)
-    rope.qk_norm_rope(projected, H, qkv, 0, norm_weight(self.norm.query_norm.scale, x),
-                      norm_weight(self.norm.key_norm.scale, x), EPS, pe)
-    attn = comfy_sdpa(FLUX_ATTENTION, *qkv)
+    norm = norm_weight(self.norm.query_norm.scale, x), norm_weight(self.norm.key_norm.scale, x)
+    joint = Joint(FLUX_ATTENTION, B, L, H, x, (self.linear1,), [norm], (self.linear2,))
+    joint.write(projected, 0, norm, pe)
+    attn = joint.attend()
     # linear2(cat(attention, act)) without writing the concatenation: two products into one output (16-bit: the
     # second accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass
     # that quantizes its part)
     if fp8.takes_rows(x, self.linear2):
-        gated_residual_(x, mod.gate, fp8.matmul(attn, self.linear2, cols=slice(0, C)),
+        gated_residual_(x, mod.gate, fp8.matmul(part(attn, 0, None, self.linear2), self.linear2, cols=slice(0, C)),
                         fp8.matmul(fp8.quantized(mlp_in, gelu=True), self.linear2, cols=slice(C, None), bias=False))
     elif plain_linear(self.linear2) and self.linear2.bias is not None:
         w, b = self.linear2.weight, self.linear2.bias
-        out = torch.addmm(b, attn.reshape(B * L, C), w[:, :C].t())
+        out = torch.addmm(b, part(attn, 0, None, None).reshape(B * L, C), w[:, :C].t())
         out.addmm_(F.gelu(mlp_in, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
         gated_residual_(x, mod.gate, out.view(B, L, C))
     else:
-        gated_residual_(x, mod.gate, self.linear2(torch.cat((attn, F.gelu(mlp_in, approximate="tanh")), 2)))
+        gated_residual_(x, mod.gate, self.linear2(torch.cat((part(attn, 0, None, None),
+                                                             F.gelu(mlp_in, approximate="tanh")), 2)))
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x

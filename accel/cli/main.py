@@ -47,6 +47,9 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"  note: {note}")
     print("packages: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["packages"].items()))
     print(info["plan"]["summary"])
+    fp8 = info["fp8_attention"]
+    print("fp8 attention (precision fp8, fp8 weights): " + (f"yes, {fp8['why']}" if fp8["available"] else
+                                                             f"no, {fp8['why']}; 16-bit attention"))
     print(f"cache: {info['cache']}")
     settings = info["settings"]
     print("settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings
@@ -113,9 +116,14 @@ def _bench(args: argparse.Namespace) -> int:
     if args.kernels:
         from .kernel_bench import bench_kernels
 
+        from .attention_bench import bench_dit_attention
+        from .attention_bench import table as attention_table
+
         out["kernels"] = bench_kernels()
         for r in out["kernels"]:
             print(r, file=say)
+        out["dit_attention"] = bench_dit_attention()
+        print(attention_table(out["dit_attention"]), file=say)
     if args.vae and _video_vaes(args):
         from .vae_bench import bench_video_vae, video_table
 

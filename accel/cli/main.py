@@ -23,14 +23,18 @@ def _doctor_info(backend: str | None) -> dict:
     from ..plan.device import describe, detect
     from ..plan.policy import choose, probe_packages
 
+    from ..engine import fp8_attention
+
     gpu = detect()
     installed = probe_packages()
     plan = choose(gpu, backend, installed)
+    fp8_ok, fp8_why = fp8_attention.available(torch.device(gpu.device))
     return {
         "gpu": {"description": describe(gpu), **asdict(gpu)},
         "family": gpu.family,
         "packages": installed,
         "plan": {**asdict(plan), "summary": plan.summary()},
+        "fp8_attention": {"available": fp8_ok, "why": fp8_why},
         "cache": str(default_root()),
         "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")},
         "versions": {"sd-accel": __version__, "torch": torch.__version__},
@@ -243,7 +247,8 @@ def _main(argv: list[str] | None) -> int:
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--kernels", action="store_true",
-                   help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM and attention ones)")
+                   help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM and attention ones) and the "
+                        "DiTs' attention at Flux's, SD3.5's and Wan's shapes: bf16 cuDNN, fp8 cuDNN, SageAttention")
     b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
     b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
     b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",

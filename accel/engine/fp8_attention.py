@@ -95,8 +95,7 @@ def sdpa_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q
 @dataclass
 class _Graph:
     graph: object
-    tensors: tuple  # the graph's q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, o, amax_s,
-    # amax_o
+    tensors: tuple  # the graph's q, k, v, descales of q, k, v and s, scale_s, scale_o, o, amax_s, amax_o
     constants: tuple  # descale_s, scale_s: P in [0, 1] to e4m3's range and back
     amaxes: tuple  # amax_s, amax_o: outputs cuDNN insists on, read by nobody
     workspace: torch.Tensor

@@ -4,7 +4,9 @@ residual alone, in place (`gated_add_`), where no norm follows in the same block
 
 In a DiT block (Flux, SD3/MMDiT) the attention output's gated residual feeds the MLP's modulated LayerNorm: one read
 of x and the update gives both the new residual stream and the MLP's input. scale, shift and gate are per sample and
-channel, (B, 1, C) or (B, C) views of the modulation projection's output (any batch stride, channels contiguous).
+channel, (B, 1, C) or (B, C) views of the modulation projection's output (any batch stride, channels contiguous), or
+per run of consecutive tokens, (B, T, C), spread over the L tokens as ComfyUI's repeat_e spreads Wan 2.2's
+modulation. Wan's stream after the cross-attention takes its update ungated.
 """
 
 from __future__ import annotations
@@ -22,28 +24,29 @@ FP8 = torch.float8_e4m3fn
 
 
 @jit(do_not_specialize=("M", "L"))
-def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, L, C, g_stride, sc_stride, sh_stride,
-                  eps, HAS_UPDATE: tl.constexpr, HAS_SHIFT: tl.constexpr, OUT_FP8: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, L, C, R, g_stride, g_tstride,
+                  sc_stride, sc_tstride, sh_stride, sh_tstride, eps, HAS_UPDATE: tl.constexpr, HAS_GATE: tl.constexpr,
+                  HAS_SHIFT: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.arange(0, BLOCK_C)[None, :]
     mask = (rows < M) & (cols < C)
     off = rows.to(tl.int64) * C + cols
-    batch = rows // L
+    batch, run = rows // L, (rows % L) // R
     x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     if HAS_UPDATE:
-        g = tl.load(g_ptr + batch * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        s = (x + g * u).to(s_ptr.dtype.element_ty)
+        if HAS_GATE:
+            u *= tl.load(g_ptr + batch * g_stride + run * g_tstride + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + u).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + off, s, mask=mask)
         x = s.to(tl.float32)  # normalize the stream as stored, so that (y, s) are consistent
     mean = tl.sum(x, 1) / C
     d = tl.where(mask, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(d * d, 1) / C + eps)
-    scale = tl.load(sc_ptr + batch * sc_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(sc_ptr + batch * sc_stride + run * sc_tstride + cols, mask=mask, other=0.0).to(tl.float32)
     y = d * rstd[:, None] * (1.0 + scale)
     if HAS_SHIFT:
-        y += tl.load(sh_ptr + batch * sh_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        y += tl.load(sh_ptr + batch * sh_stride + run * sh_tstride + cols, mask=mask, other=0.0).to(tl.float32)
     if OUT_FP8:  # each row scaled to e4m3's range, as kernels/quant.py's quantize_rows does
         row_scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 1) / 448.0, 1e-12)
         y = tl.clamp(y / row_scale[:, None], -448.0, 448.0)
@@ -52,13 +55,14 @@ def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, 
 
 
 @jit(do_not_specialize=("M", "L"))
-def _gated_add_kernel(x_ptr, u_ptr, u2_ptr, g_ptr, M, L, C, g_stride, HAS_U2: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
+def _gated_add_kernel(x_ptr, u_ptr, u2_ptr, g_ptr, M, L, C, R, g_stride, g_tstride, HAS_U2: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (rows < M) & (cols < C)
     off = rows.to(tl.int64) * C + cols
-    g = tl.load(g_ptr + (rows // L) * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + (rows // L) * g_stride + ((rows % L) // R) * g_tstride + cols, mask=mask,
+                other=0.0).to(tl.float32)
     u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
     if HAS_U2:
         u += tl.load(u2_ptr + off, mask=mask, other=0.0).to(tl.float32)
@@ -71,25 +75,40 @@ def supported(x: torch.Tensor) -> bool:
     return supported_tensor(x, _adaln_kernel) and x.dim() == 3 and 0 < x.shape[-1] <= MAX_C
 
 
-def _per_sample(t: Optional[torch.Tensor], name: str, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A (B|1, 1, C) or (B|1, C) modulation tensor as (tensor with contiguous channels, batch stride)."""
+def _modulation(t: Optional[torch.Tensor], name: str, x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """A modulation tensor, per sample ((B|1, 1, C) or (B|1, C)) or per run of tokens ((B|1, T, C), Wan 2.2), as
+    (tensor with contiguous channels, batch stride, run stride, T)."""
     if t is None:
-        return x, 0
+        return x, 0, 0, 1
     B, _, C = x.shape
-    v = t.reshape(t.shape[0], -1) if t.dim() == 3 and t.shape[1] == 1 else t
-    if v.dim() != 2 or v.shape[1] != C or v.shape[0] not in (1, B) or v.device != x.device:
-        raise BadInput(f"adaln: {name} has shape {tuple(t.shape)} on {t.device}; expected (B, 1, {C}) or (B, {C}) "
-                       f"with B 1 or {B}, on {x.device}.", f"Pass the modulation's {name} for each sample.")
-    if v.stride(1) != 1:
+    v = t.unsqueeze(1) if t.dim() == 2 else t
+    if v.dim() != 3 or v.shape[2] != C or v.shape[0] not in (1, B) or v.device != x.device:
+        raise BadInput(f"adaln: {name} has shape {tuple(t.shape)} on {t.device}; expected (B, 1, {C}), (B, {C}) or "
+                       f"(B, tokens, {C}) with B 1 or {B}, on {x.device}.",
+                       f"Pass the modulation's {name} for each sample, or for each run of tokens.")
+    if v.stride(2) != 1:
         v = v.contiguous()
-    return v, (v.stride(0) if v.shape[0] > 1 else 0)
+    T = v.shape[1]
+    return v, (v.stride(0) if v.shape[0] > 1 else 0), (v.stride(1) if T > 1 else 0), T
+
+
+def _run_length(L: int, *runs: int) -> int:
+    """How many consecutive tokens of L share a row of a modulation with T rows: ComfyUI's repeat_e (Wan) repeats each
+    row L // T times, or once more and cuts the end where T does not divide L. Every per-token modulation of a call
+    has the same T."""
+    T = max(runs)
+    if any(r not in (1, T) for r in runs):
+        raise BadInput(f"adaln: the modulations have {sorted(set(runs))} rows; per-token ones must have the same.",
+                       "Pass the chunks of one modulation.")
+    per = L // T
+    return per if per * T == L and per else per + 1
 
 
 def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor], eps: float = 1e-6,
                          update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
                          out_fp8: bool = False) -> Union[torch.Tensor, tuple]:
-    """LN(x) * (1 + scale) + shift over the last dim of x (B, L, C) (no shift when None); with `update` and
-    `gate`, s = x + gate * update first and returns (LN(s) * (1 + scale) + shift, s). With out_fp8 (CUDA only: the
+    """LN(x) * (1 + scale) + shift over the last dim of x (B, L, C) (no shift when None); with `update` (and
+    `gate`), s = x + (gate *) update first and returns (LN(s) * (1 + scale) + shift, s). With out_fp8 (CUDA only: the
     Triton interpreter converts to fp8 wrongly) the normalized output comes quantized for an fp8 matrix product, as
     (e4m3 rows (B * L, C), float32 row scales (B * L, 1)) in place of the tensor."""
     require(x, _adaln_kernel, "modulated_layer_norm")
@@ -99,15 +118,16 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[t
     if x.dim() != 3 or not 0 < x.shape[-1] <= MAX_C:
         raise BadInput(f"modulated_layer_norm: x has shape {tuple(x.shape)}; it takes (batch, tokens, channels) with "
                        f"up to {MAX_C} channels.", "Use modulated_layer_norm_ref (torch) for this tensor.")
-    if (update is None) != (gate is None):
-        raise BadInput("modulated_layer_norm: update and gate come together.", "Pass both or neither.")
+    if update is None and gate is not None:
+        raise BadInput("modulated_layer_norm: a gate goes with an update.", "Pass the update it gates, or no gate.")
     if update is not None and (update.shape != x.shape or update.dtype != x.dtype or update.device != x.device):
         raise BadInput(f"modulated_layer_norm: update {tuple(update.shape)} {update.dtype} does not match x "
                        f"{tuple(x.shape)} {x.dtype}.", "Pass an update of x's shape, dtype and device.")
     B, L, C = x.shape
-    sc, sc_stride = _per_sample(scale, "scale", x)
-    sh, sh_stride = _per_sample(shift, "shift", x)
-    g, g_stride = _per_sample(gate, "gate", x)
+    sc, sc_stride, sc_tstride, sc_runs = _modulation(scale, "scale", x)
+    sh, sh_stride, sh_tstride, sh_runs = _modulation(shift, "shift", x)
+    g, g_stride, g_tstride, g_runs = _modulation(gate, "gate", x)
+    R = _run_length(L, sc_runs, sh_runs, g_runs)
     x = x.contiguous()
     u = update.contiguous() if update is not None else x
     M = B * L
@@ -119,9 +139,10 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[t
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
         with on_device(x):
             _adaln_kernel[(cdiv(M, block_m),)](
-                x, u, g, sc, sh, y, s, ys, M, L, C, g_stride, sc_stride, sh_stride, eps,
-                HAS_UPDATE=update is not None, HAS_SHIFT=shift is not None, OUT_FP8=out_fp8, BLOCK_M=block_m,
-                BLOCK_C=block_c, num_warps=warps(block_m * block_c, 32))
+                x, u, g, sc, sh, y, s, ys, M, L, C, R, g_stride, g_tstride, sc_stride, sc_tstride, sh_stride,
+                sh_tstride, eps, HAS_UPDATE=update is not None, HAS_GATE=gate is not None,
+                HAS_SHIFT=shift is not None, OUT_FP8=out_fp8, BLOCK_M=block_m, BLOCK_C=block_c,
+                num_warps=warps(block_m * block_c, 32))
     out = (y, ys) if out_fp8 else y
     return (out, s) if update is not None else out
 
@@ -129,7 +150,8 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[t
 def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
                update2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x += gate * update in place (gate * (update + update2) with a second update: a projection computed in two
-    parts), for x and the updates (B, L, C) and a per-sample gate (B, 1, C) or (B, C): the gated residual, as one
+    parts), for x and the updates (B, L, C) and a gate per sample, (B, 1, C) or (B, C), or per run of tokens
+    (B, T, C): the gated residual, as one
     vectorized pass (torch's addcmul_ with a broadcast gate takes its slow strided path)."""
     require(x, _gated_add_kernel, "gated_add_")
     if x.dim() != 3 or update.shape != x.shape or not x.is_contiguous() \
@@ -138,7 +160,7 @@ def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
                        f"{tuple(update.shape)} must be the same contiguous (batch, tokens, channels) tensors.",
                        "Use x.addcmul_(gate, update) for other layouts.")
     B, L, C = x.shape
-    g, g_stride = _per_sample(gate, "gate", x)
+    g, g_stride, g_tstride, runs = _modulation(gate, "gate", x)
     u = update.contiguous()
     u2 = update2.contiguous() if update2 is not None else u
     M = B * L
@@ -147,8 +169,8 @@ def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
         with on_device(x):
             _gated_add_kernel[(cdiv(M, block_m), cdiv(C, block_c))](
-                x, u, u2, g, M, L, C, g_stride, HAS_U2=update2 is not None, BLOCK_M=block_m, BLOCK_C=block_c,
-                num_warps=warps(block_m * block_c))
+                x, u, u2, g, M, L, C, _run_length(L, runs), g_stride, g_tstride, HAS_U2=update2 is not None,
+                BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps(block_m * block_c))
     return x
 
 
@@ -156,8 +178,16 @@ def modulated_layer_norm_ref(x: torch.Tensor, scale: torch.Tensor, shift: Option
                              update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None
                              ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The torch reference of `modulated_layer_norm` (computed in float32, rounded once)."""
-    view = lambda t: t.reshape(t.shape[0], 1, -1).float()  # noqa: E731
-    s = x if update is None else (x.float() + view(gate) * update.float()).to(x.dtype)
+    L = x.shape[1]
+
+    def view(t: torch.Tensor) -> torch.Tensor:  # (B|1, L|1, C): per-token rows spread as the kernel spreads them
+        t = t.unsqueeze(1) if t.dim() == 2 else t
+        if t.shape[1] > 1:
+            t = t[:, torch.arange(L, device=t.device) // _run_length(L, t.shape[1])]
+        return t.float()
+
+    s = x if update is None else (x.float() + (update.float() if gate is None else view(gate) * update.float())
+                                  ).to(x.dtype)
     y = F.layer_norm(s.float(), (x.shape[-1],), eps=eps) * (1 + view(scale))
     if shift is not None:
         y = y + view(shift)

@@ -99,13 +99,17 @@ def comfy_pytorch_attention(monkeypatch):
     import comfy.ldm.flux.math
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+    import comfy.ldm.qwen_image.model as qwen
+    import comfy.ldm.wan.model as wan
 
-    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention.attention_pytorch)
-    monkeypatch.setattr(mmdit, "optimized_attention", attention.attention_pytorch)
+    for module in (comfy.ldm.flux.math, mmdit, wan):
+        monkeypatch.setattr(module, "optimized_attention", attention.attention_pytorch)
+    monkeypatch.setattr(qwen, "optimized_attention_masked", attention.attention_pytorch)
 
 
 @pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
-                                                ("tiny-chroma", "chroma", 5)])
+                                                ("tiny-chroma", "chroma", 5), ("tiny-wan", "wan", 3),
+                                                ("tiny-qwen-image", "qwen_image", 3)])
 def test_comfyuis_transformers_with_fused_kernels_match_their_own_forward(comfy_pytorch_attention, name, fusion,
                                                                            blocks):
     pytest.importorskip("triton")
@@ -185,18 +189,25 @@ def test_comfy_flux_torch_path_with_kernels_matches_plain_and_honours_a_weight_c
     acc.release()
 
 
-def test_fused_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention, monkeypatch):
-    """Flux Kontext-style modulation_dims, and Linear layers with per-call weight functions (lowvram)."""
-    pytest.importorskip("triton")
-    from sd_accel.accel.engine import fusions
+def _counted_adaln(monkeypatch) -> list:
+    """The adaLN kernel's calls (one per fused block's stream), counted."""
     from sd_accel.accel.engine.fusions.base import kernel_module
 
-    model = configs.build_dit("tiny-flux", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
-    block = model.double_blocks[0]
     adaln = kernel_module("adaln")
     calls = []
     monkeypatch.setattr(adaln, "modulated_layer_norm", lambda *a, f=adaln.modulated_layer_norm, **k:
                         calls.append(1) or f(*a, **k))
+    return calls
+
+
+def test_fused_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention, monkeypatch):
+    """Flux Kontext-style modulation_dims, and Linear layers with per-call weight functions (lowvram)."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = configs.build_dit("tiny-flux", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    block = model.double_blocks[0]
+    calls = _counted_adaln(monkeypatch)
     img, txt, vec = (torch.randn(*shape, device=DEVICE) for shape in ((1, 12, 64), (1, 5, 64), (1, 64)))
     pe = model.pe_embedder(torch.zeros(1, 17, 3, device=DEVICE))
     with torch.no_grad():
@@ -210,6 +221,156 @@ def test_fused_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_py
     model.single_blocks[0].linear1.weight_function = [lambda w: w]
     undo, counts = fusions.apply(model)
     assert counts["flux"] == 4  # that block keeps its own forward
+    undo()
+
+
+def _tiny_wan(**cfg):
+    """ComfyUI's WanModel of tiny-wan's layout, changed by cfg, seeded."""
+    import comfy.ldm.wan.model
+    import comfy.ops
+
+    _, tiny = configs.COMFY_DIT_CONFIGS["tiny-wan"]
+    model = comfy.ldm.wan.model.WanModel(**{**{k: v for k, v in tiny.items() if k != "image_model"}, **cfg},
+                                         operations=comfy.ops.disable_weight_init, device=DEVICE)
+    return configs.seed_dit_parameters(model, 0).eval()
+
+
+@pytest.mark.parametrize("case", ["per frame", "per token", "runs that do not divide the tokens", "image to video",
+                                  "no cross-attention norm", "no q/k norm"])
+def test_comfyuis_wan_variants_with_fused_kernels_match_their_own_forward(comfy_pytorch_attention, case):
+    """Wan 2.2's timesteps per latent frame or per token (a modulation row per run of tokens, as ComfyUI's repeat_e
+    spreads it; 7 rows over 60 tokens: 9 each, the end cut), image-to-video's cross-attention to CLIP image tokens, and
+    blocks without the cross-attention's LayerNorm or the q/k norms: every block fused, within float32 rounding of
+    ComfyUI's own."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = _tiny_wan(**{"image to video": {"model_type": "i2v"},
+                         "no cross-attention norm": {"cross_attn_norm": False},
+                         "no q/k norm": {"qk_norm": False}}.get(case, {}))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, 3, 8, 10, generator=g).to(DEVICE)  # 3 x 4 x 5 = 60 tokens
+    ctx = torch.randn(2, 7, 32, generator=g).to(DEVICE)
+    t = {"per frame": torch.tensor([[0.2, 0.5, 0.9], [0.1, 0.1, 0.7]]), "per token": torch.rand(2, 60, generator=g),
+         "runs that do not divide the tokens": torch.rand(2, 7, generator=g)}.get(case, torch.tensor([0.3, 0.8]))
+    clip = torch.randn(2, 4, 1280, generator=g).to(DEVICE) if case == "image to video" else None
+    with torch.no_grad():
+        ref = model(x, t.to(DEVICE), ctx, clip_fea=clip)
+        undo, counts = fusions.apply(model, ["wan"])
+        out = model(x, t.to(DEVICE), ctx, clip_fea=clip)
+        undo()
+    assert counts["wan"] == 3 and H.rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)
+
+
+def test_fused_wan_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention):
+    """An attention override in transformer_options: the block's own forward serves the call, and calls it for the
+    self- and the cross-attention; a block whose cross-attention LayerNorm has a per-call weight function (lowvram)
+    keeps its forward."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = _tiny_wan()
+    block = model.blocks[0]
+    g = torch.Generator().manual_seed(4)
+    x, e, ctx = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((1, 48, 64), (1, 1, 6, 64), (1, 7, 64)))
+    freqs = model.rope_encode(3, 8, 8, device=DEVICE)  # 3 x 4 x 4 = 48 tokens
+    overrides = []
+
+    def override(fn, *args, **kwargs):
+        overrides.append(fn)
+        return fn(*args, **kwargs)
+
+    options = {"optimized_attention_override": override}
+    with torch.no_grad():
+        undo, _ = fusions.apply(model, ["wan"])
+        out = block(x, e, freqs, ctx, transformer_options=options)
+        assert len(overrides) == 2
+        fused = block(x, e, freqs, ctx)
+        undo()
+        ref = block(x, e, freqs, ctx, transformer_options=options)
+    assert len(overrides) == 4 and torch.equal(out, ref) and H.rel(fused, ref) <= FUSED_TOL
+    block.norm3.weight_function = [lambda w: w]
+    undo, counts = fusions.apply(model, ["wan"])
+    assert counts["wan"] == 2 and "forward" not in vars(block)
+    undo()
+
+
+def _qwen_image_sampled(model, x, cond, uncond, ref_latents=None) -> torch.Tensor:
+    """Four Euler steps of flow matching with CFG (scale 4) on ComfyUI's Qwen-Image: the conditional and unconditional
+    halves in one batch of 2, as ComfyUI's sampler runs them."""
+    sigmas = (1.0, 0.75, 0.45, 0.2, 0.0)
+    context = torch.cat((cond, uncond))
+    refs = None if ref_latents is None else [torch.cat((r, r)) for r in ref_latents]
+    for now, then in zip(sigmas, sigmas[1:]):
+        c, u = model(torch.cat((x, x)), torch.full((2,), now, device=DEVICE), context, ref_latents=refs).chunk(2)
+        x = x + (then - now) * (u + 4.0 * (c - u))
+    return x
+
+
+@pytest.mark.parametrize("case", ["text to image", "edit (reference latents)"])
+def test_comfyuis_qwen_image_with_fused_kernels_matches_its_own_sampling(comfy_pytorch_attention, case):
+    """A sampling run of Qwen-Image, CFG batch 2 at each step's timestep, and Qwen-Image-Edit's reference latents
+    (their tokens join the image stream, with rows of the rotary table of their own): every block and the output norm
+    fused, the sample within float32 rounding of ComfyUI's own. The modulation and output projections are drawn at
+    full scale (not quieted), so that every block's part shows in the sample."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = configs.build_dit("tiny-qwen-image", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    configs.seed_dit_parameters(model, 0, quiet=1.0)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 16, 1, 8, 10, generator=g).to(DEVICE)
+    cond, uncond = (torch.randn(1, 7, 32, generator=g).to(DEVICE) for _ in range(2))
+    refs = [torch.randn(1, 16, 1, 6, 6, generator=g).to(DEVICE)] if case.startswith("edit") else None
+    with torch.no_grad():
+        ref = _qwen_image_sampled(model, x, cond, uncond, refs)
+        undo, counts = fusions.apply(model, ["qwen_image"])
+        out = _qwen_image_sampled(model, x, cond, uncond, refs)
+        undo()
+    assert counts["qwen_image"] == 3 and rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)
+
+
+def test_fused_qwen_image_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention,
+                                                                                   monkeypatch):
+    """A text mask and an attention override in transformer_options: the block's own forward serves the call (the
+    override called by it, no kernel run); a block whose q norm has a per-call weight function (lowvram) keeps its
+    forward."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = configs.build_dit("tiny-qwen-image", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    block = model.transformer_blocks[0]
+    kernels = _counted_adaln(monkeypatch)
+    g = torch.Generator().manual_seed(6)
+    img, txt, temb = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((1, 12, 64), (1, 5, 64), (1, 64)))
+    pe = model.pe_embedder(torch.randint(0, 9, (1, 17, 3), generator=g).float().to(DEVICE)).squeeze(1).unsqueeze(2)
+    overrides = []
+
+    def override(fn, *args, **kwargs):
+        overrides.append(fn)
+        return fn(*args, **kwargs)
+
+    calls = ({"encoder_hidden_states_mask": torch.ones(1, 5, device=DEVICE)},
+             {"transformer_options": {"optimized_attention_override": override}})
+
+    def run(**kwargs):
+        return block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=pe,
+                     **{"encoder_hidden_states_mask": None, **kwargs})
+
+    with torch.no_grad():
+        undo, _ = fusions.apply(model, ["qwen_image"])
+        outs = [run(**c) for c in calls]
+        assert not kernels and len(overrides) == 1
+        fused = run()
+        assert kernels
+        undo()
+        refs = [run(**c) for c in calls]
+        plain = run()
+    assert len(overrides) == 2 and all(torch.equal(a, b) for o, r in zip(outs, refs) for a, b in zip(o, r))
+    assert all(H.rel(a, b) <= FUSED_TOL for a, b in zip(fused, plain))
+    block.attn.norm_q.weight_function = [lambda w: w]
+    undo, counts = fusions.apply(model, ["qwen_image"])
+    assert counts["qwen_image"] == 2 and "forward" not in vars(block)
     undo()
 
 
@@ -233,7 +394,8 @@ def _counted_sdpa(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
-                                                ("tiny-chroma", "chroma", 5)])
+                                                ("tiny-chroma", "chroma", 5), ("tiny-wan", "wan", 3),
+                                                ("tiny-qwen-image", "qwen_image", 3)])
 def test_fused_blocks_serve_under_another_attention_comfyui_chose_for_the_whole_host(comfy_pytorch_attention,
                                                                                       host_attention, monkeypatch,
                                                                                       caplog, name, fusion, blocks):
@@ -259,8 +421,9 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_for_the_whole_
     assert counts[fusion] == blocks and sdpa and rel(out, ref) <= FUSED_TOL and torch.equal(out, again)
     said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
     assert len(said) == 1 and "(--use-split-cross-attention)" in said[0], said
-    if DEVICE == "cpu":
-        assert not split and "on the cpu nothing is timed: the fused blocks run PyTorch's SDPA" in said[0], said
+    if DEVICE == "cpu":  # Wan's cross-attention, ComfyUI's own module, calls ComfyUI's function: 2 blocks, 2 calls
+        assert len(split) == (4 if fusion == "wan" else 0), split
+        assert "on the cpu nothing is timed: the fused blocks run PyTorch's SDPA" in said[0], said
 
 
 def test_where_comfyuis_choice_is_timed_faster_the_fused_blocks_run_it_and_time_each_shape_once(
@@ -332,7 +495,8 @@ def test_an_attention_override_or_another_nodes_function_runs_the_blocks_own_for
         monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", own)
         block(img.clone(), txt.clone(), vec, pe)
         undo()
-    assert len(sdpa) == 1 and comfy_choice(own) == "split"
+    # the fused forward's attention: once on the CPU; on a GPU also while it is timed against ComfyUI's choice
+    assert (len(sdpa) == 1 if DEVICE == "cpu" else sdpa) and comfy_choice(own) == "split"
 
 
 def test_a_cuda_graph_depends_on_the_attention_functions_the_fused_blocks_read(comfy_pytorch_attention, monkeypatch):
@@ -500,6 +664,31 @@ def test_wan_and_qwen_image_weights_loaded_in_fp8_run_as_fp8_products(comfy_pyto
     assert _fused_output(model, inp, "16bit")[1]["fp8"] == 0
 
 
+def test_fused_qwen_image_makes_its_projections_fp8_products(comfy_pytorch_attention, monkeypatch):
+    """precision fp8 marks every projection of Qwen-Image's blocks (q, k, v, output and MLP of both streams: 12 a
+    block; the modulation stays 16-bit); the fused blocks make each of them as an fp8 product (torch._scaled_mm, which
+    runs on the CPU too), as the blocks' own forward does with the marks, and give its output within bfloat16's
+    rounding (the tiny model's fused and own 16-bit outputs are some 6e-3 apart)."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fp8, fusions
+
+    model = _dit_bf16("tiny-qwen-image")
+    inp = _bf16_inputs("tiny-qwen-image")
+    products = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, f=torch._scaled_mm, **k: products.append(1) or f(*a, **k))
+    marks = fusions.Undo()
+    marked = fp8.apply(model, "fp8", marks)
+    with torch.no_grad():
+        own = CanonicalDiT(model)(**inp)
+        own_products, products[:] = len(products), []
+        undo, counts = fusions.apply(model, ["qwen_image"])
+        out = CanonicalDiT(model)(**inp)
+        undo()
+    marks()
+    assert marked == 24 and counts["qwen_image"] == 3 and own_products == len(products) == 24
+    assert rel(out, own) <= 2e-2 and not torch.equal(out, own)
+
+
 def test_wan_in_bfloat16_runs_on_the_torch_path_in_its_blocks_dtype(comfy_pytorch_attention):
     """ComfyUI builds Wan's patch embedding in float32 whatever the model's dtype (its first parameter): the engine
     still feeds the model bfloat16, as ComfyUI does, and gives ComfyUI's own output for it."""
@@ -513,3 +702,17 @@ def test_wan_in_bfloat16_runs_on_the_torch_path_in_its_blocks_dtype(comfy_pytorc
         out = acc(inp["x"], inp["timesteps"], inp["context"])
     assert acc.unet.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
     assert torch.equal(out, own)
+
+
+def test_a_comfy_dit_rounded_to_bf16_keeps_what_comfyuis_class_keeps_in_float32(comfy_pytorch_attention):
+    """The bench builds in float32 for its reference, then rounds: Wan's patch embedding stays float32 as ComfyUI
+    builds it (its forward feeds it float32), every other weight goes to bf16, and the model still runs."""
+    model = configs.build_dit("tiny-wan", "comfy", comfyui_root=H.comfy_root())
+    configs.round_comfy_dit(model, "tiny-wan", torch.bfloat16)
+    model.dtype = torch.bfloat16
+    assert model.patch_embedding.weight.dtype == torch.float32
+    assert {p.dtype for n, p in model.named_parameters() if not n.startswith("patch_embedding")} == {torch.bfloat16}
+    inp = configs.dit_example_inputs("tiny-wan", batch=1, latent=(8, 8))
+    with torch.no_grad():
+        out = CanonicalDiT(model)(inp["x"].bfloat16(), inp["timesteps"], inp["context"].bfloat16())
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

@@ -61,6 +61,29 @@ def test_gated_add_is_the_gated_residual_in_place(B, L, C, dtype):
         adaln.gated_add_(x[:, ::2], gate, u[:, ::2])
 
 
+@pytest.mark.parametrize("T,L", [(3, 12), (4, 18), (7, 7), (5, 3)])
+def test_modulation_per_run_of_tokens_is_comfyuis_repeat_e(T, L):
+    """Wan 2.2's modulation (B, T, C), spread over L tokens as ComfyUI's repeat_e spreads it: T dividing L, not
+    dividing it (each row once more, the end cut), a row per token, more rows than tokens; and the stream after Wan's
+    cross-attention, whose update comes ungated."""
+    B, C = 2, 24
+    x, u = _randn(B, L, C), _randn(B, L, C, seed=2)
+    scale, shift, gate = (_randn(B, T, C, seed=s, scale=0.5) for s in (3, 4, 5))
+    per = L // T if L // T * T == L else L // T + 1
+    rows = lambda t: torch.repeat_interleave(t, per, dim=1)[:, :L]  # noqa: E731 (repeat_e's arithmetic)
+    norm = lambda s: F.layer_norm(s, (C,), eps=1e-6) * (1 + rows(scale)) + rows(shift)  # noqa: E731
+    y, s = adaln.modulated_layer_norm(x, scale, shift, update=u, gate=gate)
+    _close(s, x + rows(gate) * u, torch.float32)
+    _close(y, norm(s), torch.float32)
+    y, s = adaln.modulated_layer_norm(x, scale, shift, update=u)
+    _close(s, x + u, torch.float32)
+    _close(y, norm(x + u), torch.float32)
+    _close(adaln.modulated_layer_norm_ref(x, scale, shift, update=u, gate=gate)[0], norm(x + rows(gate) * u),
+           torch.float32)
+    want = x + rows(gate) * u
+    _close(adaln.gated_add_(x, gate, u), want, torch.float32)
+
+
 def test_modulation_of_one_sample_broadcasts_over_the_batch():
     x = _randn(3, 4, 24)
     scale, shift = _randn(1, 24, seed=1), _randn(1, 24, seed=2)
@@ -73,8 +96,8 @@ def test_modulated_layer_norm_errors_say_what_to_do():
     x = _randn(2, 3, 8)
     with pytest.raises(BadInput, match="scale has shape"):
         adaln.modulated_layer_norm(x, _randn(2, 7), None)
-    with pytest.raises(BadInput, match="update and gate come together"):
-        adaln.modulated_layer_norm(x, _randn(2, 8), None, update=x)
+    with pytest.raises(BadInput, match="a gate goes with an update"):
+        adaln.modulated_layer_norm(x, _randn(2, 8), None, gate=_randn(2, 8))
     with pytest.raises(BadInput, match="batch, tokens, channels"):
         adaln.modulated_layer_norm(_randn(6, 8), _randn(2, 8), None)
 
@@ -129,6 +152,28 @@ def test_qk_norm_rope_assembles_a_joint_sequence_from_strided_rows():
         _close(out, w, torch.float32)
 
 
+@pytest.mark.parametrize("B,L,H,D,dtype", [(2, 13, 3, 8, torch.float32), (1, 21, 5, 16, torch.bfloat16)])
+def test_qk_row_norm_rope_is_wan_attention_input(B, L, H, D, dtype):
+    """Wan's self-attention inputs: q and k RMS-normalized over all heads (its RMSNorm of dim channels), rotated by the
+    table of its rope_encode (B|1, L, 1, D / 2, 2, 2), whose transpose the kernel takes."""
+    q, k, v = (_randn(B, L, H * D, dtype=dtype, seed=s, scale=2.0) for s in (3, 4, 5))
+    qw, kw = _randn(H * D, seed=1, offset=1.0, scale=0.1), _randn(H * D, seed=2, offset=1.0, scale=0.1)
+    pe = _flux_pe(1, L, D)
+    got = qk_rope.empty_qkv(B, L, H, D, q)
+    qk_rope.qk_row_norm_rope((q, k, v), H, got, qw.to(dtype), kw.to(dtype), 1e-6, pe)
+
+    def wan(t, w):  # RMSNorm over the row, then the rotation in float32 per head, as ComfyUI's apply_rope1
+        t = F.rms_norm(t, (H * D,), w.to(dtype), 1e-6).view(B, L, H, D)
+        t2 = t.float().reshape(B, L, H, -1, 1, 2)
+        rows = pe.transpose(1, 2)  # (1, L, 1, D / 2, 2, 2): Wan's layout
+        return (rows[..., 0] * t2[..., 0] + rows[..., 1] * t2[..., 1]).reshape(t.shape).to(dtype)
+
+    for out, want in zip(got, (wan(q, qw), wan(k, kw), v.view(B, L, H, D))):
+        _close(out, want, dtype)
+    with pytest.raises(BadInput, match="rows have"):
+        qk_rope.qk_row_norm_rope((q, k, v), H, got, qw[:D], kw, 1e-6, pe)
+
+
 def test_qk_norm_rope_errors_say_what_to_do():
     qkv = _randn(1, 4, 48)
     out = qk_rope.empty_qkv(1, 4, 2, 8, qkv)
@@ -152,6 +197,27 @@ def test_qk_norm_rope_takes_q_k_and_v_as_three_projections():
     qk_rope.qk_norm_rope(qkv, H, packed, q_weight=qw, k_weight=kw, pe=pe)
     qk_rope.qk_norm_rope((q, k, v), H, separate, q_weight=qw, k_weight=kw, pe=pe)
     assert all(torch.equal(a, b) for a, b in zip(packed, separate))
+
+
+def test_qk_norm_rope_takes_a_rotary_table_in_the_activations_dtype():
+    """Qwen-Image's forward casts its table (B, L, 1, D / 2, 2, 2) to the activations' bfloat16 and rotates in
+    bfloat16 (its apply_rotary_emb); the kernel reads that table and rotates in float32, within bfloat16's rounding."""
+    B, L, H, D = 2, 11, 3, 16
+    q, k, v = (_randn(B, L, H * D, dtype=torch.bfloat16, seed=s, scale=2.0) for s in (3, 4, 5))
+    qw, kw = _randn(D, seed=1, offset=1.0, scale=0.1), _randn(D, seed=2, offset=1.0, scale=0.1)
+    table = _flux_pe(B, L, D).transpose(1, 2).to(torch.bfloat16)  # Qwen-Image's layout
+    got = qk_rope.empty_qkv(B, L, H, D, q)
+    qk_rope.qk_norm_rope((q, k, v), H, got, q_weight=qw, k_weight=kw, pe=table.transpose(1, 2))
+
+    def qwen(t, w):  # RMSNorm per head, then the rotation in bfloat16, as ComfyUI's Qwen-Image attention
+        t = F.rms_norm(t.view(B, L, H, D), (D,), w.to(t.dtype), 1e-6)
+        t2 = t.reshape(B, L, H, -1, 1, 2)
+        return (table[..., 0] * t2[..., 0] + table[..., 1] * t2[..., 1]).reshape(t.shape)
+
+    for out, want in zip(got, (qwen(q, qw), qwen(k, kw), v.view(B, L, H, D))):
+        _close(out, want, torch.bfloat16)
+    with pytest.raises(BadInput, match="pe has shape"):  # a 16-bit table of another dtype than q's
+        qk_rope.qk_norm_rope((q, k, v), H, got, pe=table.transpose(1, 2).half())
 
 
 @pytest.mark.parametrize("M,K,dtype", [(7, 300, torch.bfloat16), (5, 4096, torch.float16), (3, 64, torch.float32)])

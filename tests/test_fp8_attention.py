@@ -76,10 +76,10 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
     shadows, compared, parts = {}, [], []
     write, attend, part = Joint.write, Joint.attend, fp8_attention.Output.part
 
-    def shadowed_write(self, projected, offset, norm, pe=None):
-        write(self, projected, offset, norm, pe)
+    def shadowed_write(self, projected, offset, norm, eps=EPS, pe=None):
+        write(self, projected, offset, norm, eps, pe)
         shadow = shadows.setdefault(self, qk_rope.empty_qkv(*self.qkv[2].shape, self.qkv[2]))
-        qk_rope.qk_norm_rope(projected, self.heads, shadow, offset, *norm, EPS, pe)
+        qk_rope.qk_norm_rope(projected, self.heads, shadow, offset, *norm, eps, pe)
 
     def compared_attend(self):
         out = attend(self)
@@ -183,21 +183,21 @@ def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytor
     module = "comfy.ldm.flux.math"
     layer = torch.nn.Linear(16, 48).to(torch.bfloat16)
     x = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
-    assert not fp8_attention.wanted(module, x, layer)
+    assert not fp8_attention.wanted(module, "optimized_attention", x, layer)
     undo = Undo()  # the mark fp8.apply gives a projection it takes
     fp8._MARKED[layer] = fp8.Copies()
     undo.add(lambda: fp8._MARKED.pop(layer, None))
     try:
-        assert fp8_attention.wanted(module, x, layer)
-        assert not fp8_attention.wanted(module, x.float(), layer)
+        assert fp8_attention.wanted(module, "optimized_attention", x, layer)
+        assert not fp8_attention.wanted(module, "optimized_attention", x.float(), layer)
         norms = [(torch.ones(4), torch.ones(4))]
-        assert fp8_attention.sequence(module, 1, 4, 4, 4, x, (layer,), norms, (layer,)) is not None
-        assert fp8_attention.sequence(module, 1, 4, 4, 4, x, (layer,), [(None, None)], (layer,)) is None
+        assert fp8_attention.sequence(module, "optimized_attention", 1, 4, 4, 4, x, (layer,), norms, (layer,)) is not None
+        assert fp8_attention.sequence(module, "optimized_attention", 1, 4, 4, 4, x, (layer,), [(None, None)], (layer,)) is None
         monkeypatch.setattr(flux_math, "optimized_attention", attention.attention_sub_quad)
-        assert not fp8_attention.wanted(module, x, layer)
+        assert not fp8_attention.wanted(module, "optimized_attention", x, layer)
         monkeypatch.setattr(flux_math, "optimized_attention",
                             StandIn(attention.attention_pytorch, attention.attention_pytorch, lambda *a: None))
-        assert not fp8_attention.wanted(module, x, layer)
+        assert not fp8_attention.wanted(module, "optimized_attention", x, layer)
     finally:
         undo()
 

@@ -1,6 +1,7 @@
 """Sequence parallelism (accel/parallel/sequence.py) over 2, 3 and 4 processes with gloo on the CPU: ComfyUI's own
-WanModel (tiny, 12 heads, seeded) gives on every rank the output of one process, in float32; so do batch (CFG)
-parallelism over 2, and both over 4 (2 x 2)."""
+WanModel (tiny, 12 heads, seeded) gives on every rank the output of one process, in float32, with its own blocks and
+with the fused ones (Wan 2.2's modulation per frame too); so do batch (CFG) parallelism over 2, and both over 4
+(2 x 2)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def _wan():
 
 
 def _wan_ranks(world: int) -> dict:
+    from sd_accel.accel.engine import fusions
     from sd_accel.accel.errors import BadInput
     from sd_accel.accel.parallel.batch import batch_parallel
     from sd_accel.accel.parallel.group import Group, mesh
@@ -47,8 +49,12 @@ def _wan_ranks(world: int) -> dict:
                 refused = ""
             except BadInput as e:
                 refused = str(e)
+        undo, counts = fusions.apply(model, ["wan"])  # the torch path's fused blocks (Triton's interpreter)
+        with sequence_parallel(model, Group()):
+            fused, fused_frames = model(x, t, ctx), model(x, per_frame, ctx)
+        undo()
         again = model(x, t, ctx)
-        outputs = [(out, ref), (frames, ref_frames)]
+        outputs = [(out, ref), (frames, ref_frames), (fused, ref), (fused_frames, ref_frames)]
         if world == 2:  # CFG parallel: one sample of the batch per process
             outputs += [(batch_parallel(model, Group(), x, t, ctx), ref),
                         (batch_parallel(model, Group(), x, per_frame, ctx), ref_frames)]
@@ -58,14 +64,14 @@ def _wan_ranks(world: int) -> dict:
                 outputs += [(batch_parallel(model, batch, x, t, ctx), ref),
                             (batch_parallel(model, batch, x, per_frame, ctx), ref_frames)]
     return {"rel": max(H.rel(a, b) for a, b in outputs), "refused": refused,
-            "restored": bool(torch.equal(again, ref))}
+            "restored": bool(torch.equal(again, ref)), "fused": counts["wan"]}
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_wan_over_several_processes_equals_one_process(tmp_path, world):
     results = run_ranks(_wan_ranks, world, tmp_path)
     for r in results:
-        assert r["rel"] <= 1e-5 and r["restored"], results
+        assert r["rel"] <= 1e-5 and r["restored"] and r["fused"] == 3, results
         assert ("do not split over 3 processes" in r["refused"]) == (world == 3), results
 
 

@@ -1,6 +1,7 @@
-"""Sequence parallelism (accel/parallel) for ComfyUI's Flux, Chroma, SD3/SD3.5 MMDiT and Qwen-Image over 2 and 4 gloo
-processes on the CPU. Tiny seeded models of ComfyUI's own classes (4 heads) give on every rank the output of one
-process, in float32, with text the world splits (8 tokens) and text it does not (7, as SD3.5's 333): with ComfyUI's
+"""Sequence parallelism (accel/parallel) for ComfyUI's Flux, Chroma, SD3/SD3.5 MMDiT, Qwen-Image and Wan over 2 and 4
+gloo processes on the CPU. Tiny seeded models of ComfyUI's own classes (4 heads) give on every rank the output of one
+process, in float32, with text the world splits (8 tokens) and text it does not (7, as SD3.5's 333; Wan's text enters
+by cross-attention, outside the exchange): with ComfyUI's
 own blocks, and with the torch path's fused blocks (accelerate() with the Triton kernels, run by Triton's
 interpreter), whose attention the exchange reaches too, also where ComfyUI chose another attention function for the
 whole host. After the context the model is its own again; image token counts the world does not divide, and
@@ -19,11 +20,16 @@ pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is 
 # config name -> the torch path's fusion for its blocks (None where it has none), and the text tokens it is run with
 # in that form: split (8) for Flux as Flux's 512 are, whole (7) for SD3 as SD3.5's 333 are
 MODELS = {"tiny-flux": ("flux", 8), "tiny-chroma": ("chroma", 7), "tiny-sd3": ("mmdit", 7),
-          "tiny-qwen-image": (None, None)}
+          "tiny-qwen-image": ("qwen_image", 7), "tiny-wan": ("wan", 7)}
+# the fused runs beyond one per model: Flux under another attention ComfyUI chose, Qwen-Image's text (whatever length
+# the prompt gives it) also split
+EXTRA = {"tiny-flux fused under split": ("tiny-flux", "split", None),
+         "tiny-qwen-image fused, text split": ("tiny-qwen-image", "pytorch", 8)}
 ATTENTION = {"tiny-flux": ("comfy.ldm.flux.math", "optimized_attention"),
              "tiny-chroma": ("comfy.ldm.flux.math", "optimized_attention"),
              "tiny-sd3": ("comfy.ldm.modules.diffusionmodules.mmdit", "optimized_attention"),
-             "tiny-qwen-image": ("comfy.ldm.qwen_image.model", "optimized_attention_masked")}
+             "tiny-qwen-image": ("comfy.ldm.qwen_image.model", "optimized_attention_masked"),
+             "tiny-wan": ("comfy.ldm.wan.model", "optimized_attention")}
 
 
 def _model(name: str):
@@ -91,10 +97,11 @@ def _plain(name: str, g) -> dict:
             and getattr(importlib.import_module(module), attr) is host}
 
 
-def _fused(name: str, g, attention: str = "pytorch") -> dict:
+def _fused(name: str, g, attention: str = "pytorch", text: int | None = None) -> dict:
     """The torch path's fused blocks, with ComfyUI's `attention` chosen for the whole host (its PyTorch attention, as
-    on a GPU; or another, as its flags choose: the fused blocks take that call too): the parallel output against one
-    process's and ComfyUI's own, and how many attentions the fused blocks ran in each."""
+    on a GPU; or another, as its flags choose: the fused blocks take that call too), and `text` tokens (MODELS' by
+    default): the parallel output against one process's and ComfyUI's own, and how many attentions the fused blocks
+    ran in each."""
     from sd_accel.accel.accelerate import accelerate
     from sd_accel.accel.engine.fusions import transformer
     from sd_accel.accel.models.dit import CanonicalDiT
@@ -110,8 +117,8 @@ def _fused(name: str, g, attention: str = "pytorch") -> dict:
 
     transformer.sdpa = counted
     model = _model(name)
-    fusion, text = MODELS[name]
-    inp = _inputs(name, 8, text)
+    fusion, default = MODELS[name]
+    inp = _inputs(name, 8, text or default)
     args = (inp["x"], inp["timesteps"], inp["context"], inp.get("y"))
     with torch.no_grad():
         ref = CanonicalDiT(model)(**inp)
@@ -130,7 +137,7 @@ def _ranks(world: int) -> dict:
 
     result = {name: _plain(name, Group()) for name in MODELS}
     result.update({f"{name} fused": _fused(name, Group()) for name, (fusion, _) in MODELS.items() if fusion})
-    result["tiny-flux fused under split"] = _fused("tiny-flux", Group(), "split")
+    result.update({key: _fused(name, Group(), attention, text) for key, (name, attention, text) in EXTRA.items()})
     return result
 
 
@@ -144,7 +151,7 @@ def test_transformers_over_several_processes_equal_one_process(tmp_path, world):
             assert plain["rel"] <= 1e-5 and plain["restored"], (name, plain)
             assert [f"do not split over {world} processes" in plain["refused"][0],
                     "ControlNet" in plain["refused"][1]] == [True, True], (name, plain)
-        for name in [f"{n} fused" for n, (fusion, _) in MODELS.items() if fusion] + ["tiny-flux fused under split"]:
+        for name in [f"{n} fused" for n, (fusion, _) in MODELS.items() if fusion] + list(EXTRA):
             fused = r[name]
             # every attention of the one-process call ran in a fused block, under the exchange as well
             assert fused["calls"][0] > 0 and fused["calls"][0] == fused["calls"][1] and fused["fused"], (name, fused)

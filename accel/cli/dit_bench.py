@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ..models.configs import build_dit, cfg_batch, dit_example_inputs
+from ..models.configs import build_dit, cfg_batch, dit_example_inputs, round_comfy_dit
 from ..models.dit import CanonicalDiT
 from .bench import Row, _sync, time_ms, time_variants
 from .comfy_attention import eager_variant, exact_attention
@@ -56,9 +56,11 @@ def bench_dit(name: str, device: torch.device, iters: int, compile_modes: list[s
     canon = CanonicalDiT(model)
     with torch.inference_mode(), exact_attention():
         ref = canon(**inputs)
-    model.to(dtype)
     if form == "comfy":
+        round_comfy_dit(model, name, dtype)
         model.dtype = dtype  # ComfyUI's classes cast some inputs to the dtype they were built for
+    else:
+        model.to(dtype)
     _sync(device)
     label = f"{name}/{form}"
     log(f"[{label}] {canon.spec.describe()}; built and fp32 reference in {time.perf_counter() - t0:.1f}s")

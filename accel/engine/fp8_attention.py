@@ -179,11 +179,12 @@ def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
 
 # ---- the fused blocks' side
 
-def wanted(module_name: str, x: torch.Tensor, *projections: nn.Module) -> bool:
-    """Whether a fused block of ComfyUI's `module_name` may take fp8 attention for the sequence its `projections`
-    (the q, k and v projections of every stream) write: all of them make fp8 products, the activations are 16-bit,
-    and the attention the block would run is ComfyUI's PyTorch one (no other host choice, no stand-in)."""
-    fn = getattr(sys.modules.get(module_name), "optimized_attention", None)
+def wanted(module_name: str, name: str, x: torch.Tensor, *projections: nn.Module) -> bool:
+    """Whether a fused block of ComfyUI's `module_name`, whose attention is that module's function `name`, may take
+    fp8 attention for the sequence its `projections` (the q, k and v projections of every stream) write: all of them
+    make fp8 products, the activations are 16-bit, and the attention the block would run is ComfyUI's PyTorch one (no
+    other host choice, no stand-in)."""
+    fn = getattr(sys.modules.get(module_name), name, None)
     return (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)
             and not isinstance(fn, StandIn) and comfy_choice(fn) == "pytorch")
 
@@ -234,14 +235,15 @@ class Sequence:
         return Output(out.view(B, L, H * D), descale_v, v.dtype)
 
 
-def sequence(module_name: str, batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor,
+def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor,
              projections: tuple[nn.Module, ...], norms: list[tuple[torch.Tensor | None, torch.Tensor | None]],
              consumers: tuple[nn.Module, ...]) -> Sequence | None:
-    """fp8 attention's buffers for a joint sequence of `tokens` whose streams have q/k RMSNorm weights `norms`,
-    written by `projections`, its output read by `consumers`; None where the block's attention stays 16-bit (`wanted`
-    says no, a stream has no qk norm to bound q and k, or no kernel runs: said once). The output is e4m3 where every
-    consumer makes fp8 products or the GPU writes no 16-bit output, else 16-bit."""
-    if not wanted(module_name, like, *projections) or any(w is None for pair in norms for w in pair):
+    """fp8 attention's buffers for a joint sequence of `tokens` whose streams have q/k RMSNorm weights `norms` (per
+    head, or over all heads' channels), written by `projections`, its output read by `consumers`, in a block whose
+    attention is the function `name` of ComfyUI's `module_name`; None where it stays 16-bit (`wanted` says no, a stream
+    has no qk norm to bound q and k, or no kernel runs: said once). The output is e4m3 where every consumer makes fp8
+    products or the GPU writes no 16-bit output, else 16-bit."""
+    if not wanted(module_name, name, like, *projections) or any(w is None for pair in norms for w in pair):
         return None
     sixteen_bit = not all(fp8.marked(c) for c in consumers) and sixteen_bit_output(like.device)
     out_dtype = like.dtype if sixteen_bit else FP8

@@ -456,6 +456,13 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
     import comfy.ops
 
+    # ComfyUI's layers skip their init (the checkpoint's weights replace it); every tensor is drawn below.
+    ops = comfy.ops.manual_cast if dtype == torch.float8_e4m3fn else comfy.ops.disable_weight_init
+    model = _comfy_dit(name, dtype, device, ops)
+    return seed_dit_parameters(model, seed).eval().requires_grad_(False)
+
+
+def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -> nn.Module:
     family, cfg = COMFY_DIT_CONFIGS[name]
     if family == "flux":
         from comfy.ldm.flux.model import Flux as cls
@@ -467,10 +474,22 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
         from comfy.ldm.chroma.model import Chroma as cls
     else:
         from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper as cls
-    # ComfyUI's layers skip their init (the checkpoint's weights replace it); every tensor is drawn below.
-    ops = comfy.ops.manual_cast if dtype == torch.float8_e4m3fn else comfy.ops.disable_weight_init
-    model = cls(**cfg, dtype=dtype, device=device, operations=ops)
-    return seed_dit_parameters(model, seed).eval().requires_grad_(False)
+    return cls(**cfg, dtype=dtype, device=device, operations=ops)
+
+
+def round_comfy_dit(model: nn.Module, name: str, dtype: torch.dtype) -> nn.Module:
+    """A comfy-form DiT built in float32 (build_dit) rounded in place to what ComfyUI's class holds when built in
+    `dtype`: the parameters its constructor keeps in float32 whatever the model's dtype (Wan's patch embedding, whose
+    forward feeds it float32) stay float32."""
+    import comfy.ops
+
+    kept = {n: p.dtype for n, p in _comfy_dit(name, dtype, "meta", comfy.ops.disable_weight_init).named_parameters()}
+    for n, p in model.named_parameters():
+        p.data = p.data.to(kept.get(n, dtype))
+    for b in model.buffers():
+        if b.is_floating_point():
+            b.data = b.data.to(dtype)
+    return model
 
 
 # ComfyUI's Wan VAEs (comfy.ldm.wan), configured as comfy.sd.VAE configures them for the published checkpoints: Wan

@@ -23,7 +23,8 @@ from .base import Undo
 # Importing a fusion module declares its fusion. Where no `after` orders two fusions, they run in this listing's
 # order.
 MODULES = ("layout", "groupnorm", "geglu", "resnet", "skip_layernorm", "sdpa_processor", "upsample", "qkv",
-           "cross_attention", "conv_bias", "flux", "chroma", "flux_diffusers", "mmdit", "mmdit_diffusers")
+           "cross_attention", "conv_bias", "flux", "chroma", "flux_diffusers", "mmdit", "mmdit_diffusers", "wan",
+           "qwen_image")
 for _module in MODULES:
     importlib.import_module(f".{_module}", __name__)
 del _module
@@ -31,7 +32,7 @@ del _module
 FUSIONS: dict[str, registry.Fusion] = {f.name: f for f in registry.order(registry.declared())}
 ORDER: tuple[str, ...] = tuple(FUSIONS)
 # The diffusion transformers' fusions; the others are the UNets' and the VAE's. Unnamed, a model gets its kind's.
-DIT: tuple[str, ...] = ("flux", "chroma", "flux_diffusers", "mmdit", "mmdit_diffusers")
+DIT: tuple[str, ...] = ("flux", "chroma", "flux_diffusers", "mmdit", "mmdit_diffusers", "wan", "qwen_image")
 
 __all__ = ["FUSIONS", "ORDER", "Undo", "apply", "base", "packing", "registry"]
 

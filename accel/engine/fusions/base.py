@@ -232,20 +232,22 @@ def comfy_choice(fn: Callable | None) -> str | None:
                  if f is fn and getattr(home, getattr(f, "__name__", ""), None) is f), None)
 
 
-def comfy_attention(module_name: str, transformer_options: dict | None) -> Callable | None:
-    """The attention function ComfyUI's blocks of `module_name` call (its `optimized_attention`; under a StandIn, the
-    function it stands in for) when it is ComfyUI's choice for the whole host and no model patch overrides it for the
-    call: the fused forwards then serve the call. None where they must leave it to the host's forward."""
+def comfy_attention(module_name: str, transformer_options: dict | None,
+                    name: str = "optimized_attention") -> Callable | None:
+    """The attention function ComfyUI's blocks of `module_name` call (its `name`; under a StandIn, the function it
+    stands in for) when it is ComfyUI's choice for the whole host and no model patch overrides it for the call: the
+    fused forwards then serve the call. None where they must leave it to the host's forward."""
     if "optimized_attention_override" in (transformer_options or {}):
         return None
-    fn = getattr(sys.modules.get(module_name), "optimized_attention", None)
+    fn = getattr(sys.modules.get(module_name), name, None)
     fn = fn.host if isinstance(fn, StandIn) else fn
     return fn if comfy_choice(fn) is not None else None
 
 
-def reads_comfy_attention(module_name: str) -> None:
-    """A patched forward reads the attention function of ComfyUI's `module_name` at each call (comfy_attention)."""
-    reads(module_name, "optimized_attention")
+def reads_comfy_attention(module_name: str, name: str = "optimized_attention") -> None:
+    """A patched forward reads the attention function `name` of ComfyUI's `module_name` at each call
+    (comfy_attention)."""
+    reads(module_name, name)
 
 
 def comfy_attend(host: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ours: Attend,

@@ -15,13 +15,10 @@ from torch import nn
 
 from .base import Undo, kernel_module, of_class, patch_forward, reads_comfy_attention
 from .registry import fusion
-from .transformer import EPS, FLUX_ATTENTION, covered, double_block, fused_call, linears, single_block
+from .transformer import (EPS, FLUX_ATTENTION, covered, double_block, fused_call, linears, plain_layer_norms,
+                          single_block)
 
 LAYERS = "comfy.ldm.chroma.layers"
-
-
-def _norms_plain(*norms: nn.Module) -> bool:
-    return all(isinstance(n, nn.LayerNorm) and not n.elementwise_affine and n.eps == EPS for n in norms)
 
 
 def _double_forward(self, img, txt, pe, vec, attn_mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
@@ -51,12 +48,12 @@ def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
         if of_class(m, "DoubleStreamBlock", LAYERS, "img_norm1", "img_mlp") and covered(m) \
-                and _norms_plain(m.img_norm1, m.img_norm2, m.txt_norm1, m.txt_norm2):
+                and plain_layer_norms(m.img_norm1, m.img_norm2, m.txt_norm1, m.txt_norm2):
             patch_forward(m, _double_forward, undo)
         elif of_class(m, "SingleStreamBlock", LAYERS, "linear1", "pre_norm") and covered(m) \
-                and _norms_plain(m.pre_norm):
+                and plain_layer_norms(m.pre_norm):
             patch_forward(m, _single_forward, undo)
-        elif of_class(m, "LastLayer", LAYERS, "norm_final") and linears(m.linear) and _norms_plain(m.norm_final):
+        elif of_class(m, "LastLayer", LAYERS, "norm_final") and linears(m.linear) and plain_layer_norms(m.norm_final):
             patch_forward(m, _last_forward, undo)
         else:
             continue

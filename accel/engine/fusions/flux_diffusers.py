@@ -19,7 +19,8 @@ from torch import nn
 from .. import fp8
 from .base import Undo, kernel_module, of_class, patch_forward, plain_linear
 from .registry import fusion
-from .transformer import gated_mlp, gated_residual_, kernels_run_on, modulated_norm, sdpa
+from .transformer import (diffusers_stream, gated_residual_, joint_block, kernels_run_on, modulated_norm,
+                          sdpa)
 
 
 def rotation_table(rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -65,33 +66,17 @@ def _fused_call(x: torch.Tensor, attn: nn.Module, rotary, joint_attention_kwargs
             and isinstance(rotary, tuple) and len(rotary) == 2 and kernels_run_on(x))
 
 
-def _project(attn: nn.Module, h, added: bool) -> tuple[torch.Tensor, ...]:
-    layers = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj) if added else (attn.to_q, attn.to_k, attn.to_v)
-    return tuple(fp8.project(layer, h) for layer in layers)
-
-
 def _double_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                     joint_attention_kwargs=None):
     img, txt, attn = hidden_states, encoder_hidden_states, self.attn
     if not _fused_call(img, attn, image_rotary_emb, joint_attention_kwargs) or img.dtype != txt.dtype:
         return type(self).forward(self, img, txt, temb, image_rotary_emb, joint_attention_kwargs)
-    rope = kernel_module("qk_rope")
-    # shift, scale, gate of the attention, then of the MLP: (B, C) views
-    mi = self.norm1.linear(F.silu(temb)).chunk(6, dim=1)
-    mt = self.norm1_context.linear(F.silu(temb)).chunk(6, dim=1)
-    (B, Li, C), Lt, H = img.shape, txt.shape[1], attn.heads
-    pe, eps = rotation_table(image_rotary_emb), attn.norm_q.eps
-    qkv = rope.empty_qkv(B, Lt + Li, H, C // H, img)
-    h = modulated_norm(txt, mt[1], mt[0], attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-    rope.qk_norm_rope(_project(attn, h, True), H, qkv, 0, attn.norm_added_q.weight, attn.norm_added_k.weight, eps, pe)
-    h = modulated_norm(img, mi[1], mi[0], attn.to_q, attn.to_k, attn.to_v)
-    rope.qk_norm_rope(_project(attn, h, False), H, qkv, Lt, attn.norm_q.weight, attn.norm_k.weight, eps, pe)
-    out = sdpa(*qkv)
-    y, img = gated_mlp(img, attn.to_out[0](out[:, Lt:]), mi[2], mi[4], mi[3], self.ff.net[0].proj, self.ff.net[2])
-    gated_residual_(img, mi[5], y)
-    y, txt = gated_mlp(txt, attn.to_add_out(out[:, :Lt]), mt[2], mt[4], mt[3], self.ff_context.net[0].proj,
-                       self.ff_context.net[2])
-    gated_residual_(txt, mt[5], y)
+    streams = (diffusers_stream(txt, self.norm1_context.linear(F.silu(temb)),
+                                (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), attn.norm_added_q,
+                                attn.norm_added_k, attn.to_add_out, self.ff_context),
+               diffusers_stream(img, self.norm1.linear(F.silu(temb)), (attn.to_q, attn.to_k, attn.to_v),
+                                attn.norm_q, attn.norm_k, attn.to_out[0], self.ff))
+    txt, img = joint_block(streams, attn.heads, None, rotation_table(image_rotary_emb))
     if txt.dtype == torch.float16:
         txt = txt.clip(-65504, 65504)
     return txt, img
@@ -111,7 +96,8 @@ def _single_forward(self, hidden_states, encoder_hidden_states, temb, image_rota
     shift, scale, gate = self.norm.linear(F.silu(temb)).chunk(3, dim=1)
     h = modulated_norm(x, scale, shift, attn.to_q, attn.to_k, attn.to_v, self.proj_mlp)
     qkv = rope.empty_qkv(B, L, H, C // H, x)
-    rope.qk_norm_rope(_project(attn, h, False), H, qkv, 0, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
+    projected = tuple(fp8.project(layer, h) for layer in (attn.to_q, attn.to_k, attn.to_v))
+    rope.qk_norm_rope(projected, H, qkv, 0, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
                       rotation_table(image_rotary_emb))
     mlp = fp8.project(self.proj_mlp, h)
     attn_out = sdpa(*qkv)

@@ -1,11 +1,13 @@
-"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit) share: the call conditions, the
-attention over the joint sequence (in fp8 where accel/engine/fp8_attention.py takes it), the gated residual /
-modulated MLP steps of a DiT block, and the computation of Flux's double and single blocks that ComfyUI's Flux and
-Chroma classes share."""
+"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan, qwen_image) share: the call
+conditions, the attention over the joint sequence (in fp8 where accel/engine/fp8_attention.py takes it), the gated
+residual / modulated MLP steps of a DiT block, the double-stream block of joint text+image attention (Flux, Chroma,
+Qwen-Image) and Flux's single block."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +21,16 @@ EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
 
 
+def own_weights(*layers: nn.Module) -> bool:
+    """Layers whose weights have no per-call functions (lowvram, a LoRA applied per call), which only the host's
+    forward applies in step."""
+    return all(not getattr(layer, "weight_function", None) and not getattr(layer, "bias_function", None)
+               for layer in layers)
+
+
 def linears(*layers: nn.Module) -> bool:
-    """Linear layers (ComfyUI's cast-on-the-fly ones included: the fused forwards call them) whose weights have no
-    per-call functions (lowvram, a LoRA applied per call), which only the host's forward applies in step."""
-    return all(isinstance(layer, nn.Linear) and not getattr(layer, "weight_function", None)
-               and not getattr(layer, "bias_function", None) for layer in layers)
+    """Linear layers (ComfyUI's cast-on-the-fly ones included: the fused forwards call them) of own_weights."""
+    return all(isinstance(layer, nn.Linear) for layer in layers) and own_weights(*layers)
 
 
 def kernels_run_on(x: torch.Tensor) -> bool:
@@ -37,11 +44,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).reshape(B, L, H * D)
 
 
-def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               name: str = "optimized_attention") -> torch.Tensor:
     """sdpa for a fused block of ComfyUI's `module_name`, or ComfyUI's attention chosen for the whole host where it was
     timed faster for the shape (base.comfy_attend); through the `around` of a StandIn that takes the place of that
-    module's attention function (sequence parallelism's exchange), where one does."""
-    fn = getattr(sys.modules.get(module_name), "optimized_attention", None)
+    module's attention function `name` (sequence parallelism's exchange), where one does."""
+    fn = getattr(sys.modules.get(module_name), name, None)
     host = fn.host if isinstance(fn, StandIn) else fn
 
     def attend(q, k, v):
@@ -52,26 +60,40 @@ def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 class Joint:
-    """One joint sequence's attention in a fused block: the (B, L, heads, head_dim) buffers that each stream's q, k
-    and v are written into (kernels/qk_rope.py), and the attention over them: in fp8 where fp8_attention takes it
-    (the streams' `projections` make fp8 products, every stream has q/k norm weights `norms`), else comfy_sdpa."""
+    """One sequence's attention in a fused block: the (B, L, heads, head_dim) buffers that each stream's q, k and v
+    are written into (kernels/qk_rope.py), and the attention over them. It runs in fp8 where fp8_attention takes it
+    (the streams' `projections` make fp8 products, every stream has q/k norm weights `norms`), else as comfy_sdpa for
+    the attention function `name` of ComfyUI's `module_name` (plain sdpa where module_name is None: diffusers)."""
 
-    def __init__(self, module_name: str, batch: int, tokens: int, heads: int, like: torch.Tensor,
-                 projections: tuple[nn.Module, ...], norms: list[tuple], consumers: tuple[nn.Module, ...]) -> None:
-        self.module_name, self.heads = module_name, heads
+    def __init__(self, module_name: str | None, batch: int, tokens: int, heads: int, like: torch.Tensor,
+                 projections: tuple[nn.Module, ...], norms: list[tuple], consumers: tuple[nn.Module, ...],
+                 name: str = "optimized_attention") -> None:
+        self.module_name, self.name, self.heads = module_name, name, heads
         head_dim = like.shape[-1] // heads
-        self.eight = fp8_attention.sequence(module_name, batch, tokens, heads, head_dim, like, projections, norms,
-                                            consumers)
+        self.eight = fp8_attention.sequence(module_name, name, batch, tokens, heads, head_dim, like, projections,
+                                            norms, consumers) if module_name else None
         self.qkv = self.eight.qkv if self.eight else kernel_module("qk_rope").empty_qkv(batch, tokens, heads,
                                                                                        head_dim, like)
 
-    def write(self, projected: torch.Tensor, offset: int, norm: tuple, pe: torch.Tensor | None = None) -> None:
-        """A stream's qkv projection at its offset: q and k RMS-normalized with norm's weights, rotated by pe."""
-        kernel_module("qk_rope").qk_norm_rope(projected, self.heads, self.qkv, offset, *norm, EPS, pe,
-                                              **(self.eight.kernel_args() if self.eight else {}))
+    def write(self, projected: torch.Tensor | tuple[torch.Tensor, ...], offset: int, norm: tuple, eps: float = EPS,
+              pe: torch.Tensor | None = None) -> None:
+        """A stream's qkv projection (or its q, k and v) at its offset: q and k RMS-normalized per head with norm's
+        weights, rotated by pe."""
+        kernel_module("qk_rope").qk_norm_rope(projected, self.heads, self.qkv, offset, *norm, eps, pe,
+                                              **self._fp8_args())
+
+    def write_rows(self, projected: tuple[torch.Tensor, ...], norm: tuple, eps: float, pe: torch.Tensor) -> None:
+        """The whole sequence's q, k and v projections: q and k RMS-normalized over all heads' channels (Wan), rotated
+        by pe."""
+        kernel_module("qk_rope").qk_row_norm_rope(projected, self.heads, self.qkv, *norm, eps, pe, **self._fp8_args())
+
+    def _fp8_args(self) -> dict:
+        return self.eight.kernel_args() if self.eight else {}
 
     def attend(self) -> torch.Tensor | fp8_attention.Output:
-        return self.eight.attend() if self.eight else comfy_sdpa(self.module_name, *self.qkv)
+        if self.eight:
+            return self.eight.attend()
+        return comfy_sdpa(self.module_name, *self.qkv, self.name) if self.module_name else sdpa(*self.qkv)
 
 
 def part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int | None,
@@ -93,10 +115,11 @@ def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | N
     return h if update is None else (h, s)
 
 
-def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, scale: torch.Tensor,
               shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
-    """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update; the caller adds the MLP's gated
-    output to s. With fp8 products the GELU runs in the pass that quantizes fc2's input."""
+    """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update (x + update where gate is None);
+    the caller adds the MLP's gated output to s. With fp8 products the GELU runs in the pass that quantizes fc2's
+    input."""
     h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
     a = fp8.project(fc1, h)
     if fp8.takes_rows(a, fc2):
@@ -106,10 +129,16 @@ def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, scale: 
 
 def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
                     update2: torch.Tensor | None = None) -> torch.Tensor:
-    """x += gate * (update (+ update2)) in place (gate per sample: (B, 1, C) or (B, C))."""
+    """x += gate * (update (+ update2)) in place (gate per sample: (B, 1, C) or (B, C); or per run of tokens,
+    (B, T, C), on a contiguous x: kernels/adaln.py)."""
     if x.is_contiguous() and update.shape == x.shape:
         return kernel_module("adaln").gated_add_(x, gate, update, update2)
     return x.addcmul_(gate if gate.dim() == 3 else gate.unsqueeze(1), update if update2 is None else update + update2)
+
+
+def plain_layer_norms(*norms: nn.Module) -> bool:
+    """LayerNorm modules of the DiTs' adaLN: no affine, eps 1e-6 (what the adaLN kernel computes)."""
+    return all(isinstance(n, nn.LayerNorm) and not n.elementwise_affine and n.eps == EPS for n in norms)
 
 
 def norm_weight(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
@@ -138,34 +167,88 @@ def fused_call(x: torch.Tensor, transformer_options: dict | None, *conditions: b
             and kernels_run_on(x))
 
 
+class Modulation(NamedTuple):
+    """An adaLN modulation's shift, scale and gate ((B, C) or (B, 1, C)), as Flux's ModulationOut names them."""
+    shift: torch.Tensor
+    scale: torch.Tensor
+    gate: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One stream (text or image) of a block of joint attention, as `joint_block` computes it: its tokens, the
+    modulations of its attention and MLP halves (a Modulation, or Flux's ModulationOut), the layers its tokens go
+    through, and its per-head q/k RMSNorm weights (None: no norm) with their eps."""
+    x: torch.Tensor
+    attn_mod: Any
+    mlp_mod: Any
+    qkv: nn.Module | tuple[nn.Module, nn.Module, nn.Module]  # one packed projection, or q, k and v
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    proj: nn.Module
+    fc1: nn.Module
+    fc2: nn.Module
+
+
+def diffusers_stream(x: torch.Tensor, mods: torch.Tensor, qkv: tuple[nn.Module, nn.Module, nn.Module],
+                     q_norm: nn.Module, k_norm: nn.Module, proj: nn.Module, ff: nn.Module) -> Stream:
+    """A Stream of diffusers' double-block layout (which ComfyUI's Qwen-Image keeps): its modulations the six chunks of
+    one (B, 6C) projection (shift, scale and gate of the attention, then of the MLP), q, k and v projected by three
+    layers, q/k RMSNorm modules, a FeedForward of net[0].proj, the GELU, and net[2]."""
+    shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = mods.chunk(6, dim=-1)
+    return Stream(x, Modulation(shift, scale, gate), Modulation(mlp_shift, mlp_scale, mlp_gate), qkv, q_norm.weight,
+                  k_norm.weight, q_norm.eps, proj, ff.net[0].proj, ff.net[2])
+
+
+def _layers(s: Stream) -> tuple[nn.Module, ...]:
+    return s.qkv if isinstance(s.qkv, tuple) else (s.qkv,)
+
+
+def joint_block(streams: Sequence[Stream], heads: int, module_name: str | None, pe: torch.Tensor | None,
+                name: str = "optimized_attention") -> list[torch.Tensor]:
+    """A double-stream block's computation with the kernels (Flux, Chroma, Qwen-Image): the streams' tokens joined in
+    their order into one attention over the joint sequence, rotated by pe's rows there (a Joint: the attention
+    function `name` of ComfyUI's `module_name`, or fp8 attention in its place; sdpa where module_name is None), then
+    each stream's gated residual, modulated MLP and gated residual. Returns the streams' new tokens, in their order."""
+    first = streams[0].x
+    norms = [(norm_weight(s.q_norm, s.x), norm_weight(s.k_norm, s.x)) for s in streams]
+    joint = Joint(module_name, first.shape[0], sum(s.x.shape[1] for s in streams), heads, first,
+                  tuple(layer for s in streams for layer in _layers(s)), norms, tuple(s.proj for s in streams), name)
+    offset = 0
+    for s, norm in zip(streams, norms):
+        layers = _layers(s)
+        h = modulated_norm(s.x, s.attn_mod.scale, s.attn_mod.shift, *layers)
+        projected = tuple(fp8.project(layer, h) for layer in layers)
+        joint.write(projected if len(projected) == 3 else projected[0], offset, norm, s.eps, pe)
+        offset += s.x.shape[1]
+    out = joint.attend()
+    outs, offset = [], 0
+    for s in streams:
+        L = s.x.shape[1]
+        y, x = gated_mlp(s.x, fp8.project(s.proj, part(out, offset, offset + L, s.proj)), s.attn_mod.gate,
+                         s.mlp_mod.scale, s.mlp_mod.shift, s.fc1, s.fc2)
+        outs.append(gated_residual_(x, s.mlp_mod.gate, y))
+        offset += L
+    return outs
+
+
 def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torch.Tensor | None, mods: tuple,
                  flipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A double-stream block's computation with the kernels; mods = (img_mod1, img_mod2, txt_mod1, txt_mod2), each
-    with shift, scale and gate of shape (B, 1, C)."""
+    """A double-stream block of Flux's layout; mods = (img_mod1, img_mod2, txt_mod1, txt_mod2), each with shift,
+    scale and gate of shape (B, 1, C)."""
     img_mod1, img_mod2, txt_mod1, txt_mod2 = mods
-    (B, Li, C), Lt, H = img.shape, txt.shape[1], self.num_heads
-    streams = [(txt, txt_mod1, self.txt_attn, 0), (img, img_mod1, self.img_attn, Lt)]
+
+    def stream(x, attn, mlp, mod1, mod2) -> Stream:
+        return Stream(x, mod1, mod2, attn.qkv, attn.norm.query_norm.scale, attn.norm.key_norm.scale, EPS, attn.proj,
+                      mlp[0], mlp[2])
+
+    streams = [stream(txt, self.txt_attn, self.txt_mlp, txt_mod1, txt_mod2),
+               stream(img, self.img_attn, self.img_mlp, img_mod1, img_mod2)]
     if flipped:
-        streams = [(img, img_mod1, self.img_attn, 0), (txt, txt_mod1, self.txt_attn, Li)]
-    norms = [(norm_weight(attn.norm.query_norm.scale, x), norm_weight(attn.norm.key_norm.scale, x))
-             for x, _, attn, _ in streams]
-    joint = Joint(FLUX_ATTENTION, B, Lt + Li, H, img, (self.img_attn.qkv, self.txt_attn.qkv), norms,
-                  (self.img_attn.proj, self.txt_attn.proj))
-    for (x, mod, attn, offset), norm in zip(streams, norms):
-        joint.write(fp8.project(attn.qkv, modulated_norm(x, mod.scale, mod.shift, attn.qkv)), offset, norm, pe)
-    out = joint.attend()
-    split = streams[0][0].shape[1]
-    spans = {streams[0][2]: (0, split), streams[1][2]: (split, None)}
-
-    def update(attn: nn.Module) -> torch.Tensor:
-        return fp8.project(attn.proj, part(out, *spans[attn], attn.proj))
-
-    y, img = gated_mlp(img, update(self.img_attn), img_mod1.gate, img_mod2.scale, img_mod2.shift,
-                       self.img_mlp[0], self.img_mlp[2])
-    gated_residual_(img, img_mod2.gate, y)
-    y, txt = gated_mlp(txt, update(self.txt_attn), txt_mod1.gate, txt_mod2.scale, txt_mod2.shift,
-                       self.txt_mlp[0], self.txt_mlp[2])
-    gated_residual_(txt, txt_mod2.gate, y)
+        streams.reverse()
+    new = joint_block(streams, self.num_heads, FLUX_ATTENTION, pe)
+    txt, img = new if not flipped else new[::-1]
     if txt.dtype == torch.float16:
         txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
     return img, txt
@@ -179,7 +262,7 @@ def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod)
     projected, mlp_in = fp8.split_linear(self.linear1, h, (3 * C, self.mlp_hidden_dim))
     norm = norm_weight(self.norm.query_norm.scale, x), norm_weight(self.norm.key_norm.scale, x)
     joint = Joint(FLUX_ATTENTION, B, L, H, x, (self.linear1,), [norm], (self.linear2,))
-    joint.write(projected, 0, norm, pe)
+    joint.write(projected, 0, norm, EPS, pe)
     attn = joint.attend()
     # linear2(cat(attention, act)) without writing the concatenation: two products into one output (16-bit: the
     # second accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass

@@ -1,0 +1,133 @@
+"""Wan 2.1/2.2's blocks and output head (ComfyUI's comfy.ldm.wan.model) with the DiT kernels.
+
+A WanAttentionBlock makes: one adaLN pass into the self-attention's q, k and v projections; one pass that
+RMS-normalizes q and k over all heads' channels (Wan's q/k norm spans the row, where Flux's is per head: the qk_rope
+kernel's row variant), rotates them (the table is Flux's layout once the swap of the heads and tokens axes in Wan's
+rope_encode is undone, a view) and writes q, k and v in SDPA's layout; the attention; one pass that adds the gated
+attention output to the stream and applies the cross-attention's affine LayerNorm (its weight as 1 + scale, its bias
+as shift); the cross-attention, ComfyUI's own module; one pass that adds its output and normalizes and modulates the
+sum for the FFN; the tanh GELU; one in-place gated residual. Wan 2.2's modulation per frame or token (e of four dims,
+a row per run of tokens) is read by the kernels where ComfyUI's repeat_e spreads it, with no per-token copy.
+
+The self-attention runs as the block's own self_attn module, patched too, so that the hooks on it (sequence
+parallelism marks its calls for the exchange, accel/parallel/wan.py) see every call; its attention goes through
+transformer.comfy_sdpa. The projections run as fp8 products where accel/engine/fp8.py marked them. A call it does not
+cover runs the module's own forward: an attention override or another node's attention function in ComfyUI, a tensor
+the kernels cannot run on. Blocks with per-call weight functions (lowvram, a LoRA applied per call), q/k norms other
+than torch's RMSNorm, and subclasses (VACE's blocks, whose forward calls WanAttentionBlock.forward by name) keep their
+forward.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from .. import fp8
+from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, patch_forward,
+                   reads_comfy_attention)
+from .registry import fusion
+from .transformer import (EPS, comfy_sdpa, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
+                          own_weights, plain_layer_norms)
+
+WAN = "comfy.ldm.wan.model"  # its blocks' attention function is this module's optimized_attention
+
+
+def _modulations(self: nn.Module, e: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The module's modulation parameter (1, n, C) plus e (B, T, n, C): n (B, T, C) views, as ComfyUI adds them."""
+    cast_to = sys.modules["comfy.model_management"].cast_to
+    return (cast_to(self.modulation, dtype=x.dtype, device=x.device).unsqueeze(0) + e).unbind(2)
+
+
+def _fused(x: torch.Tensor, freqs: torch.Tensor | None, transformer_options: dict | None) -> bool:
+    return (comfy_attention(WAN, transformer_options) is not None and kernels_run_on(x) and freqs is not None
+            and freqs.dtype == torch.float32 and freqs.shape[1] == x.shape[1])
+
+
+def _attention_inputs(self: nn.Module, x, freqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v of the self-attention in SDPA's layout; the projections they are made from are freed on return,
+    before the attention (at a video's token counts each is hundreds of MB)."""
+    rope = kernel_module("qk_rope")
+    (B, L), H = x.shape[:2], self.num_heads
+    projected = tuple(fp8.project(layer, x) for layer in (self.q, self.k, self.v))
+    qkv = rope.empty_qkv(B, L, H, self.head_dim, projected[0])
+    pe = freqs.transpose(1, 2)
+    if isinstance(self.norm_q, nn.RMSNorm):
+        weights = (n.weight.to(device=pe.device, dtype=qkv[0].dtype) for n in (self.norm_q, self.norm_k))
+        rope.qk_row_norm_rope(projected, H, qkv, *weights, self.norm_q.eps, pe)
+    else:
+        rope.qk_norm_rope(projected, H, qkv, pe=pe)
+    return qkv
+
+
+def _self_attention(self, x, freqs, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
+    # x comes as fp8 Rows from a fused block only, which has checked the call
+    if not isinstance(x, fp8.Rows) and not _fused(x, freqs, transformer_options):
+        return type(self).forward(self, x, freqs, transformer_options=transformer_options)
+    return self.o(comfy_sdpa(WAN, *_attention_inputs(self, x, freqs)))
+
+
+def _block_forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}):  # noqa: B006
+    if not _fused(x, freqs, transformer_options):
+        return type(self).forward(self, x, e, freqs, context, context_img_len=context_img_len,
+                                  transformer_options=transformer_options)
+    shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = _modulations(self, e if e.dim() == 4 else e.unsqueeze(1), x)
+    sa = self.self_attn
+    y = sa(modulated_norm(x, scale, shift, sa.q, sa.k, sa.v), freqs, transformer_options=transformer_options)
+    if isinstance(self.norm3, nn.LayerNorm):  # affine: LN(s) * w + b is the modulation with scale w - 1, shift b
+        w, b = (p.to(device=x.device, dtype=torch.float32).view(1, -1) for p in (self.norm3.weight,
+                                                                                 self.norm3.bias))
+        h, x = modulated_norm(x, w - 1, b, update=y, gate=gate)
+    else:
+        h = x = gated_residual_(x.clone(memory_format=torch.contiguous_format), gate, y)
+    y = self.cross_attn(h, context, context_img_len=context_img_len, transformer_options=transformer_options)
+    y, x = gated_mlp(x, y, None, mlp_scale, mlp_shift, self.ffn[0], self.ffn[2])
+    return gated_residual_(x, mlp_gate, y)
+
+
+def _head_forward(self, x, e):
+    if not kernel_module("adaln").supported(x):
+        return type(self).forward(self, x, e)
+    shift, scale = _modulations(self, (e if e.dim() == 3 else e.unsqueeze(1)).unsqueeze(2), x)
+    return self.head(kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS))
+
+
+def _qk_norms_covered(sa: nn.Module) -> bool:
+    """Wan's q/k RMSNorms (the kernel normalizes over the whole row with their weights and eps), or none."""
+    q, k = sa.norm_q, sa.norm_k
+    if type(q) is nn.Identity and type(k) is nn.Identity:
+        return True
+    return (isinstance(q, nn.RMSNorm) and isinstance(k, nn.RMSNorm) and q.weight is not None and k.weight is not None
+            and q.eps is not None and q.eps == k.eps and own_weights(q, k))
+
+
+def _block_covered(m: nn.Module) -> bool:
+    sa, ffn, norm3 = m.self_attn, m.ffn, m.norm3
+    return (forward_takes(m, "x", "e", "freqs", "context", "context_img_len", "transformer_options")
+            and of_class(sa, "WanSelfAttention", WAN, "norm_q", "norm_k") and forward_takes(sa, "x", "freqs",
+                                                                                            "transformer_options")
+            and sa.head_dim % 2 == 0 and _qk_norms_covered(sa) and linears(sa.q, sa.k, sa.v, sa.o, ffn[0], ffn[2])
+            and isinstance(ffn[1], nn.GELU) and ffn[1].approximate == "tanh" and plain_layer_norms(m.norm1, m.norm2)
+            and (type(norm3) is nn.Identity or (isinstance(norm3, nn.LayerNorm) and norm3.eps == EPS
+                                                and norm3.weight is not None and norm3.bias is not None
+                                                and own_weights(norm3))))
+
+
+@fusion("wan")
+def apply(model: nn.Module, undo: Undo) -> int:
+    n = 0
+    for m in model.modules():
+        if of_class(m, "WanAttentionBlock", WAN, "self_attn", "cross_attn", "norm3", "ffn", "modulation") \
+                and _block_covered(m):
+            patch_forward(m, _block_forward, undo)
+            patch_forward(m.self_attn, _self_attention, undo)
+        elif of_class(m, "Head", WAN, "modulation", "norm", "head") and linears(m.head) and plain_layer_norms(m.norm):
+            patch_forward(m, _head_forward, undo)
+        else:
+            continue
+        n += 1
+    if n:
+        reads_comfy_attention(WAN)
+    return n

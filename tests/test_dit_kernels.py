@@ -343,6 +343,36 @@ def test_qk_norm_rope_writes_e4m3_q_and_k_and_gathers_vs_amax(B, H, D, dtype, ro
         _e4m3_close(out, (ref.float() / d).to(qk_rope.FP8), d)
 
 
+@pytest.mark.parametrize("B,L,H,D,dtype", [(2, 13, 3, 8, torch.float32), (1, 5, 40, 128, torch.bfloat16)])
+def test_qk_row_norm_rope_writes_e4m3_under_the_rows_bound(B, L, H, D, dtype):
+    """Wan's q and k in e4m3 (40 heads of 128: Wan 2.1 14B's row): a norm over all heads' channels bounds an element
+    by sqrt(heads * head_dim) * max|w|, which qk_descales reads from the weights' size. A token whose row is one
+    element reaches that bound: it stays below 448 where the per-head bound, sqrt(head_dim) * max|w|, would
+    saturate it; typical values sit far above e4m3's subnormals (2^-6)."""
+    q, k, v = (_randn(B, L, H * D, dtype=dtype, seed=s, scale=2.0) for s in (3, 4, 5))
+    q[0, 0] = 0
+    q[0, 0, 5] = 3.0
+    qw, kw = (_randn(H * D, seed=s, offset=1.0, scale=0.1).to(dtype) for s in (1, 2))
+    qw[5] = 1.5  # the largest weight, on the lone element
+    pe = _flux_pe(1, L, D)
+    descales = qk_rope.qk_descales([qw], [kw])
+    torch.testing.assert_close(descales[:, 0], torch.stack([qw.float().abs().max(), kw.float().abs().max()])
+                               * (H * D) ** 0.5 * (1 + 2 ** -6) / 448)
+    got = qk_rope.empty_qkv(B, L, H, D, q, qk_fp8=True)
+    amax = torch.zeros(1, device=DEVICE)
+    qk_rope.qk_row_norm_rope((q, k, v), H, got, qw, kw, 1e-6, pe, descales=descales, v_amax=amax)
+    sixteen = qk_rope.empty_qkv(B, L, H, D, q)
+    qk_rope.qk_row_norm_rope((q, k, v), H, sixteen, qw, kw, 1e-6, pe)
+    for out, ref, d in zip(got[:2], sixteen[:2], descales[:, 0]):
+        _e4m3_close(out, (ref.float() / d).to(qk_rope.FP8), d)
+        scaled = out.float().abs()
+        assert scaled.max() < 448 and (scaled[ref != 0] < 2 ** -6).float().mean() < 1e-2
+    assert sixteen[0].float().abs().max() / (descales[0, 0] / H ** 0.5) > 448 > got[0].float().abs().max() > 448 / 2
+    assert torch.equal(got[2], v.view(B, L, H, D)) and amax.item() == v.float().abs().max().item()
+    with pytest.raises(BadInput, match="expected contiguous"):
+        qk_rope.qk_row_norm_rope((q, k, v), H, sixteen, qw, kw, 1e-6, pe, descales=descales)
+
+
 def test_qk_norm_rope_e4m3_needs_its_buffers_and_norm_weights():
     qkv = _randn(1, 4, 48)
     descales = torch.ones(2, 4, device=DEVICE)

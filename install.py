@@ -6,6 +6,10 @@ What it installs:
 - the core requirements (requirements.txt) that are missing; A1111 does not read requirements.txt itself;
 - Triton for the fused kernels of the torch path, where torch did not bring it (NVIDIA: triton on Linux,
   triton-windows on Windows; AMD ROCm builds of torch bring their own and a PyPI triton would not run there);
+- on NVIDIA Hopper and Blackwell GPUs: nvidia-cudnn-frontend, for cuDNN's fp8 attention in the transformers under
+  precision fp8 (or fp8 weights), without its dependencies: they are the CuTe DSL (nvidia-cutlass-dsl[cu13], with
+  CUDA 13 libraries, hundreds of MB) and apache-tvm-ffi, which only its DSL kernels use; the graph API that runs the
+  attention is in its compiled module and uses the cuDNN library torch brings;
 - only when asked (--with onnxruntime, or SD_ACCEL_INSTALL=onnxruntime): the ONNX Runtime build for this GPU. It is
   not installed by default: ONNX Runtime is not chosen automatically until it is measured faster than the torch path.
   (A TensorRT path is planned; nothing installs TensorRT until that path exists.)
@@ -40,6 +44,7 @@ ENV_SKIP = "SD_ACCEL_SKIP_INSTALL"
 class Step:
     packages: list[str]
     why: str
+    options: list[str] = field(default_factory=list)  # pip install options
 
 
 @dataclass
@@ -66,9 +71,10 @@ def core_requirements() -> list[str]:
 
 
 def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: set[str],
-                  requirements: list[str]) -> InstallPlan:
-    """What to install for a GPU of `vendor` (nvidia, amd, intel, apple, cpu, unknown) on `system` (Linux, Windows,
-    Darwin), given which import names are installed. Pure, for tests and --dry-run."""
+                  requirements: list[str], family: str = "") -> InstallPlan:
+    """What to install for a GPU of `vendor` (nvidia, amd, intel, apple, cpu, unknown) and `family` (plan/device.py:
+    hopper, blackwell, ...) on `system` (Linux, Windows, Darwin), given which import names are installed (and
+    cudnn_frontend: policy.probe_packages). Pure, for tests and --dry-run."""
     plan = InstallPlan()
     missing = [r for r in requirements if not installed.get(_module_of(r), False)]
     if missing:
@@ -82,6 +88,11 @@ def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: 
     elif vendor == "amd" and not installed.get("triton"):
         plan.notes.append("Triton comes with the ROCm build of torch (pytorch-triton-rocm), and this torch has none; "
                           "reinstall torch from download.pytorch.org/whl/rocm* to get the fused kernels.")
+    if vendor == "nvidia" and family in ("hopper", "blackwell") and system in ("Linux", "Windows") \
+            and not installed.get("cudnn_frontend"):
+        plan.steps.append(Step(["nvidia-cudnn-frontend"], "cuDNN's fp8 attention for the transformers under precision "
+                               "fp8; without its CuTe DSL dependencies, which fp8 attention does not use",
+                               ["--no-deps"]))
     if "onnxruntime" in extras:
         ort = {"nvidia": ["onnx", "onnxruntime-gpu"], "cpu": ["onnx", "onnxruntime"]}.get(vendor)
         if vendor == "intel" and system == "Windows":
@@ -127,14 +138,14 @@ def installed_pins() -> list[str]:
     return sorted(pins.values())
 
 
-def _pip(packages: list[str], dry_run: bool = False) -> tuple[bool, str]:
+def _pip(packages: list[str], dry_run: bool = False, options: list[str] | None = None) -> tuple[bool, str]:
     """pip install with every installed distribution pinned; (ok, last lines of pip's output)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("\n".join(installed_pins()) + "\n")
         constraints = f.name
     try:
         run = subprocess.run([sys.executable, "-m", "pip", "install", "-c", constraints,
-                              *(["--dry-run"] if dry_run else []), *packages],
+                              *(["--dry-run"] if dry_run else []), *(options or []), *packages],
                              capture_output=True, text=True, timeout=3600)
         tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-3:])
         return run.returncode == 0, tail
@@ -165,22 +176,23 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = detect()
     say(f"GPU: {describe(gpu)}")
-    plan = plan_installs(gpu.vendor, platform.system(), _installed(), _extras(args.extras), core_requirements())
+    plan = plan_installs(gpu.vendor, platform.system(), _installed(), _extras(args.extras), core_requirements(),
+                         gpu.family)
     for note in plan.notes:
         say(note)
     if not plan.steps:
         say("everything this GPU uses is installed.")
         return 0
     for step in plan.steps:
-        command = "pip install " + " ".join(step.packages)
+        command = "pip install " + " ".join(step.options + step.packages)
         if args.dry_run:
-            ok, tail = _pip(step.packages, dry_run=True)
+            ok, tail = _pip(step.packages, dry_run=True, options=step.options)
             say(f"would run: {command}  ({step.why}); " + (
                 "pip resolves it without changing any installed package." if ok else
                 f"pip cannot add it without changing installed packages, so it would be skipped:\n{tail}"))
             continue
         say(f"running: {command}  ({step.why}; installed packages stay as they are)")
-        ok, tail = _pip(step.packages)
+        ok, tail = _pip(step.packages, options=step.options)
         say(("installed: " if ok else "not installed (it would change packages the host installed; sd-accel still "
              "runs without it): ") + " ".join(step.packages) + ("" if ok else f"\n{tail}"))
     return 0

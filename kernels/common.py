@@ -95,3 +95,19 @@ def pow2(n: int) -> int:
 def warps(elems: int, per_thread: int = 16) -> int:
     """num_warps for a tile of `elems` elements: about `per_thread` per thread, 1 to 16 warps."""
     return max(1, min(16, elems // (32 * per_thread)))
+
+
+@jit
+def e4m3(x):
+    """x (float32) rounded to the nearest e4m3 (float8_e4m3fn) value, ties to even, saturated at +-448, still in
+    float32: its conversion to fp8 is then exact. Triton's CPU interpreter rounds fp8 conversions wrongly (125.9
+    becomes 64), so a kernel that rounds here first gives the GPU's result under the interpreter too."""
+    bits = x.to(tl.int32, bitcast=True)
+    # the spacing of e4m3 values around |x|: 2^(exponent - 3), and 2^-9 among the subnormals below 2^-6
+    step_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
+    step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
+    # |x| / step < 16: adding and taking away 2^23 rounds it to an integer, ties to even (both steps are exact
+    # powers of two apart from that one rounding)
+    r = tl.minimum(((tl.abs(x) * inv + 8388608.0) - 8388608.0) * step, 448.0)
+    return tl.where(x < 0, -r, r)

@@ -12,6 +12,13 @@ float32.
 Wan normalizes q and k over all heads' channels, not per head: `qk_row_norm_rope` takes its three projections and
 its rotary table (Wan's rope_encode, heads and tokens axes swapped back: Flux's layout), one program per run of
 tokens across all heads.
+
+For fp8 attention both passes may write q and k in e4m3 instead, each divided by a per-tensor descale read from the
+device: after an RMSNorm over n channels with weight w every element is bounded by sqrt(n) * max|w| (n is head_dim
+per head, heads * head_dim for Wan's row; a rotation keeps the norm of each pair), so a descale set from that bound
+never overflows, and e4m3, a floating-point format, keeps its relative precision below the bound. v, which no norm
+bounds, stays 16-bit; the pass accumulates its largest magnitude into a device scalar (atomic max) for the pass that
+quantizes it (kernels/quant.py quantize_tensor).
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tl
+from .common import cdiv, e4m3, jit, on_device, pow2, require, supported_tensor, tl
 from .errors import BadInput
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 @jit
@@ -42,11 +52,26 @@ def _rotate(x, m00, m01, m10, m11, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr)
     return tl.reshape(tl.join(m00 * e + m01 * o, m10 * e + m11 * o), (BLOCK_L, BLOCK_D))
 
 
+@jit
+def _store_qk(out_ptr, x, mask, descale_ptr, QK_FP8: tl.constexpr):
+    if QK_FP8:
+        x = e4m3(x / tl.load(descale_ptr))
+    tl.store(out_ptr, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _copy_v(src_ptr, dst_ptr, mask, amax_ptr, V_AMAX: tl.constexpr):
+    v = tl.load(src_ptr, mask=mask, other=0.0)
+    tl.store(dst_ptr, v, mask=mask)
+    if V_AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v.to(tl.float32)), 1), 0))
+
+
 @jit(do_not_specialize=("L", "total", "offset", "row_stride", "pe_stride"))
-def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, total, offset, row_stride,
-                    pe_stride, eps,
+def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr, amax_ptr, L,
+                    total, offset, row_stride, pe_stride, descale_stride, eps,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                    HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr):
+                    HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr, QK_FP8: tl.constexpr, V_AMAX: tl.constexpr):
     # Whole rows are loaded and stored (coalesced).
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -66,17 +91,17 @@ def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr
         if HAS_NORM:
             rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
             w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            x = (x * rstd * w).to(out_ptr.dtype.element_ty).to(tl.float32)
+            x = (x * rstd * w).to(in_ptr.dtype.element_ty).to(tl.float32)
         if HAS_PE:
             x = _rotate(x, m00, m01, m10, m11, BLOCK_L, BLOCK_D)
-        tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + dst, tl.load(vs_ptr + src, mask=mask, other=0.0), mask=mask)
+        _store_qk(out_ptr + dst, x, mask, descale_ptr + part * descale_stride, QK_FP8)
+    _copy_v(vs_ptr + src, v_ptr + dst, mask, amax_ptr, V_AMAX)
 
 
 @jit(do_not_specialize=("L", "row_stride", "pe_stride"))
-def _row_norm_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, L, row_stride,
-                          pe_stride, eps, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_L: tl.constexpr):
+def _row_norm_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr, amax_ptr, L,
+                          row_stride, pe_stride, descale_stride, eps, H: tl.constexpr, D: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, QK_FP8: tl.constexpr, V_AMAX: tl.constexpr):
     # One program holds BLOCK_L tokens of every head: the RMS over the whole row is summed head by head, then each
     # head is read again (from cache), normalized, rotated and stored.
     b = tl.program_id(1)
@@ -99,11 +124,11 @@ def _row_norm_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr,
         for h in range(H):
             x = tl.load(in_ptr + src + h * D, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + h * D + d, mask=d < D, other=0.0).to(tl.float32)
-            x = _rotate((x * rstd * w).to(out_ptr.dtype.element_ty).to(tl.float32), m00, m01, m10, m11, BLOCK_L,
+            x = _rotate((x * rstd * w).to(in_ptr.dtype.element_ty).to(tl.float32), m00, m01, m10, m11, BLOCK_L,
                         BLOCK_D)
-            tl.store(out_ptr + dst + h * D, x.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_qk(out_ptr + dst + h * D, x, mask, descale_ptr + part * descale_stride, QK_FP8)
     for h in range(H):
-        tl.store(v_ptr + dst + h * D, tl.load(vs_ptr + src + h * D, mask=mask, other=0.0), mask=mask)
+        _copy_v(vs_ptr + src + h * D, v_ptr + dst + h * D, mask, amax_ptr, V_AMAX)
 
 
 def supported(qkv: torch.Tensor) -> bool:
@@ -131,42 +156,79 @@ def _sources(qkv, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return parts
 
 
-def _layout(name: str, sq: torch.Tensor, heads: int, out: tuple[torch.Tensor, ...]) -> tuple[int, int, int, int]:
-    """(B, L, head_dim, the outputs' tokens) of a call, its heads and outputs checked."""
+def _layout(name: str, sq: torch.Tensor, heads: int, out: tuple[torch.Tensor, ...], descales: Optional[torch.Tensor],
+            v_amax: Optional[torch.Tensor]) -> tuple[int, int, int, int]:
+    """(B, L, head_dim, the outputs' tokens) of a call, its heads, outputs and fp8 arguments checked."""
     B, L, C = sq.shape
     if C % heads or (C // heads) % 2:
         raise BadInput(f"{name}: {C} channels are not {heads} heads of an even head size.",
                        "Pass the number of heads the projection was made for.")
     D = C // heads
     total = out[0].shape[1]
-    for t in out:
-        if t.shape != (B, total, heads, D) or not t.is_contiguous() or t.dtype != sq.dtype or t.device != sq.device:
+    qk_dtype = FP8 if descales is not None else sq.dtype
+    for t, dtype in zip(out, (qk_dtype, qk_dtype, sq.dtype)):
+        if t.shape != (B, total, heads, D) or not t.is_contiguous() or t.dtype != dtype or t.device != sq.device:
             raise BadInput(f"{name}: an output is {tuple(t.shape)} {t.dtype}; expected contiguous "
-                           f"({B}, {total}, {heads}, {D}) {sq.dtype}.", "Make the outputs with empty_qkv.")
+                           f"({B}, {total}, {heads}, {D}) {dtype}.", "Make the outputs with empty_qkv.")
+    for t, what in ((descales, "descales"), (v_amax, "v_amax")):
+        if t is not None and (t.dtype != torch.float32 or t.device != sq.device
+                              or (t.dim() != 2 or t.shape[0] != 2 if what == "descales" else t.numel() != 1)):
+            raise BadInput(f"{name}: {what} is {tuple(t.shape)} {t.dtype}; expected float32 on {sq.device}, "
+                           "(2, n) descales, one v_amax.", "Make descales with qk_descales and v_amax with "
+                           "torch.zeros(1).")
     return B, L, D, total
 
 
-def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Three (batch, tokens, heads, head_dim) buffers for `qk_norm_rope` to fill."""
-    return tuple(torch.empty(batch, tokens, heads, head_dim, dtype=like.dtype, device=like.device) for _ in range(3))
+def _fp8_args(descales: Optional[torch.Tensor], v_amax: Optional[torch.Tensor], like: torch.Tensor) -> tuple:
+    """The kernels' descale_ptr, amax_ptr and descale_stride (unread stand-ins where not given)."""
+    return (descales if descales is not None else like, v_amax if v_amax is not None else like,
+            descales.stride(0) if descales is not None else 0)
+
+
+def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor,
+              qk_fp8: bool = False) -> tuple[torch.Tensor, ...]:
+    """Three (batch, tokens, heads, head_dim) buffers for `qk_norm_rope` to fill; q and k in e4m3 with qk_fp8."""
+    dtypes = (FP8 if qk_fp8 else like.dtype,) * 2 + (like.dtype,)
+    return tuple(torch.empty(batch, tokens, heads, head_dim, dtype=dt, device=like.device) for dt in dtypes)
+
+
+def qk_descales(q_weights: Sequence[torch.Tensor], k_weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The descales of q and k for the e4m3 output of `qk_norm_rope` / `qk_row_norm_rope` in column 0 of a (2, 4)
+    float32 tensor on the weights' device (each row 16 bytes: a library reading them as tensors of their own may want
+    them aligned), from the RMSNorm weights of every stream written into the sequence: an RMSNorm over a weight's n
+    elements bounds max|x| by sqrt(n) * max|w|, with room for the rounding to the input dtype before the rotation and
+    for a 16-bit rotary table. Computed on the device: no host sync, and a CUDA graph that replays it follows a changed
+    weight."""
+    def bound(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([w.float().abs().amax() * w.numel() ** 0.5 for w in weights]).amax()
+
+    bounds = torch.stack([bound(q_weights), bound(k_weights)]).view(2, 1).expand(2, 4)
+    return (bounds * ((1 + 2 ** -6) / FP8_MAX)).clamp_min(1e-12)
 
 
 def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], offset: int = 0,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6,
-                 pe: Optional[torch.Tensor] = None) -> None:
+                 pe: Optional[torch.Tensor] = None, descales: Optional[torch.Tensor] = None,
+                 v_amax: Optional[torch.Tensor] = None) -> None:
     """Write qkv's (B, L, 3 * heads * head_dim) q, k and v (or the three (B, L, heads * head_dim) tensors of a
     sequence) into out[0..2][:, offset:offset + L], each (B, total, heads, head_dim): q and k RMS-normalized per head
-    with q_weight and k_weight (when given), then rotated by pe's rows offset..offset + L (when given)."""
+    with q_weight and k_weight (when given), then rotated by pe's rows offset..offset + L (when given). With
+    `descales` ((2, n) float32, column 0: `qk_descales`) q and k are written in e4m3 (out from empty_qkv(...,
+    qk_fp8=True)) as their values divided by the descales, saturated; with `v_amax` ((1,) float32) max|v| of these
+    rows is folded into it (atomic max: start it at 0 for a sequence)."""
     sq, sk, sv = _sources(qkv, heads)
     require(sq, _qk_rope_kernel, "qk_norm_rope")
-    B, L, D, total = _layout("qk_norm_rope", sq, heads, out)
+    B, L, D, total = _layout("qk_norm_rope", sq, heads, out, descales, v_amax)
     qkv = sq
     q, k, v = out
     if not 0 <= offset <= total - L:
         raise BadInput(f"qk_norm_rope: {L} tokens at offset {offset} do not fit {total}.", "Pass a fitting offset.")
     if (q_weight is None) != (k_weight is None):
         raise BadInput("qk_norm_rope: q_weight and k_weight come together.", "Pass both or neither.")
+    if descales is not None and q_weight is None:
+        raise BadInput("qk_norm_rope: e4m3 q and k need the RMSNorm weights, whose bound sets their scale.",
+                       "Pass q_weight and k_weight, or write q and k in 16 bits.")
     for w in (q_weight, k_weight):
         if w is not None and (w.numel() != D or w.device != qkv.device):
             raise BadInput(f"qk_norm_rope: a norm weight has {w.numel()} elements; heads have {D}.",
@@ -184,23 +246,25 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
     kw = k_weight.contiguous() if k_weight is not None else qkv
     if B * L == 0:
         return
+    fp8_args = _fp8_args(descales, v_amax, qkv)
     block_d = pow2(D)
     block_l = max(1, min(pow2(L), 4096 // block_d))
     with on_device(qkv):
         _qk_rope_kernel[(cdiv(L, block_l), B, heads)](
-            sq, sk, sv, qw, kw, pe if pe is not None else qkv, q, k, v, L, total, offset, qkv.stride(1), pe_stride, eps,
-            H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l, HAS_NORM=q_weight is not None,
-            HAS_PE=pe is not None, num_warps=4)
+            sq, sk, sv, qw, kw, pe if pe is not None else qkv, q, k, v, *fp8_args[:2], L, total, offset, qkv.stride(1),
+            pe_stride, fp8_args[2], eps, H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l, HAS_NORM=q_weight is not None,
+            HAS_PE=pe is not None, QK_FP8=descales is not None, V_AMAX=v_amax is not None, num_warps=4)
 
 
 def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                     q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, pe: torch.Tensor) -> None:
+                     q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, pe: torch.Tensor,
+                     descales: Optional[torch.Tensor] = None, v_amax: Optional[torch.Tensor] = None) -> None:
     """Write the three (B, L, heads * head_dim) projections q, k and v into out[0..2], each (B, L, heads, head_dim):
     q and k RMS-normalized over all heads' channels with q_weight and k_weight (heads * head_dim each: Wan's
-    q/k norm), then rotated by pe (B|1, 1, L, head_dim / 2, 2, 2)."""
+    q/k norm), then rotated by pe (B|1, 1, L, head_dim / 2, 2, 2). `descales` and `v_amax` as for qk_norm_rope."""
     sq, sk, sv = _sources(qkv, heads)
     require(sq, _row_norm_rope_kernel, "qk_row_norm_rope")
-    B, L, D, total = _layout("qk_row_norm_rope", sq, heads, out)
+    B, L, D, total = _layout("qk_row_norm_rope", sq, heads, out, descales, v_amax)
     C = heads * D
     if total != L:
         raise BadInput(f"qk_row_norm_rope: the outputs hold {total} tokens; q, k and v have {L}.",
@@ -218,17 +282,20 @@ def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.T
         return
     block_d = pow2(D)
     block_l = max(1, min(pow2(L), 4096 // block_d))
+    descale_ptr, amax_ptr, descale_stride = _fp8_args(descales, v_amax, sq)
     with on_device(sq):
         _row_norm_rope_kernel[(cdiv(L, block_l), B)](
-            sq, sk, sv, q_weight.contiguous(), k_weight.contiguous(), pe, *out, L, sq.stride(1),
-            pe.stride(0) if pe.shape[0] > 1 else 0, eps, H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l,
-            num_warps=4)
+            sq, sk, sv, q_weight.contiguous(), k_weight.contiguous(), pe, *out, descale_ptr, amax_ptr, L, sq.stride(1),
+            pe.stride(0) if pe.shape[0] > 1 else 0, descale_stride, eps, H=heads, D=D, BLOCK_D=block_d,
+            BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, num_warps=4)
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,
                      k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, pe: Optional[torch.Tensor] = None,
-                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch reference: (q, k, v), each (B, L, heads, head_dim), as Flux's eager code computes them."""
+                     offset: int = 0, descales: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference: (q, k, v), each (B, L, heads, head_dim), as Flux's eager code computes them; with
+    `descales` q and k in e4m3, quantized from the float32 rotation as the kernel does."""
     B, L, _ = qkv.shape
     q, k, v = qkv.reshape(B, L, 3, heads, -1).unbind(2)
     if q_weight is not None:
@@ -239,10 +306,12 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Ten
 
         def rotate(t: torch.Tensor) -> torch.Tensor:
             t2 = t.float().reshape(*t.shape[:-1], -1, 1, 2)
-            return (rows[..., 0] * t2[..., 0] + rows[..., 1] * t2[..., 1]).reshape(t.shape).to(t.dtype)
+            return (rows[..., 0] * t2[..., 0] + rows[..., 1] * t2[..., 1]).reshape(t.shape)
 
-        q, k = rotate(q), rotate(k)
+        q, k = (rotate(t) if descales is not None else rotate(t).to(t.dtype) for t in (q, k))
+    if descales is not None:
+        q, k = ((t.float() / d).clamp(-FP8_MAX, FP8_MAX).to(FP8) for t, d in zip((q, k), descales[:, 0].float()))
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "empty_qkv", "supported"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "empty_qkv", "qk_descales", "supported", "FP8"]

@@ -1,14 +1,17 @@
 """Per-row fp8 (e4m3) quantization of activations for fp8 matrix products: each row scaled so that its largest
 magnitude maps to e4m3's largest finite value (448), returned with its float32 scale, as torch._scaled_mm's row-wise
 scaling takes them (x = x_fp8 * scale). Optionally the tanh GELU first, in the same pass: a transformer MLP's hidden
-activation goes from its first projection's output straight to the second projection's fp8 operand."""
+activation goes from its first projection's output straight to the second projection's fp8 operand.
+
+Also per-tensor quantization by a largest magnitude already on the device (`quantize_tensor`: an attention's v, whose
+amax the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .common import jit, on_device, pow2, require, supported_tensor, tl, warps
+from .common import cdiv, e4m3, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
 from .errors import BadInput
 
 FP8 = torch.float8_e4m3fn
@@ -30,6 +33,17 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.conste
     q = tl.clamp(x / scale, -448.0, 448.0)
     tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
+
+
+@jit(do_not_specialize=("N",))
+def _quantize_tensor_kernel(x_ptr, amax_ptr, q_ptr, descale_ptr, scale_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    descale = tl.maximum(tl.load(amax_ptr) / 448.0, 1e-12)
+    x = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    tl.store(q_ptr + i, e4m3(x / descale).to(q_ptr.dtype.element_ty), mask=i < N)
+    if tl.program_id(0) == 0:
+        tl.store(descale_ptr, descale)
+        tl.store(scale_ptr, 1.0 / descale)
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -67,4 +81,32 @@ def quantize_rows_ref(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 
-__all__ = ["quantize_rows", "quantize_rows_ref", "supported", "FP8", "FP8_MAX"]
+def quantize_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_fp8 of x's shape, descale, 1 / descale), the scales (1,) float32 tensors of their own, for a contiguous x
+    and its largest magnitude `amax` ((1,) float32 on x's device): x = x_fp8 * descale, x_fp8 saturated at +-448.
+    Runs under Triton's interpreter too (its values are rounded to e4m3 before the conversion)."""
+    require(x, _quantize_tensor_kernel, "quantize_tensor")
+    if not x.is_contiguous() or amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device:
+        raise BadInput(f"quantize_tensor: x is {tuple(x.shape)} with strides {x.stride()}, amax {tuple(amax.shape)} "
+                       f"{amax.dtype}; it takes a contiguous x and one float32 amax on its device.",
+                       "Use quantize_tensor_ref for other layouts.")
+    q = torch.empty(x.shape, device=x.device, dtype=FP8)
+    descale, scale = (torch.empty(1, device=x.device, dtype=torch.float32) for _ in range(2))
+    n = x.numel()
+    block = min(tile_for(x), pow2(max(n, 1)))
+    with on_device(x):
+        _quantize_tensor_kernel[(max(1, cdiv(n, block)),)](x, amax, q, descale, scale, n, BLOCK=block,
+                                                           num_warps=warps(block))
+    return q, descale, scale
+
+
+def quantize_tensor_ref(x: torch.Tensor, amax: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference of `quantize_tensor` (amax: x's own where not given)."""
+    amax = x.float().abs().amax().reshape(1) if amax is None else amax.float().reshape(1)
+    descale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
+    return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8), descale, 1.0 / descale
+
+
+__all__ = ["quantize_rows", "quantize_rows_ref", "quantize_tensor", "quantize_tensor_ref", "supported", "FP8",
+           "FP8_MAX"]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +30,9 @@ def test_doctor_names_device_and_plan():
     assert f"cache: {os.environ['SD_ACCEL_CACHE']}" in lines  # conftest sets it
     assert any(line.startswith("settings: ") and "SD_ACCEL_CACHE=" in line for line in lines)
     assert any(line.startswith("versions: sd-accel ") and ", torch " in line for line in lines)
+    if not torch.cuda.is_available():
+        assert "fp8 attention (precision fp8, fp8 weights): no, it runs on NVIDIA GPUs only (cuDNN); 16-bit " \
+               "attention" in lines
 
 
 def test_doctor_json_has_what_the_text_shows(tmp_path):
@@ -48,6 +52,7 @@ def test_doctor_json_has_what_the_text_shows(tmp_path):
     assert info["cache"] == str(tmp_path)
     assert info["settings"]["SD_ACCEL_BACKEND"] == "torch" and info["settings"]["SD_ACCEL_CACHE"] == str(tmp_path)
     assert info["versions"] == {"sd-accel": sd_accel.accel.__version__, "torch": torch.__version__}
+    assert info["packages"]["cudnn_frontend"] in (True, False) and info["fp8_attention"]["available"] in (True, False)
 
 
 def test_doctor_plan_wording_on_the_cpu():

@@ -288,6 +288,12 @@ def test_install_plans_per_gpu(installer):
     plan = installer.plan_installs("amd", "Linux", have, {"onnxruntime"}, reqs)
     assert plan.steps == []
     assert any("pytorch-triton-rocm" in n for n in plan.notes) and any("repo.radeon.com" in n for n in plan.notes)
+    # Hopper and Blackwell: cuDNN's frontend for fp8 attention, without its CuTe DSL dependencies
+    plan = installer.plan_installs("nvidia", "Linux", {**have, "triton": True}, set(), reqs, "hopper")
+    assert [(s.packages, s.options) for s in plan.steps] == [(["nvidia-cudnn-frontend"], ["--no-deps"])]
+    assert installer.plan_installs("nvidia", "Linux", {**have, "triton": True, "cudnn_frontend": True}, set(), reqs,
+                                   "blackwell").steps == []
+    assert installer.plan_installs("nvidia", "Linux", {**have, "triton": True}, set(), reqs, "ada").steps == []
     have_cpu_ort = {**have, "triton": True, "onnxruntime": True}
     plan = installer.plan_installs("nvidia", "Linux", have_cpu_ort, {"onnxruntime"}, reqs)
     assert plan.steps == [] and any("pip uninstall onnxruntime" in n for n in plan.notes)

@@ -291,3 +291,127 @@ def test_modulated_layer_norm_hands_fp8_rows_to_the_next_product(B, L, C, dtype,
     want = adaln.modulated_layer_norm_ref(x.float(), scale.float(), shift.float()).reshape(B * L, C)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (B * L, C) and s.shape == (B * L, 1)
     _within_one_e4m3_step(q, s, want)
+
+
+def _e4m3_close(got: torch.Tensor, want: torch.Tensor, descale: torch.Tensor) -> None:
+    """Two e4m3 tensors of one scale agree within one e4m3 step (3 mantissa bits) of each other's values, most of
+    them exactly (a value rounded to bfloat16 first, 8 bits, lands on an e4m3 tie about once in 32)."""
+    a, b = got.float() * descale, want.float() * descale
+    assert ((a - b).abs() <= torch.maximum(a.abs(), b.abs()) / 8 + descale * 2 ** -9).all()
+    assert (got.float() == want.float()).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("B,H,D,dtype,rope", [(2, 3, 16, torch.bfloat16, True), (1, 2, 24, torch.float32, False),
+                                               (1, 2, 128, torch.float16, True)])
+def test_qk_norm_rope_writes_e4m3_q_and_k_and_gathers_vs_amax(B, H, D, dtype, rope):
+    """fp8 attention's inputs: a joint text+image sequence of two streams with their own norm weights; q and k in
+    e4m3 under one descale each (from both streams' weights), v in 16 bits with its largest magnitude gathered."""
+    Lt, Li = 5, 11
+    txt, img = _randn(B, Lt, 3 * H * D, dtype=dtype, seed=3, scale=2.0), _randn(B, Li, 3 * H * D, dtype=dtype, seed=4)
+    img[0, 3, -1] = 40.0  # v's largest magnitude, in the second stream
+    weights = [_randn(D, seed=s, offset=1.0, scale=0.5).to(dtype) for s in (10, 11, 12, 13)]  # txt q, k; img q, k
+    weights[2][3] = -6.0  # img's q weight has the largest magnitude
+    descales = qk_rope.qk_descales([weights[0], weights[2]], [weights[1], weights[3]])
+    assert descales.shape == (2, 4) and descales.stride() == (4, 1)
+    torch.testing.assert_close(descales[:, 0], torch.tensor([6.0, max(w.abs().max().item() for w in weights[1::2])],
+                                                            device=DEVICE) * D ** 0.5 * (1 + 2 ** -6) / 448)
+    pe = _flux_pe(1, Lt + Li, D) if rope else None
+    got = qk_rope.empty_qkv(B, Lt + Li, H, D, img, qk_fp8=True)
+    assert [t.dtype for t in got] == [qk_rope.FP8, qk_rope.FP8, dtype]
+    amax = torch.zeros(1, device=DEVICE)
+    qk_rope.qk_norm_rope(txt, H, got, 0, weights[0], weights[1], pe=pe, descales=descales, v_amax=amax)
+    qk_rope.qk_norm_rope(img, H, got, Lt, weights[2], weights[3], pe=pe, descales=descales, v_amax=amax)
+    want = [torch.cat(p, dim=1) for p in zip(
+        qk_rope.qk_norm_rope_ref(txt, H, weights[0], weights[1], pe=pe, offset=0, descales=descales),
+        qk_rope.qk_norm_rope_ref(img, H, weights[2], weights[3], pe=pe, offset=Lt, descales=descales))]
+    for out, w, d in zip(got[:2], want[:2], descales[:, 0]):
+        # torch's rms_norm rounds on the way where the kernel computes in float32: a 16-bit step apart before the
+        # rotation, which may cancel down to a small value
+        assert w.dtype == qk_rope.FP8
+        a, b = out.float() * d, w.float() * d
+        assert ((a - b).abs() <= b.abs() / 8 + b.abs().amax() * 2 ** -7).all()
+    assert torch.equal(got[2], want[2])
+    assert amax.item() == 40.0
+    # the bound holds: no value saturates, and the largest lands well inside e4m3's range
+    largest = max(t.float().abs().max().item() for t in got[:2])
+    assert 448 / (2 * D ** 0.5) < largest < 448
+    # the kernel's own 16-bit output, quantized
+    sixteen = qk_rope.empty_qkv(B, Lt + Li, H, D, img)
+    qk_rope.qk_norm_rope(txt, H, sixteen, 0, weights[0], weights[1], pe=pe)
+    qk_rope.qk_norm_rope(img, H, sixteen, Lt, weights[2], weights[3], pe=pe)
+    for out, ref, d in zip(got[:2], sixteen[:2], descales[:, 0]):
+        _e4m3_close(out, (ref.float() / d).to(qk_rope.FP8), d)
+
+
+@pytest.mark.parametrize("B,L,H,D,dtype", [(2, 13, 3, 8, torch.float32), (1, 5, 40, 128, torch.bfloat16)])
+def test_qk_row_norm_rope_writes_e4m3_under_the_rows_bound(B, L, H, D, dtype):
+    """Wan's q and k in e4m3 (40 heads of 128: Wan 2.1 14B's row): a norm over all heads' channels bounds an element
+    by sqrt(heads * head_dim) * max|w|, which qk_descales reads from the weights' size. A token whose row is one
+    element reaches that bound: it stays below 448 where the per-head bound, sqrt(head_dim) * max|w|, would
+    saturate it; typical values sit far above e4m3's subnormals (2^-6)."""
+    q, k, v = (_randn(B, L, H * D, dtype=dtype, seed=s, scale=2.0) for s in (3, 4, 5))
+    q[0, 0] = 0
+    q[0, 0, 5] = 3.0
+    qw, kw = (_randn(H * D, seed=s, offset=1.0, scale=0.1).to(dtype) for s in (1, 2))
+    qw[5] = 1.5  # the largest weight, on the lone element
+    pe = _flux_pe(1, L, D)
+    descales = qk_rope.qk_descales([qw], [kw])
+    torch.testing.assert_close(descales[:, 0], torch.stack([qw.float().abs().max(), kw.float().abs().max()])
+                               * (H * D) ** 0.5 * (1 + 2 ** -6) / 448)
+    got = qk_rope.empty_qkv(B, L, H, D, q, qk_fp8=True)
+    amax = torch.zeros(1, device=DEVICE)
+    qk_rope.qk_row_norm_rope((q, k, v), H, got, qw, kw, 1e-6, pe, descales=descales, v_amax=amax)
+    sixteen = qk_rope.empty_qkv(B, L, H, D, q)
+    qk_rope.qk_row_norm_rope((q, k, v), H, sixteen, qw, kw, 1e-6, pe)
+    for out, ref, d in zip(got[:2], sixteen[:2], descales[:, 0]):
+        _e4m3_close(out, (ref.float() / d).to(qk_rope.FP8), d)
+        scaled = out.float().abs()
+        assert scaled.max() < 448 and (scaled[ref != 0] < 2 ** -6).float().mean() < 1e-2
+    assert sixteen[0].float().abs().max() / (descales[0, 0] / H ** 0.5) > 448 > got[0].float().abs().max() > 448 / 2
+    assert torch.equal(got[2], v.view(B, L, H, D)) and amax.item() == v.float().abs().max().item()
+    with pytest.raises(BadInput, match="expected contiguous"):
+        qk_rope.qk_row_norm_rope((q, k, v), H, sixteen, qw, kw, 1e-6, pe, descales=descales)
+
+
+def test_qk_norm_rope_e4m3_needs_its_buffers_and_norm_weights():
+    qkv = _randn(1, 4, 48)
+    descales = torch.ones(2, 4, device=DEVICE)
+    with pytest.raises(BadInput, match="expected contiguous"):
+        qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv), q_weight=_randn(8), k_weight=_randn(8),
+                             descales=descales)
+    with pytest.raises(BadInput, match="need the RMSNorm weights"):
+        qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv, qk_fp8=True), descales=descales)
+    with pytest.raises(BadInput, match="v_amax"):
+        qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv), v_amax=torch.zeros(2, device=DEVICE))
+
+
+def test_quantize_tensor_rounds_to_e4m3_as_torch_does():
+    """Every e4m3 value and every midpoint between two (ties go to even), subnormals, values past 448 (saturated):
+    the kernel's rounding is torch's conversion, under the interpreter as on a GPU."""
+    from sd_accel.kernels import quant
+
+    values = torch.arange(256, dtype=torch.uint8).view(quant.FP8).float()
+    values = values[~values.isnan()].sort().values
+    x = torch.cat([values, (values[1:] + values[:-1]) / 2, torch.tensor([460.0, 464.0, 470.0, -1e4, 2 ** -11]),
+                   _randn(3000, seed=9, scale=30.0).cpu()]).to(DEVICE)
+    q, descale, scale = quant.quantize_tensor(x, torch.full((1,), 448.0, device=DEVICE))
+    assert descale.tolist() == [1.0] and scale.tolist() == [1.0]
+    assert torch.equal(q.float(), x.clamp(-448, 448).to(quant.FP8).float())
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 9, 3, 16), torch.bfloat16), ((1, 5000), torch.float16)])
+def test_quantize_tensor_scales_by_a_device_amax(shape, dtype):
+    from sd_accel.kernels import quant
+
+    x = _randn(*shape, dtype=dtype, scale=3.0)
+    amax = x.float().abs().amax().reshape(1)
+    q, descale, scale = quant.quantize_tensor(x, amax)
+    q_ref, descale_ref, scale_ref = quant.quantize_tensor_ref(x)
+    assert q.shape == x.shape and q.dtype == quant.FP8 and q.float().abs().max().item() == 448
+    torch.testing.assert_close(descale, descale_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    assert torch.equal(q.float(), q_ref.float())
+    # a smaller amax saturates rather than overflowing
+    assert quant.quantize_tensor(x, amax / 4)[0].float().abs().max().item() == 448
+    with pytest.raises(BadInput, match="contiguous x"):
+        quant.quantize_tensor(x[..., ::2], amax)

@@ -492,3 +492,15 @@ def test_kernels_import_without_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_dit_attention_bench_smoke():
+    """bench --kernels' DiT attention rows: bf16 SDPA here, fp8 cuDNN where it runs (or why not)."""
+    from sd_accel.accel.cli.attention_bench import bench_dit_attention, table
+
+    rows = bench_dit_attention(device=DEVICE, tiny=True)
+    assert rows[0]["way"] == "bf16 cuDNN (SDPA)" and rows[0]["ms"] > 0 and rows[0]["err_vs_fp32"] < 1e-2
+    fp8 = [r for r in rows if r["way"].startswith("fp8 cuDNN")]
+    assert fp8 and all(r["ms"] is None and r["note"].startswith("cannot run:") or r["err_vs_fp32"] < 8e-2
+                       for r in fp8)
+    assert "fp8 cuDNN" in table(rows)

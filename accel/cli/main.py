@@ -23,14 +23,18 @@ def _doctor_info(backend: str | None) -> dict:
     from ..plan.device import describe, detect
     from ..plan.policy import choose, probe_packages
 
+    from ..engine import fp8_attention
+
     gpu = detect()
     installed = probe_packages()
     plan = choose(gpu, backend, installed)
+    fp8_ok, fp8_why = fp8_attention.available(torch.device(gpu.device))
     return {
         "gpu": {"description": describe(gpu), **asdict(gpu)},
         "family": gpu.family,
         "packages": installed,
         "plan": {**asdict(plan), "summary": plan.summary()},
+        "fp8_attention": {"available": fp8_ok, "why": fp8_why},
         "cache": str(default_root()),
         "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")},
         "versions": {"sd-accel": __version__, "torch": torch.__version__},
@@ -47,6 +51,9 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"  note: {note}")
     print("packages: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["packages"].items()))
     print(info["plan"]["summary"])
+    fp8 = info["fp8_attention"]
+    print("fp8 attention (precision fp8, fp8 weights): " + (f"yes, {fp8['why']}" if fp8["available"] else
+                                                             f"no, {fp8['why']}; 16-bit attention"))
     print(f"cache: {info['cache']}")
     settings = info["settings"]
     print("settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings
@@ -113,9 +120,14 @@ def _bench(args: argparse.Namespace) -> int:
     if args.kernels:
         from .kernel_bench import bench_kernels
 
+        from .attention_bench import bench_dit_attention
+        from .attention_bench import table as attention_table
+
         out["kernels"] = bench_kernels()
         for r in out["kernels"]:
             print(r, file=say)
+        out["dit_attention"] = bench_dit_attention()
+        print(attention_table(out["dit_attention"]), file=say)
     if args.vae and _video_vaes(args):
         from .vae_bench import bench_video_vae, video_table
 
@@ -235,7 +247,8 @@ def _main(argv: list[str] | None) -> int:
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--kernels", action="store_true",
-                   help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM and attention ones)")
+                   help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM and attention ones) and the "
+                        "DiTs' attention at Flux's, SD3.5's and Wan's shapes: bf16 cuDNN, fp8 cuDNN, SageAttention")
     b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
     b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
     b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",

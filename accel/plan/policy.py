@@ -74,6 +74,7 @@ def probe_packages() -> dict[str, bool]:
     """Which optional packages are installed, and which ONNX Runtime execution providers the installed build has.
     onnxruntime itself is imported only when it is installed (its import is what lists the providers)."""
     found = {name: has_package(name) for name in ("onnxruntime", "triton", "flash_attn")}
+    found["cudnn_frontend"] = has_package("cudnn")  # nvidia-cudnn-frontend: fp8 attention (engine/fp8_attention.py)
     providers: list[str] = []
     if found["onnxruntime"]:
         try:

@@ -76,7 +76,7 @@ def _double_forward(self, hidden_states, encoder_hidden_states, temb, image_rota
                                 attn.norm_added_k, attn.to_add_out, self.ff_context),
                diffusers_stream(img, self.norm1.linear(F.silu(temb)), (attn.to_q, attn.to_k, attn.to_v),
                                 attn.norm_q, attn.norm_k, attn.to_out[0], self.ff))
-    txt, img = joint_block(streams, attn.heads, sdpa, rotation_table(image_rotary_emb))
+    txt, img = joint_block(streams, attn.heads, None, rotation_table(image_rotary_emb))
     if txt.dtype == torch.float16:
         txt = txt.clip(-65504, 65504)
     return txt, img

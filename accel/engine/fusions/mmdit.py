@@ -21,8 +21,8 @@ from torch import nn
 from .base import Undo, comfy_attention, kernel_module, of_class, patch_forward, reads_comfy_attention
 from .registry import fusion
 from .. import fp8
-from .transformer import (EPS, comfy_sdpa, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
-                          norm_weight)
+from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight,
+                          part)
 
 MODULE = "comfy.ldm.modules.diffusionmodules.mmdit"
 
@@ -56,27 +56,29 @@ def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_option
             or context.shape[0] != x.shape[0]):
         return type(self).forward(self, context, x, c=c, use_checkpoint=use_checkpoint,
                                   transformer_options=transformer_options)
-    rope = kernel_module("qk_rope")
     cb, xb = self.context_block, self.x_block
-    (B, Lx, C), Lc, H = x.shape, context.shape[1], xb.attn.num_heads
-    qkv = rope.empty_qkv(B, Lc + Lx, H, C // H, x)
+    (B, Lx, _), Lc, H = x.shape, context.shape[1], xb.attn.num_heads
     cm = cb.adaLN_modulation(c).chunk(2 if cb.pre_only else 6, dim=1)
     xm = xb.adaLN_modulation(c).chunk(9 if xb.x_block_self_attn else 6, dim=1)
-    for block, stream, mods, offset in ((cb, context, cm, 0), (xb, x, xm, Lc)):
-        h = modulated_norm(stream, mods[1], mods[0], block.attn.qkv)
-        rope.qk_norm_rope(fp8.project(block.attn.qkv, h), H, qkv, offset, *_qk_weights(block.attn, x), EPS)
-    out = comfy_sdpa(MODULE, *qkv)
+    norms = [_qk_weights(cb.attn, x), _qk_weights(xb.attn, x)]
+    joint = Joint(MODULE, B, Lc + Lx, H, x, (cb.attn.qkv, xb.attn.qkv), norms,
+                  tuple(b.attn.proj for b in (cb, xb) if not b.attn.pre_only))
+    for (block, stream, mods, offset), norm in zip(((cb, context, cm, 0), (xb, x, xm, Lc)), norms):
+        joint.write(fp8.project(block.attn.qkv, modulated_norm(stream, mods[1], mods[0], block.attn.qkv)), offset,
+                    norm)
+    out = joint.attend()
     if not cb.pre_only:
-        y, context = gated_mlp(context, cb.attn.proj(out[:, :Lc]), cm[2], cm[4], cm[3], cb.mlp.fc1, cb.mlp.fc2)
+        y, context = gated_mlp(context, fp8.project(cb.attn.proj, part(out, 0, Lc, cb.attn.proj)), cm[2], cm[4],
+                               cm[3], cb.mlp.fc1, cb.mlp.fc2)
         gated_residual_(context, cm[5], y)
     else:
         context = None
-    update = xb.attn.proj(out[:, Lc:])
+    update = fp8.project(xb.attn.proj, part(out, Lc, None, xb.attn.proj))
     if xb.x_block_self_attn:  # MMDiT-X: a second, image-only attention from the same norm with its own modulation
-        h = modulated_norm(x, xm[7], xm[6], xb.attn2.qkv)
-        own = rope.empty_qkv(B, Lx, H, C // H, x)
-        rope.qk_norm_rope(fp8.project(xb.attn2.qkv, h), H, own, 0, *_qk_weights(xb.attn2, x), EPS)
-        x = gated_residual_(x.clone(), xm[8], xb.attn2.proj(comfy_sdpa(MODULE, *own)))
+        norm = _qk_weights(xb.attn2, x)
+        own = Joint(MODULE, B, Lx, H, x, (xb.attn2.qkv,), [norm], (xb.attn2.proj,))
+        own.write(fp8.project(xb.attn2.qkv, modulated_norm(x, xm[7], xm[6], xb.attn2.qkv)), 0, norm)
+        x = gated_residual_(x.clone(), xm[8], fp8.project(xb.attn2.proj, part(own.attend(), 0, None, xb.attn2.proj)))
     y, x = gated_mlp(x, update, xm[2], xm[4], xm[3], xb.mlp.fc1, xb.mlp.fc2)
     gated_residual_(x, xm[5], y)
     return context, x

@@ -26,7 +26,7 @@ from torch import nn
 from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
-from .transformer import (EPS, comfy_sdpa, diffusers_stream, joint_block, kernels_run_on, linears, own_weights,
+from .transformer import (EPS, diffusers_stream, joint_block, kernels_run_on, linears, own_weights,
                           plain_layer_norms)
 
 QWEN = "comfy.ldm.qwen_image.model"
@@ -52,8 +52,7 @@ def _block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_st
                                 a.norm_added_k, a.to_add_out, self.txt_mlp),
                diffusers_stream(img, self.img_mod(temb), (a.to_q, a.to_k, a.to_v), a.norm_q, a.norm_k, a.to_out[0],
                                 self.img_mlp))
-    txt, img = joint_block(streams, a.heads, lambda q, k, v: comfy_sdpa(QWEN, q, k, v, ATTENTION),
-                           pe.transpose(1, 2))
+    txt, img = joint_block(streams, a.heads, QWEN, pe.transpose(1, 2), ATTENTION)
     return txt, img
 
 

@@ -1,18 +1,19 @@
 """What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan, qwen_image) share: the call
-conditions, the attention over the joint sequence, the gated residual / modulated MLP steps of a DiT block, the
-double-stream block of joint text+image attention (Flux, Chroma, Qwen-Image) and Flux's single block."""
+conditions, the attention over the joint sequence (in fp8 where accel/engine/fp8_attention.py takes it), the gated
+residual / modulated MLP steps of a DiT block, the double-stream block of joint text+image attention (Flux, Chroma,
+Qwen-Image) and Flux's single block."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8
+from .. import fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
 from .base import comfy_attend, comfy_attention, kernel_module, plain_linear
 
@@ -56,6 +57,50 @@ def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                             lambda q, k, v: host(q.flatten(2), k.flatten(2), v.flatten(2), q.shape[2]))
 
     return fn.around(attend, q, k, v) if isinstance(fn, StandIn) else attend(q, k, v)
+
+
+class Joint:
+    """One sequence's attention in a fused block: the (B, L, heads, head_dim) buffers that each stream's q, k and v
+    are written into (kernels/qk_rope.py), and the attention over them. It runs in fp8 where fp8_attention takes it
+    (the streams' `projections` make fp8 products, every stream has q/k norm weights `norms`), else as comfy_sdpa for
+    the attention function `name` of ComfyUI's `module_name` (plain sdpa where module_name is None: diffusers)."""
+
+    def __init__(self, module_name: str | None, batch: int, tokens: int, heads: int, like: torch.Tensor,
+                 projections: tuple[nn.Module, ...], norms: list[tuple], consumers: tuple[nn.Module, ...],
+                 name: str = "optimized_attention") -> None:
+        self.module_name, self.name, self.heads = module_name, name, heads
+        head_dim = like.shape[-1] // heads
+        self.eight = fp8_attention.sequence(module_name, name, batch, tokens, heads, head_dim, like, projections,
+                                            norms, consumers) if module_name else None
+        self.qkv = self.eight.qkv if self.eight else kernel_module("qk_rope").empty_qkv(batch, tokens, heads,
+                                                                                       head_dim, like)
+
+    def write(self, projected: torch.Tensor | tuple[torch.Tensor, ...], offset: int, norm: tuple, eps: float = EPS,
+              pe: torch.Tensor | None = None) -> None:
+        """A stream's qkv projection (or its q, k and v) at its offset: q and k RMS-normalized per head with norm's
+        weights, rotated by pe."""
+        kernel_module("qk_rope").qk_norm_rope(projected, self.heads, self.qkv, offset, *norm, eps, pe,
+                                              **self._fp8_args())
+
+    def write_rows(self, projected: tuple[torch.Tensor, ...], norm: tuple, eps: float, pe: torch.Tensor) -> None:
+        """The whole sequence's q, k and v projections: q and k RMS-normalized over all heads' channels (Wan), rotated
+        by pe."""
+        kernel_module("qk_rope").qk_row_norm_rope(projected, self.heads, self.qkv, *norm, eps, pe, **self._fp8_args())
+
+    def _fp8_args(self) -> dict:
+        return self.eight.kernel_args() if self.eight else {}
+
+    def attend(self) -> torch.Tensor | fp8_attention.Output:
+        if self.eight:
+            return self.eight.attend()
+        return comfy_sdpa(self.module_name, *self.qkv, self.name) if self.module_name else sdpa(*self.qkv)
+
+
+def part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int | None,
+         consumer: nn.Module | None) -> torch.Tensor | fp8.Rows:
+    """Tokens start..stop of an attention output (B, L, heads * head_dim), in the form `consumer` takes (fp8 Rows from
+    fp8 attention for a projection making fp8 products; None: 16 bits)."""
+    return out.part(start, stop, consumer) if isinstance(out, fp8_attention.Output) else out[:, start:stop]
 
 
 def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, *consumers: nn.Module,
@@ -156,30 +201,33 @@ def diffusers_stream(x: torch.Tensor, mods: torch.Tensor, qkv: tuple[nn.Module, 
                   k_norm.weight, q_norm.eps, proj, ff.net[0].proj, ff.net[2])
 
 
-def joint_block(streams: Sequence[Stream], heads: int, attend: Callable[..., torch.Tensor],
-                pe: torch.Tensor | None) -> list[torch.Tensor]:
+def _layers(s: Stream) -> tuple[nn.Module, ...]:
+    return s.qkv if isinstance(s.qkv, tuple) else (s.qkv,)
+
+
+def joint_block(streams: Sequence[Stream], heads: int, module_name: str | None, pe: torch.Tensor | None,
+                name: str = "optimized_attention") -> list[torch.Tensor]:
     """A double-stream block's computation with the kernels (Flux, Chroma, Qwen-Image): the streams' tokens joined in
-    their order into one attention (attend(q, k, v), each (B, L, heads, head_dim), over the joint sequence, rotated by
-    pe's rows there), then each stream's gated residual, modulated MLP and gated residual. Returns the streams' new
-    tokens, in their order."""
-    rope = kernel_module("qk_rope")
+    their order into one attention over the joint sequence, rotated by pe's rows there (a Joint: the attention
+    function `name` of ComfyUI's `module_name`, or fp8 attention in its place; sdpa where module_name is None), then
+    each stream's gated residual, modulated MLP and gated residual. Returns the streams' new tokens, in their order."""
     first = streams[0].x
-    (B, _, C), total = first.shape, sum(s.x.shape[1] for s in streams)
-    qkv = rope.empty_qkv(B, total, heads, C // heads, first)
+    norms = [(norm_weight(s.q_norm, s.x), norm_weight(s.k_norm, s.x)) for s in streams]
+    joint = Joint(module_name, first.shape[0], sum(s.x.shape[1] for s in streams), heads, first,
+                  tuple(layer for s in streams for layer in _layers(s)), norms, tuple(s.proj for s in streams), name)
     offset = 0
-    for s in streams:
-        layers = s.qkv if isinstance(s.qkv, tuple) else (s.qkv,)
+    for s, norm in zip(streams, norms):
+        layers = _layers(s)
         h = modulated_norm(s.x, s.attn_mod.scale, s.attn_mod.shift, *layers)
         projected = tuple(fp8.project(layer, h) for layer in layers)
-        rope.qk_norm_rope(projected if len(projected) == 3 else projected[0], heads, qkv, offset,
-                          norm_weight(s.q_norm, s.x), norm_weight(s.k_norm, s.x), s.eps, pe)
+        joint.write(projected if len(projected) == 3 else projected[0], offset, norm, s.eps, pe)
         offset += s.x.shape[1]
-    out = attend(*qkv)
+    out = joint.attend()
     outs, offset = [], 0
     for s in streams:
         L = s.x.shape[1]
-        y, x = gated_mlp(s.x, s.proj(out[:, offset:offset + L]), s.attn_mod.gate, s.mlp_mod.scale, s.mlp_mod.shift,
-                         s.fc1, s.fc2)
+        y, x = gated_mlp(s.x, fp8.project(s.proj, part(out, offset, offset + L, s.proj)), s.attn_mod.gate,
+                         s.mlp_mod.scale, s.mlp_mod.shift, s.fc1, s.fc2)
         outs.append(gated_residual_(x, s.mlp_mod.gate, y))
         offset += L
     return outs
@@ -199,7 +247,7 @@ def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torc
                stream(img, self.img_attn, self.img_mlp, img_mod1, img_mod2)]
     if flipped:
         streams.reverse()
-    new = joint_block(streams, self.num_heads, lambda q, k, v: comfy_sdpa(FLUX_ATTENTION, q, k, v), pe)
+    new = joint_block(streams, self.num_heads, FLUX_ATTENTION, pe)
     txt, img = new if not flipped else new[::-1]
     if txt.dtype == torch.float16:
         txt = torch.nan_to_num(txt, nan=0.0, posinf=65504, neginf=-65504)
@@ -208,28 +256,28 @@ def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torc
 
 def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod) -> torch.Tensor:
     """A single-stream block's computation with the kernels; mod has shift, scale and gate of shape (B, 1, C)."""
-    rope = kernel_module("qk_rope")
     (B, L, C), H = x.shape, self.num_heads
     h = modulated_norm(x, mod.scale, mod.shift, self.linear1)
     # linear1 as two products (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
     projected, mlp_in = fp8.split_linear(self.linear1, h, (3 * C, self.mlp_hidden_dim))
-    qkv = rope.empty_qkv(B, L, H, C // H, x)
-    rope.qk_norm_rope(projected, H, qkv, 0, norm_weight(self.norm.query_norm.scale, x),
-                      norm_weight(self.norm.key_norm.scale, x), EPS, pe)
-    attn = comfy_sdpa(FLUX_ATTENTION, *qkv)
+    norm = norm_weight(self.norm.query_norm.scale, x), norm_weight(self.norm.key_norm.scale, x)
+    joint = Joint(FLUX_ATTENTION, B, L, H, x, (self.linear1,), [norm], (self.linear2,))
+    joint.write(projected, 0, norm, EPS, pe)
+    attn = joint.attend()
     # linear2(cat(attention, act)) without writing the concatenation: two products into one output (16-bit: the
     # second accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass
     # that quantizes its part)
     if fp8.takes_rows(x, self.linear2):
-        gated_residual_(x, mod.gate, fp8.matmul(attn, self.linear2, cols=slice(0, C)),
+        gated_residual_(x, mod.gate, fp8.matmul(part(attn, 0, None, self.linear2), self.linear2, cols=slice(0, C)),
                         fp8.matmul(fp8.quantized(mlp_in, gelu=True), self.linear2, cols=slice(C, None), bias=False))
     elif plain_linear(self.linear2) and self.linear2.bias is not None:
         w, b = self.linear2.weight, self.linear2.bias
-        out = torch.addmm(b, attn.reshape(B * L, C), w[:, :C].t())
+        out = torch.addmm(b, part(attn, 0, None, None).reshape(B * L, C), w[:, :C].t())
         out.addmm_(F.gelu(mlp_in, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
         gated_residual_(x, mod.gate, out.view(B, L, C))
     else:
-        gated_residual_(x, mod.gate, self.linear2(torch.cat((attn, F.gelu(mlp_in, approximate="tanh")), 2)))
+        gated_residual_(x, mod.gate, self.linear2(torch.cat((part(attn, 0, None, None),
+                                                             F.gelu(mlp_in, approximate="tanh")), 2)))
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x

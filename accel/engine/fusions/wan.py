@@ -11,7 +11,10 @@ a row per run of tokens) is read by the kernels where ComfyUI's repeat_e spreads
 
 The self-attention runs as the block's own self_attn module, patched too, so that the hooks on it (sequence
 parallelism marks its calls for the exchange, accel/parallel/wan.py) see every call; its attention goes through
-transformer.comfy_sdpa. The projections run as fp8 products where accel/engine/fp8.py marked them. A call it does not
+transformer.comfy_sdpa, or runs in fp8 where accel/engine/fp8_attention.py takes it (the rope pass writes q and k in
+e4m3 under the bound of the row norm's weights; the output goes to the o projection as fp8 rows). The projections run
+as fp8 products where accel/engine/fp8.py marked them. The cross-attention (to the text's tokens) stays ComfyUI's
+module, in 16 bits. A call it does not
 cover runs the module's own forward: an attention override or another node's attention function in ComfyUI, a tensor
 the kernels cannot run on. Blocks with per-call weight functions (lowvram, a LoRA applied per call), q/k norms other
 than torch's RMSNorm, and subclasses (VACE's blocks, whose forward calls WanAttentionBlock.forward by name) keep their
@@ -29,8 +32,8 @@ from .. import fp8
 from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
-from .transformer import (EPS, comfy_sdpa, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
-                          own_weights, plain_layer_norms)
+from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
+                          own_weights, part, plain_layer_norms)
 
 WAN = "comfy.ldm.wan.model"  # its blocks' attention function is this module's optimized_attention
 
@@ -46,27 +49,28 @@ def _fused(x: torch.Tensor, freqs: torch.Tensor | None, transformer_options: dic
             and freqs.dtype == torch.float32 and freqs.shape[1] == x.shape[1])
 
 
-def _attention_inputs(self: nn.Module, x, freqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k and v of the self-attention in SDPA's layout; the projections they are made from are freed on return,
-    before the attention (at a video's token counts each is hundreds of MB)."""
-    rope = kernel_module("qk_rope")
+def _attention_inputs(self: nn.Module, x, freqs: torch.Tensor) -> Joint:
+    """The self-attention with q, k and v written in SDPA's layout; the projections they are made from are freed on
+    return, before the attention (at a video's token counts each is hundreds of MB)."""
     (B, L), H = x.shape[:2], self.num_heads
     projected = tuple(fp8.project(layer, x) for layer in (self.q, self.k, self.v))
-    qkv = rope.empty_qkv(B, L, H, self.head_dim, projected[0])
     pe = freqs.transpose(1, 2)
-    if isinstance(self.norm_q, nn.RMSNorm):
-        weights = (n.weight.to(device=pe.device, dtype=qkv[0].dtype) for n in (self.norm_q, self.norm_k))
-        rope.qk_row_norm_rope(projected, H, qkv, *weights, self.norm_q.eps, pe)
+    rms = isinstance(self.norm_q, nn.RMSNorm)
+    norm = tuple(n.weight.to(device=pe.device, dtype=projected[0].dtype) for n in (self.norm_q, self.norm_k)) \
+        if rms else (None, None)
+    joint = Joint(WAN, B, L, H, projected[0], (self.q, self.k, self.v), [norm], (self.o,))
+    if rms:
+        joint.write_rows(projected, norm, self.norm_q.eps, pe)
     else:
-        rope.qk_norm_rope(projected, H, qkv, pe=pe)
-    return qkv
+        joint.write(projected, 0, norm, pe=pe)
+    return joint
 
 
 def _self_attention(self, x, freqs, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
     # x comes as fp8 Rows from a fused block only, which has checked the call
     if not isinstance(x, fp8.Rows) and not _fused(x, freqs, transformer_options):
         return type(self).forward(self, x, freqs, transformer_options=transformer_options)
-    return self.o(comfy_sdpa(WAN, *_attention_inputs(self, x, freqs)))
+    return fp8.project(self.o, part(_attention_inputs(self, x, freqs).attend(), 0, None, self.o))
 
 
 def _block_forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}):  # noqa: B006

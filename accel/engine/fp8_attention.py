@@ -1,0 +1,256 @@
+"""fp8 attention for the fused DiT blocks: cuDNN's fp8 SDPA (the optional `nvidia-cudnn-frontend` package, import
+name `cudnn`) on e4m3 q, k and v, where the block's projections make fp8 products (accel/engine/fp8.py: precision
+fp8, or auto for weights stored in fp8).
+
+The inputs cost no pass of their own beyond v's: the pass that writes q, k and v in SDPA's layout (kernels/qk_rope.py)
+writes q and k in e4m3 under descales bounded by their RMSNorm weights and gathers v's largest magnitude; one pass
+quantizes v by it (kernels/quant.py). cuDNN takes one descale per tensor, kept on the device (no host sync: the
+engine's CUDA graphs replay all of it). On Hopper cuDNN writes the output in e4m3 only (16-bit output needs Blackwell
+and cuDNN 9.13): it goes to the output projection, an fp8 product already, as fp8.Rows with no pass between; where
+something needs 16 bits it is widened. v's descale maps max|v| to 448, and every output row is a convex combination of
+v's rows, so the output never overflows.
+
+Blocks without qk norm (SD3.0), heads cuDNN does not take, a host attention other than ComfyUI's PyTorch one, a
+sequence-parallel stand-in, a missing package or an older GPU: 16-bit attention as before, said once per reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from . import fp8
+from .attention import StandIn
+from .fusions.base import comfy_choice, kernel_module
+
+log = logging.getLogger("sd-accel")
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+PACKAGE = "nvidia-cudnn-frontend"
+# (q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out): fills out, (B, L, heads, head_dim) like q
+Kernel = Callable[..., None]
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    """Whether cuDNN's fp8 attention can run on `device`, and in words why not (or what runs it)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False, "it runs on NVIDIA GPUs only (cuDNN)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return False, f"it needs Hopper or later (compute capability 9.0); this GPU is {major}.{minor}"
+    cudnn, why = _cudnn()
+    if cudnn is None:
+        return False, why
+    return True, f"cuDNN {cudnn.backend_version_string()}, {PACKAGE} {cudnn.__version__}"
+
+
+def _cudnn():
+    """(the cudnn module, "") or (None, why): imported on first use, after torch, whose cuDNN library it uses."""
+    try:
+        import cudnn
+    except Exception as e:  # a broken install can raise more than ImportError; either way 16-bit attention runs
+        if isinstance(e, ModuleNotFoundError) and e.name == "cudnn":
+            return None, f"the {PACKAGE} package is not installed (python install.py installs it on Hopper and " \
+                         "Blackwell GPUs)"
+        return None, f"the {PACKAGE} package does not import ({type(e).__name__}: {e})"
+    return cudnn, ""
+
+
+def sixteen_bit_output(device: torch.device) -> bool:
+    """Whether cuDNN writes the fp8 attention's output in 16 bits here (Blackwell, cuDNN 9.13 or later); Hopper
+    writes e4m3 only."""
+    cudnn, _ = _cudnn()
+    return (cudnn is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+            and cudnn.backend_version() >= 91300)
+
+
+def sdpa_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
+                 descale_k: torch.Tensor, descale_v: torch.Tensor, scale_o: torch.Tensor,
+                 out_dtype: torch.dtype = FP8) -> torch.Tensor:
+    """What cuDNN's fp8 attention computes, in torch (tests; the bench's check): softmax(q k^T / sqrt(head_dim)) v
+    over (B, L, heads, head_dim) e4m3 q, k and v times their descales, the probabilities before normalization
+    (in [0, 1]) rounded to e4m3 at 448 full scale as cuDNN's scale_s has them, the output times scale_o, in
+    out_dtype (e4m3 saturated)."""
+    q, k, v = (t.float().transpose(1, 2) * d.float().reshape(()) for t, d in ((q8, descale_q), (k8, descale_k),
+                                                                              (v8, descale_v)))
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    p8 = (p * FP8_MAX).to(FP8).float() / FP8_MAX
+    o = (p8 @ v) / p.sum(dim=-1, keepdim=True) * scale_o.float().reshape(())
+    if out_dtype == FP8:
+        o = o.clamp(-FP8_MAX, FP8_MAX)
+    return o.to(out_dtype).transpose(1, 2).contiguous()
+
+
+# ---- cuDNN's graphs: one per shape, built before the pass that writes the inputs (so a refusal leaves time to write
+# them in 16 bits), never inside a CUDA graph capture
+
+@dataclass
+class _Graph:
+    graph: object
+    tensors: tuple  # the graph's q, k, v, descales of q, k, v and s, scale_s, scale_o, o, amax_s, amax_o
+    constants: tuple  # descale_s, scale_s: P in [0, 1] to e4m3's range and back
+    amaxes: tuple  # amax_s, amax_o: outputs cuDNN insists on, read by nobody
+    workspace: torch.Tensor
+    handle: object
+
+
+_HANDLES: dict[int, object] = {}
+_KERNELS: dict[tuple, Kernel | str] = {}  # shape key -> kernel, or why cuDNN refused the shape
+_SAID: set[str] = set()
+
+
+def _build(shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype) -> Kernel:
+    """cuDNN's fp8 attention over contiguous (B, L, heads, head_dim) e4m3 q, k, v, writing a tensor of that layout
+    in out_dtype; raises where cuDNN refuses it."""
+    cudnn, _ = _cudnn()
+    with torch.cuda.device(device):
+        handle = _HANDLES.get(device.index)
+        if handle is None:
+            handle = _HANDLES[device.index] = cudnn.create_handle()
+        B, L, H, D = shape
+        bhsd = torch.empty(shape, device="meta").transpose(1, 2)  # BSHD storage, BHSD logical: SDPA's view
+        dims, strides = list(bhsd.shape), list(bhsd.stride())
+        g = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        q, k, v = (g.tensor(dim=dims, stride=strides, data_type=cudnn.data_type.FP8_E4M3) for _ in range(3))
+        scalars = [g.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT) for _ in range(6)]
+        o, _stats, amax_s, amax_o = g.sdpa_fp8(q=q, k=k, v=v, descale_q=scalars[0], descale_k=scalars[1],
+                                               descale_v=scalars[2], descale_s=scalars[3], scale_s=scalars[4],
+                                               scale_o=scalars[5], is_inference=True, attn_scale=1.0 / math.sqrt(D),
+                                               use_causal_mask=False)
+        o_type = {FP8: cudnn.data_type.FP8_E4M3, torch.bfloat16: cudnn.data_type.BFLOAT16,
+                  torch.float16: cudnn.data_type.HALF}[out_dtype]
+        o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(o_type)
+        for t in (amax_s, amax_o):
+            t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        # each scalar in an allocation of its own: cuDNN takes its tensors 16-byte aligned
+        scale_s = torch.full((1, 1, 1, 1), FP8_MAX, device=device)
+        entry = _Graph(g, (q, k, v, *scalars, o, amax_s, amax_o), (1.0 / scale_s, scale_s),
+                       tuple(torch.empty(1, 1, 1, 1, device=device) for _ in range(2)),
+                       torch.empty(max(g.get_workspace_size(), 1), device=device, dtype=torch.uint8), handle)
+
+    def run(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out) -> None:
+        data = (q8, k8, v8, descale_q, descale_k, descale_v, *entry.constants, scale_o, out, *entry.amaxes)
+        cudnn.set_stream(entry.handle, torch.cuda.current_stream(device).cuda_stream)
+        entry.graph.execute(dict(zip(entry.tensors, data)), entry.workspace, handle=entry.handle)
+
+    return run
+
+
+def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype) -> Kernel | None:
+    """The fp8 attention for (B, L, heads, head_dim) inputs on `device` with output in out_dtype (e4m3, or 16 bits
+    where `sixteen_bit_output`), built at its shape's first call; None where it cannot run (said once per reason) or
+    would first be built inside a CUDA graph capture."""
+    key = (shape, device, out_dtype)
+    found = _KERNELS.get(key)
+    if found is None:
+        ok, why = available(device)
+        if ok:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            try:
+                found = _build(shape, device, out_dtype)
+            except Exception as e:  # cuDNN refuses a shape with one of several error types
+                found = f"cuDNN does not take attention over {shape[2]} heads of {shape[3]} ({type(e).__name__}: " \
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+        else:
+            found = why
+        _KERNELS[key] = found
+    if isinstance(found, str):
+        if found not in _SAID:
+            _SAID.add(found)
+            log.warning("sd-accel: fp8 attention cannot run: %s; the attention runs in 16 bits.", found)
+        return None
+    return found
+
+
+# ---- the fused blocks' side
+
+def wanted(module_name: str, name: str, x: torch.Tensor, *projections: nn.Module) -> bool:
+    """Whether a fused block of ComfyUI's `module_name`, whose attention is that module's function `name`, may take
+    fp8 attention for the sequence its `projections` (the q, k and v projections of every stream) write: all of them
+    make fp8 products, the activations are 16-bit, and the attention the block would run is ComfyUI's PyTorch one (no
+    other host choice, no stand-in)."""
+    fn = getattr(sys.modules.get(module_name), name, None)
+    return (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)
+            and not isinstance(fn, StandIn) and comfy_choice(fn) == "pytorch")
+
+
+@dataclass
+class Output:
+    """The fp8 attention's output, (B, L, heads * head_dim) in e4m3 times `descale` (or in 16 bits), handed to each
+    consumer in the form it takes."""
+    o: torch.Tensor
+    descale: torch.Tensor  # (1,) float32
+    dtype: torch.dtype  # the blocks' 16-bit dtype
+
+    def part(self, start: int, stop: int | None, consumer: Optional[nn.Module]) -> torch.Tensor | fp8.Rows:
+        """Tokens start..stop: fp8.Rows for a consumer that makes fp8 products (no pass: the rows are the
+        output, its descale theirs), else a 16-bit tensor."""
+        o = self.o[:, start:stop]
+        if self.o.dtype != FP8:
+            return o
+        if consumer is not None and fp8.marked(consumer):
+            rows = o.reshape(-1, o.shape[-1])  # a view, but for a part of a batch of several
+            return fp8.Rows(rows, self.descale.view(1, 1).expand(rows.shape[0], 1).contiguous(), tuple(o.shape[:2]),
+                            self.dtype)
+        return (o.float() * self.descale).to(self.dtype)
+
+
+@dataclass
+class Sequence:
+    """The buffers `qk_norm_rope` writes one joint sequence's fp8 attention inputs into, and what attends over
+    them."""
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # e4m3 q and k, 16-bit v: (B, L, heads, head_dim)
+    descales: torch.Tensor  # (2, 4) float32: q's and k's descales in column 0 (rows 16 bytes apart, for cuDNN)
+    v_amax: torch.Tensor  # (1,) float32
+    run: Kernel
+    out_dtype: torch.dtype
+
+    def kernel_args(self) -> dict:
+        """qk_norm_rope's arguments for each stream's rows."""
+        return {"descales": self.descales, "v_amax": self.v_amax}
+
+    def attend(self) -> Output:
+        """Attention over the sequence once every stream's rows are written."""
+        q8, k8, v = self.qkv
+        v8, descale_v, scale_v = kernel_module("quant").quantize_tensor(v, self.v_amax)
+        out = torch.empty(q8.shape, device=q8.device, dtype=self.out_dtype)
+        scale_o = scale_v if self.out_dtype == FP8 else torch.ones_like(scale_v)
+        self.run(q8, k8, v8, self.descales[0, :1], self.descales[1, :1], descale_v, scale_o, out)
+        B, L, H, D = out.shape
+        return Output(out.view(B, L, H * D), descale_v, v.dtype)
+
+
+def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor,
+             projections: tuple[nn.Module, ...], norms: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+             consumers: tuple[nn.Module, ...]) -> Sequence | None:
+    """fp8 attention's buffers for a joint sequence of `tokens` whose streams have q/k RMSNorm weights `norms` (per
+    head, or over all heads' channels), written by `projections`, its output read by `consumers`, in a block whose
+    attention is the function `name` of ComfyUI's `module_name`; None where it stays 16-bit (`wanted` says no, a stream
+    has no qk norm to bound q and k, or no kernel runs: said once). The output is e4m3 where every consumer makes fp8
+    products or the GPU writes no 16-bit output, else 16-bit."""
+    if not wanted(module_name, name, like, *projections) or any(w is None for pair in norms for w in pair):
+        return None
+    sixteen_bit = not all(fp8.marked(c) for c in consumers) and sixteen_bit_output(like.device)
+    out_dtype = like.dtype if sixteen_bit else FP8
+    run = kernel((batch, tokens, heads, head_dim), like.device, out_dtype)
+    if run is None:
+        return None
+    rope = kernel_module("qk_rope")
+    return Sequence(rope.empty_qkv(batch, tokens, heads, head_dim, like, qk_fp8=True),
+                    rope.qk_descales([q for q, _ in norms], [k for _, k in norms]),
+                    torch.zeros(1, device=like.device), run, out_dtype)

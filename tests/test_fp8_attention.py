@@ -1,0 +1,323 @@
+"""fp8 attention in the fused DiT blocks (accel/engine/fp8_attention.py) on the CPU, cuDNN's kernel emulated in torch
+(sdpa_fp8_ref): which blocks take it, what they hand the kernel and take from it, against ComfyUI's own forward with
+an attention of the same quantization; the 16-bit attention and its one message where no kernel runs. On a GPU with
+the nvidia-cudnn-frontend package, cuDNN's kernel itself against the emulation, in a CUDA graph too."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import comfy_helpers as H
+from sd_accel.accel.engine import fp8_attention
+from sd_accel.accel.models import configs
+from sd_accel.accel.models.dit import CanonicalDiT
+from test_dit import DEVICE, _bf16_inputs, _dit_bf16, _fused_output, comfy_pytorch_attention, rel  # noqa: F401
+
+FP8 = torch.float8_e4m3fn
+pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+
+
+@pytest.fixture()
+def emulated(monkeypatch):
+    """cuDNN's fp8 attention emulated in torch wherever it is asked for; returns the shapes it was called with."""
+    calls = []
+
+    def build(shape, device, out_dtype):
+        def run(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out):
+            assert all(t.dtype == FP8 and t.shape == shape and t.is_contiguous() for t in (q8, k8, v8))
+            assert out.shape == shape and out.dtype == out_dtype
+            assert all(t.numel() == 1 and t.dtype == torch.float32 for t in (descale_q, descale_k, descale_v, scale_o))
+            calls.append(shape)
+            out.copy_(fp8_attention.sdpa_fp8_ref(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out_dtype))
+        return run
+
+    monkeypatch.setattr(fp8_attention, "available", lambda device: (True, "emulated"))
+    monkeypatch.setattr(fp8_attention, "_build", build)
+    monkeypatch.setattr(fp8_attention, "_KERNELS", {})
+    monkeypatch.setattr(fp8_attention, "_SAID", set())
+    return calls
+
+
+def quantized_attention(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
+    """ComfyUI's attention function with q, k and v quantized per tensor to e4m3 and the attention emulated as cuDNN
+    runs it (output in e4m3, widened): the unfused reference of fp8 attention."""
+    assert mask is None
+    from sd_accel.kernels import quant
+
+    if skip_reshape:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    else:
+        q, k, v = (t.reshape(t.shape[0], t.shape[1], heads, -1) for t in (q, k, v))
+    (q8, dq, _), (k8, dk, _), (v8, dv, sv) = (quant.quantize_tensor_ref(t.contiguous()) for t in (q, k, v))
+    o = (fp8_attention.sdpa_fp8_ref(q8, k8, v8, dq, dk, dv, sv).float() * dv).to(q.dtype)
+    return o.transpose(1, 2) if skip_output_reshape else o.flatten(2)
+
+
+def host_self_attention(q, k, v, heads, **kwargs):
+    """quantized_attention for a self-attention (q and k of one length), ComfyUI's PyTorch attention for Wan's
+    cross-attention to the text, which stays 16-bit in the fused block too."""
+    from comfy.ldm.modules.attention import attention_pytorch
+
+    return (quantized_attention if q.shape[1] == k.shape[1] else attention_pytorch)(q, k, v, heads, **kwargs)
+
+
+@pytest.mark.parametrize("name,sequences", [("tiny-flux", 4), ("tiny-sd3", 3), ("tiny-chroma", 4), ("tiny-wan", 2),
+                                            ("tiny-qwen-image", 2)])
+def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_attention, emulated, monkeypatch, name,
+                                                             sequences):
+    """Flux's double and single blocks, Chroma's, SD3.5's joint blocks and its MMDiT-X image-only attention, Wan's
+    self-attention (q/k norm over all heads), Qwen-Image's joint attention: each attention in fp8 under precision fp8,
+    its inputs what the 16-bit path writes within e4m3's rounding, its output the 16-bit attention's within fp8
+    attention's error, handed to the output projections as fp8 rows; the model's output close to the 16-bit
+    attention's and to ComfyUI's own forward with an attention of the same quantization."""
+    import comfy.ldm.flux.math
+    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
+    import comfy.ldm.qwen_image.model as qwen
+    import comfy.ldm.wan.model as wan
+    from sd_accel.accel.engine import fp8, fusions
+    from sd_accel.accel.engine.fusions.transformer import EPS, Joint, sdpa
+    from sd_accel.kernels import qk_rope
+
+    model, inp = _dit_bf16(name), _bf16_inputs(name)
+    plain, counts = _fused_output(model, inp, "auto")
+    assert counts["fp8"] == 0 and not emulated  # 16-bit weights under auto: 16-bit
+    # each sequence written in 16 bits too, from the same projections: what the 16-bit path would attend over
+    shadows, compared, parts = {}, [], []
+    write, write_rows, attend, part = Joint.write, Joint.write_rows, Joint.attend, fp8_attention.Output.part
+
+    def shadow_of(self):
+        return shadows.setdefault(self, qk_rope.empty_qkv(*self.qkv[2].shape, self.qkv[2]))
+
+    def shadowed_write(self, projected, offset, norm, eps=EPS, pe=None):
+        write(self, projected, offset, norm, eps, pe)
+        qk_rope.qk_norm_rope(projected, self.heads, shadow_of(self), offset, *norm, eps, pe)
+
+    def shadowed_write_rows(self, projected, norm, eps, pe):
+        write_rows(self, projected, norm, eps, pe)
+        qk_rope.qk_row_norm_rope(projected, self.heads, shadow_of(self), *norm, eps, pe)
+
+    def compared_attend(self):
+        out = attend(self)
+        (q8, k8, _), descales = self.qkv, self.eight.descales[:, 0]
+        compared.append(([q8.float() * descales[0], k8.float() * descales[1], out.o.float() * out.descale],
+                         [t.float() for t in shadows[self][:2]] + [sdpa(*shadows[self]).float()]))
+        return out
+
+    def recorded_part(self, start, stop, consumer):
+        rows, widened = part(self, start, stop, consumer), part(self, start, stop, None)
+        parts.append(rows)
+        assert torch.equal((rows.q.float() * rows.scale).to(rows.dtype).view(widened.shape), widened)
+        return rows
+
+    with monkeypatch.context() as m:
+        m.setattr(Joint, "write", shadowed_write)
+        m.setattr(Joint, "write_rows", shadowed_write_rows)
+        m.setattr(Joint, "attend", compared_attend)
+        m.setattr(fp8_attention.Output, "part", recorded_part)
+        eight, _ = _fused_output(model, inp, "fp8")
+    assert len(emulated) == len(compared) == sequences
+    assert parts and all(isinstance(p, fp8.Rows) and p.q.dtype == FP8 for p in parts)
+    for (q8, k8, o8), (q, k, o) in compared:
+        for got, want in ((q8, q), (k8, k)):  # e4m3 rounds to nearest: half a step, 1/16 of the value
+            assert ((got - want).abs() <= want.abs() * (1 / 16 + 2 ** -8) + want.abs().amax() * 2 ** -9).all()
+        assert rel(o8, o) <= 6e-2
+
+    with monkeypatch.context() as m:
+        m.setattr(fp8_attention, "wanted", lambda *args: False)
+        sixteen, _ = _fused_output(model, inp, "fp8")
+    # fp8 attention moves the output less than the fp8 products already do
+    assert 1e-4 < rel(eight, sixteen) <= rel(sixteen, plain)
+
+    with monkeypatch.context() as m:
+        m.setattr(comfy.ldm.flux.math, "optimized_attention", quantized_attention)
+        m.setattr(mmdit, "optimized_attention", quantized_attention)
+        m.setattr(wan, "optimized_attention", host_self_attention)
+        m.setattr(qwen, "optimized_attention_masked", quantized_attention)
+        marks = fusions.Undo()
+        fp8.apply(model, "fp8", marks)
+        try:
+            with torch.no_grad():
+                own = CanonicalDiT(model)(**inp)
+        finally:
+            marks()
+    assert rel(eight, own) <= 2e-2
+
+
+def test_weights_stored_in_fp8_take_fp8_attention_under_auto(comfy_pytorch_attention, emulated):
+    """ComfyUI's fp8_e4m3fn weight dtype: precision auto makes the projections fp8 products, and the attention
+    follows; "16bit" keeps both 16-bit."""
+    model = _dit_bf16("tiny-flux", dtype=torch.float8_e4m3fn)
+    model.dtype = torch.bfloat16
+    inp = _bf16_inputs("tiny-flux")
+    with torch.no_grad():
+        own = CanonicalDiT(model)(**inp)
+    out, _ = _fused_output(model, inp, "auto")
+    assert len(emulated) == 4 and rel(out, own) <= 5e-2
+    emulated.clear()
+    _fused_output(model, inp, "16bit")
+    assert not emulated
+
+
+def test_where_no_kernel_runs_the_attention_is_16_bit_and_says_why_once(comfy_pytorch_attention, monkeypatch,
+                                                                       caplog):
+    """Where no kernel runs (here: said to be missing), the fused blocks under precision fp8 attend in 16 bits, exactly
+    as without fp8 attention, and say why once."""
+    monkeypatch.setattr(fp8_attention, "available", lambda device: (False, "no cuDNN here"))
+    monkeypatch.setattr(fp8_attention, "_KERNELS", {})
+    monkeypatch.setattr(fp8_attention, "_SAID", set())
+    model, inp = _dit_bf16("tiny-flux"), _bf16_inputs("tiny-flux")
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        out, _ = _fused_output(model, inp, "fp8")
+        again, _ = _fused_output(model, inp, "fp8")
+    said = [r.getMessage() for r in caplog.records if "fp8 attention" in r.getMessage()]
+    assert said == ["sd-accel: fp8 attention cannot run: no cuDNN here; the attention runs in 16 bits."]
+    with monkeypatch.context() as m:
+        m.setattr(fp8_attention, "wanted", lambda *args: False)
+        sixteen, _ = _fused_output(model, inp, "fp8")
+    assert torch.equal(out, sixteen) and torch.equal(again, sixteen)
+
+
+def test_a_missing_package_or_an_older_gpu_is_said_in_words(monkeypatch):
+    try:
+        import cudnn  # noqa: F401
+    except ImportError:
+        assert fp8_attention._cudnn() == (None, "the nvidia-cudnn-frontend package is not installed (python "
+                                                "install.py installs it on Hopper and Blackwell GPUs)")
+    if torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+        assert fp8_attention.available(torch.device("cuda")) == (
+            False, "it needs Hopper or later (compute capability 9.0); this GPU is 8.9")
+    assert fp8_attention.available(torch.device("cpu")) == (False, "it runs on NVIDIA GPUs only (cuDNN)")
+
+
+def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytorch_attention, emulated, monkeypatch):
+    """Another attention ComfyUI chose for the whole host (sage, ...) for the function the block calls (Qwen-Image's
+    optimized_attention_masked), a sequence-parallel stand-in (Wan's), projections without fp8 products, 32-bit
+    activations or a stream without q/k norm (SD3.0): the 16-bit attention."""
+    import comfy.ldm.flux.math as flux_math
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.qwen_image.model as qwen
+    import comfy.ldm.wan.model as wan
+    from sd_accel.accel.engine import fp8
+    from sd_accel.accel.engine.attention import StandIn
+    from sd_accel.accel.engine.fusions import Undo
+
+    module, name = "comfy.ldm.flux.math", "optimized_attention"
+    layer = torch.nn.Linear(16, 48).to(torch.bfloat16)
+    x = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    assert not fp8_attention.wanted(module, name, x, layer)
+    undo = Undo()  # the mark fp8.apply gives a projection it takes
+    fp8._MARKED[layer] = fp8.Copies()
+    undo.add(lambda: fp8._MARKED.pop(layer, None))
+    try:
+        assert fp8_attention.wanted(module, name, x, layer)
+        assert not fp8_attention.wanted(module, name, x.float(), layer)
+        norms = [(torch.ones(4), torch.ones(4))]
+        assert fp8_attention.sequence(module, name, 1, 4, 4, 4, x, (layer,), norms, (layer,)) is not None
+        assert fp8_attention.sequence(module, name, 1, 4, 4, 4, x, (layer,), [(None, None)], (layer,)) is None
+        masked = (qwen.__name__, "optimized_attention_masked")
+        assert fp8_attention.wanted(*masked, x, layer) and fp8_attention.wanted(wan.__name__, name, x, layer)
+        monkeypatch.setattr(qwen, "optimized_attention_masked", attention.attention_sub_quad)
+        assert not fp8_attention.wanted(*masked, x, layer) and fp8_attention.wanted(module, name, x, layer)
+        monkeypatch.setattr(wan, "optimized_attention",
+                            StandIn(attention.attention_pytorch, attention.attention_pytorch, lambda *a: None))
+        assert not fp8_attention.wanted(wan.__name__, name, x, layer)
+        monkeypatch.setattr(flux_math, "optimized_attention", attention.attention_sub_quad)
+        assert not fp8_attention.wanted(module, name, x, layer)
+        monkeypatch.setattr(flux_math, "optimized_attention",
+                            StandIn(attention.attention_pytorch, attention.attention_pytorch, lambda *a: None))
+        assert not fp8_attention.wanted(module, name, x, layer)
+    finally:
+        undo()
+
+
+def test_the_emulation_is_attention_within_fp8s_error():
+    """sdpa_fp8_ref, the stand-in for cuDNN in these tests and the bench's check, against float32 attention."""
+    from sd_accel.kernels import quant
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 3, 32, generator=g) for _ in range(3))
+    (q8, dq, _), (k8, dk, _), (v8, dv, sv) = (quant.quantize_tensor_ref(t) for t in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    o8 = fp8_attention.sdpa_fp8_ref(q8, k8, v8, dq, dk, dv, sv)
+    assert o8.dtype == FP8 and o8.shape == q.shape
+    assert 1e-3 < rel(o8.float() * dv, want) < 6e-2
+    # a 16-bit output (Blackwell's) keeps the error of the inputs' and the probabilities' rounding only
+    o16 = fp8_attention.sdpa_fp8_ref(q8, k8, v8, dq, dk, dv, torch.ones(1), torch.bfloat16)
+    assert rel(o16, want) < rel(o8.float() * dv, want)
+
+
+# ---- on a GPU with the nvidia-cudnn-frontend package: cuDNN's kernel itself
+
+def _cudnn_runs() -> bool:
+    return torch.cuda.is_available() and fp8_attention.available(torch.device("cuda"))[0]
+
+
+cuda_fp8 = pytest.mark.skipif(not _cudnn_runs(), reason="needs an NVIDIA Hopper or later GPU and nvidia-cudnn-frontend")
+
+
+@cuda_fp8
+@pytest.mark.parametrize("shape", [(1, 333, 3, 128), (2, 4429 // 8, 4, 64)])
+def test_cudnn_fp8_attention_is_the_emulation(shape):
+    """cuDNN's fp8 attention against sdpa_fp8_ref on the same e4m3 inputs, launched and replayed in a CUDA graph (as
+    the engine runs it), with the inputs' quantization kernels."""
+    from sd_accel.kernels import quant
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    v[..., :2] *= 8  # outliers: v's scale follows its amax
+    (q8, dq, _), (k8, dk, _) = (quant.quantize_tensor(t, t.float().abs().amax().reshape(1)) for t in (q, k))
+    run = fp8_attention.kernel(shape, dev, FP8)
+    assert run is not None
+
+    def attend():
+        v8, dv, sv = quant.quantize_tensor(v, v.float().abs().amax().reshape(1))
+        out = torch.empty(shape, device=dev, dtype=FP8)
+        run(q8, k8, v8, dq, dk, dv, sv, out)
+        return out, v8, dv, sv
+
+    out, v8, dv, sv = attend()
+    want = fp8_attention.sdpa_fp8_ref(q8, k8, v8, dq, dk, dv, sv)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    assert rel(out.float(), want.float()) < 3e-2
+    assert rel(out.float() * dv, exact) < 8e-2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attend()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attend()
+    v.mul_(0.5)  # the replay reads the new values, and v's scale follows them on the device
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed, v8, dv, sv = captured
+    want = fp8_attention.sdpa_fp8_ref(q8, k8, v8, dq, dk, dv, sv)
+    assert rel(replayed.float(), want.float()) < 3e-2
+
+
+@cuda_fp8
+def test_a_fused_flux_takes_cudnns_fp8_attention_on_the_gpu(comfy_pytorch_attention, monkeypatch):
+    """A small Flux of head size 128 (cuDNN's) under precision fp8: every attention through cuDNN, the output close
+    to the 16-bit attention's."""
+    cfg = {**configs.COMFY_DIT_CONFIGS["tiny-flux"][1], "hidden_size": 256, "num_heads": 2, "axes_dim": [16, 56, 56]}
+    monkeypatch.setitem(configs.COMFY_DIT_CONFIGS, "tiny-flux-128", ("flux", cfg))
+    monkeypatch.setitem(configs.DIT_SHAPES, "tiny-flux-128", configs.DIT_SHAPES["tiny-flux"])
+    model, inp = _dit_bf16("tiny-flux-128"), _bf16_inputs("tiny-flux-128")
+    built = []
+    build = fp8_attention._build
+    monkeypatch.setattr(fp8_attention, "_build", lambda *a: built.append(a) or build(*a))
+    monkeypatch.setattr(fp8_attention, "_KERNELS", {})
+    eight, _ = _fused_output(model, inp, "fp8")
+    assert built and all(shape[3] == 128 for shape, _, _ in built)
+    with monkeypatch.context() as m:
+        m.setattr(fp8_attention, "wanted", lambda *args: False)
+        sixteen, _ = _fused_output(model, inp, "fp8")
+    assert 1e-4 < rel(eight, sixteen) <= 2e-2 and math.isfinite(eight.float().sum().item())

@@ -573,7 +573,8 @@ def test_fp8_products_only_where_precision_says(request, form, name, projections
     with torch.no_grad():
         layer.weight.mul_(1.5)  # in place: same address, new version
     changed, _ = _fused_output(model, inp, "fp8")
-    assert rel(changed, out) > 1e-3
+    # the same call repeats bit for bit (above), so any real move is the weight's (diffusers' tiny SD3 on a GPU: 8e-4)
+    assert rel(changed, out) > 1e-4
     assert _fused_output(model, inp, "16bit")[1]["fp8"] == 0
 
 

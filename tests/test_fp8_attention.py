@@ -57,27 +57,18 @@ def quantized_attention(q, k, v, heads, mask=None, skip_reshape=False, skip_outp
     return o.transpose(1, 2) if skip_output_reshape else o.flatten(2)
 
 
-def host_self_attention(q, k, v, heads, **kwargs):
-    """quantized_attention for a self-attention (q and k of one length), ComfyUI's PyTorch attention for Wan's
-    cross-attention to the text, which stays 16-bit in the fused block too."""
-    from comfy.ldm.modules.attention import attention_pytorch
-
-    return (quantized_attention if q.shape[1] == k.shape[1] else attention_pytorch)(q, k, v, heads, **kwargs)
-
-
-@pytest.mark.parametrize("name,sequences", [("tiny-flux", 4), ("tiny-sd3", 3), ("tiny-chroma", 4), ("tiny-wan", 2),
+@pytest.mark.parametrize("name,sequences", [("tiny-flux", 4), ("tiny-sd3", 3), ("tiny-chroma", 4),
                                             ("tiny-qwen-image", 2)])
 def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_attention, emulated, monkeypatch, name,
                                                              sequences):
-    """Flux's double and single blocks, Chroma's, SD3.5's joint blocks and its MMDiT-X image-only attention, Wan's
-    self-attention (q/k norm over all heads), Qwen-Image's joint attention: each attention in fp8 under precision fp8,
+    """Flux's double and single blocks, Chroma's, SD3.5's joint blocks and its MMDiT-X image-only attention,
+    Qwen-Image's joint attention: each attention in fp8 under precision fp8,
     its inputs what the 16-bit path writes within e4m3's rounding, its output the 16-bit attention's within fp8
     attention's error, handed to the output projections as fp8 rows; the model's output close to the 16-bit
     attention's and to ComfyUI's own forward with an attention of the same quantization."""
     import comfy.ldm.flux.math
     import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
     import comfy.ldm.qwen_image.model as qwen
-    import comfy.ldm.wan.model as wan
     from sd_accel.accel.engine import fp8, fusions
     from sd_accel.accel.engine.fusions.transformer import EPS, Joint, sdpa
     from sd_accel.kernels import qk_rope
@@ -87,18 +78,12 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
     assert counts["fp8"] == 0 and not emulated  # 16-bit weights under auto: 16-bit
     # each sequence written in 16 bits too, from the same projections: what the 16-bit path would attend over
     shadows, compared, parts = {}, [], []
-    write, write_rows, attend, part = Joint.write, Joint.write_rows, Joint.attend, fp8_attention.Output.part
-
-    def shadow_of(self):
-        return shadows.setdefault(self, qk_rope.empty_qkv(*self.qkv[2].shape, self.qkv[2]))
+    write, attend, part = Joint.write, Joint.attend, fp8_attention.Output.part
 
     def shadowed_write(self, projected, offset, norm, eps=EPS, pe=None):
         write(self, projected, offset, norm, eps, pe)
-        qk_rope.qk_norm_rope(projected, self.heads, shadow_of(self), offset, *norm, eps, pe)
-
-    def shadowed_write_rows(self, projected, norm, eps, pe):
-        write_rows(self, projected, norm, eps, pe)
-        qk_rope.qk_row_norm_rope(projected, self.heads, shadow_of(self), *norm, eps, pe)
+        shadow = shadows.setdefault(self, qk_rope.empty_qkv(*self.qkv[2].shape, self.qkv[2]))
+        qk_rope.qk_norm_rope(projected, self.heads, shadow, offset, *norm, eps, pe)
 
     def compared_attend(self):
         out = attend(self)
@@ -115,7 +100,6 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
 
     with monkeypatch.context() as m:
         m.setattr(Joint, "write", shadowed_write)
-        m.setattr(Joint, "write_rows", shadowed_write_rows)
         m.setattr(Joint, "attend", compared_attend)
         m.setattr(fp8_attention.Output, "part", recorded_part)
         eight, _ = _fused_output(model, inp, "fp8")
@@ -135,7 +119,6 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
     with monkeypatch.context() as m:
         m.setattr(comfy.ldm.flux.math, "optimized_attention", quantized_attention)
         m.setattr(mmdit, "optimized_attention", quantized_attention)
-        m.setattr(wan, "optimized_attention", host_self_attention)
         m.setattr(qwen, "optimized_attention_masked", quantized_attention)
         marks = fusions.Undo()
         fp8.apply(model, "fp8", marks)
@@ -145,6 +128,21 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
         finally:
             marks()
     assert rel(eight, own) <= 2e-2
+
+
+def test_wan_keeps_16bit_attention_under_fp8_and_says_so_once(comfy_pytorch_attention, emulated, caplog,
+                                                                 monkeypatch):
+    """Wan is DECLINED (its error on the GPU): under precision fp8 its self-attention stays 16-bit, the output is the
+    fp8 products' with 16-bit attention exactly, and the console says why once."""
+    model, inp = _dit_bf16("tiny-wan"), _bf16_inputs("tiny-wan")
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        eight, counts = _fused_output(model, inp, "fp8")
+        again, _ = _fused_output(model, inp, "fp8")
+    said = [r.getMessage() for r in caplog.records if "fp8 attention is off for comfy.ldm.wan.model" in r.getMessage()]
+    assert counts["fp8"] > 0 and not emulated and len(said) == 1, said
+    monkeypatch.setattr(fp8_attention, "DECLINED", {})  # the same call, Wan not declined: it takes fp8 attention
+    taken, _ = _fused_output(model, inp, "fp8")
+    assert torch.equal(eight, again) and emulated and not torch.equal(taken, eight)
 
 
 def test_weights_stored_in_fp8_take_fp8_attention_under_auto(comfy_pytorch_attention, emulated):
@@ -196,12 +194,11 @@ def test_a_missing_package_or_an_older_gpu_is_said_in_words(monkeypatch):
 
 def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytorch_attention, emulated, monkeypatch):
     """Another attention ComfyUI chose for the whole host (sage, ...) for the function the block calls (Qwen-Image's
-    optimized_attention_masked), a sequence-parallel stand-in (Wan's), projections without fp8 products, 32-bit
+    optimized_attention_masked), a sequence-parallel stand-in, projections without fp8 products, 32-bit
     activations or a stream without q/k norm (SD3.0): the 16-bit attention."""
     import comfy.ldm.flux.math as flux_math
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.qwen_image.model as qwen
-    import comfy.ldm.wan.model as wan
     from sd_accel.accel.engine import fp8
     from sd_accel.accel.engine.attention import StandIn
     from sd_accel.accel.engine.fusions import Undo
@@ -220,12 +217,9 @@ def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytor
         assert fp8_attention.sequence(module, name, 1, 4, 4, 4, x, (layer,), norms, (layer,)) is not None
         assert fp8_attention.sequence(module, name, 1, 4, 4, 4, x, (layer,), [(None, None)], (layer,)) is None
         masked = (qwen.__name__, "optimized_attention_masked")
-        assert fp8_attention.wanted(*masked, x, layer) and fp8_attention.wanted(wan.__name__, name, x, layer)
+        assert fp8_attention.wanted(*masked, x, layer)
         monkeypatch.setattr(qwen, "optimized_attention_masked", attention.attention_sub_quad)
         assert not fp8_attention.wanted(*masked, x, layer) and fp8_attention.wanted(module, name, x, layer)
-        monkeypatch.setattr(wan, "optimized_attention",
-                            StandIn(attention.attention_pytorch, attention.attention_pytorch, lambda *a: None))
-        assert not fp8_attention.wanted(wan.__name__, name, x, layer)
         monkeypatch.setattr(flux_math, "optimized_attention", attention.attention_sub_quad)
         assert not fp8_attention.wanted(module, name, x, layer)
         monkeypatch.setattr(flux_math, "optimized_attention",

@@ -138,14 +138,15 @@ def installed_pins() -> list[str]:
     return sorted(pins.values())
 
 
-def _pip(packages: list[str], dry_run: bool = False, options: list[str] | None = None) -> tuple[bool, str]:
-    """pip install with every installed distribution pinned; (ok, last lines of pip's output)."""
+def _pip(arguments: list[str], dry_run: bool = False) -> tuple[bool, str]:
+    """pip install `arguments` (options and packages) with every installed distribution pinned; (ok, last lines of
+    pip's output)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write("\n".join(installed_pins()) + "\n")
         constraints = f.name
     try:
         run = subprocess.run([sys.executable, "-m", "pip", "install", "-c", constraints,
-                              *(["--dry-run"] if dry_run else []), *(options or []), *packages],
+                              *(["--dry-run"] if dry_run else []), *arguments],
                              capture_output=True, text=True, timeout=3600)
         tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-3:])
         return run.returncode == 0, tail
@@ -184,15 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         say("everything this GPU uses is installed.")
         return 0
     for step in plan.steps:
-        command = "pip install " + " ".join(step.options + step.packages)
+        arguments = step.options + step.packages
+        command = "pip install " + " ".join(arguments)
         if args.dry_run:
-            ok, tail = _pip(step.packages, dry_run=True, options=step.options)
+            ok, tail = _pip(arguments, dry_run=True)
             say(f"would run: {command}  ({step.why}); " + (
                 "pip resolves it without changing any installed package." if ok else
                 f"pip cannot add it without changing installed packages, so it would be skipped:\n{tail}"))
             continue
         say(f"running: {command}  ({step.why}; installed packages stay as they are)")
-        ok, tail = _pip(step.packages, options=step.options)
+        ok, tail = _pip(arguments)
         say(("installed: " if ok else "not installed (it would change packages the host installed; sd-accel still "
              "runs without it): ") + " ".join(step.packages) + ("" if ok else f"\n{tail}"))
     return 0

@@ -106,6 +106,10 @@ def _bench(args: argparse.Namespace) -> int:
         if not args.comfyui:
             print("sd-accel bench: --comfy-attention chooses ComfyUI's attention: pass --comfyui DIR.", file=sys.stderr)
             return 2
+        if args.gpus:  # the ranks are fresh processes, which would not see the choice
+            print("sd-accel bench: --comfy-attention does not reach the --gpus ranks; leave one of them out.",
+                  file=sys.stderr)
+            return 2
         try:
             use_comfy_attention(args.comfy_attention)
         except ValueError as e:

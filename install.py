@@ -12,6 +12,9 @@ What it installs:
   attention is in its compiled module and uses the cuDNN library torch brings;
 - only when asked (--with onnxruntime, or SD_ACCEL_INSTALL=onnxruntime): the ONNX Runtime build for this GPU. It is
   not installed by default: ONNX Runtime is not chosen automatically until it is measured faster than the torch path.
+- only when asked (--with flash-attn-4), on Hopper and Blackwell GPUs under Linux: flash-attn-4, FlashAttention-4's
+  kernels for the transformers' 16-bit attention (1.12-1.18x cuDNN's on an H200), with the CuTe DSL for torch's CUDA
+  (hundreds of MB of libraries, so not by default).
   (A TensorRT path is planned; nothing installs TensorRT until that path exists.)
 
 No installed package is ever changed: every pip call is constrained to the version of every distribution installed
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-EXTRAS = ("onnxruntime",)
+EXTRAS = ("onnxruntime", "flash-attn-4")
 ENV_EXTRAS = "SD_ACCEL_INSTALL"
 ENV_SKIP = "SD_ACCEL_SKIP_INSTALL"
 
@@ -71,10 +74,11 @@ def core_requirements() -> list[str]:
 
 
 def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: set[str],
-                  requirements: list[str], family: str = "") -> InstallPlan:
+                  requirements: list[str], family: str = "", cuda: int = 0) -> InstallPlan:
     """What to install for a GPU of `vendor` (nvidia, amd, intel, apple, cpu, unknown) and `family` (plan/device.py:
-    hopper, blackwell, ...) on `system` (Linux, Windows, Darwin), given which import names are installed (and
-    cudnn_frontend: policy.probe_packages). Pure, for tests and --dry-run."""
+    hopper, blackwell, ...) on `system` (Linux, Windows, Darwin) with torch built for CUDA `cuda` (major version, 0:
+    none), given which import names are installed (and cudnn_frontend, flash_attn_4: policy.probe_packages). Pure,
+    for tests and --dry-run."""
     plan = InstallPlan()
     missing = [r for r in requirements if not installed.get(_module_of(r), False)]
     if missing:
@@ -93,6 +97,13 @@ def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: 
         plan.steps.append(Step(["nvidia-cudnn-frontend"], "cuDNN's fp8 attention for the transformers under precision "
                                "fp8; without its CuTe DSL dependencies, which fp8 attention does not use",
                                ["--no-deps"]))
+    if "flash-attn-4" in extras and not installed.get("flash_attn_4"):
+        if vendor == "nvidia" and family in ("hopper", "blackwell") and system == "Linux":
+            # the CuTe DSL's default libraries are CUDA 12's; torch built for CUDA 13 needs its cu13 ones
+            plan.steps.append(Step(["flash-attn-4[cu13]" if cuda >= 13 else "flash-attn-4"],
+                                   "FlashAttention-4 for the transformers' 16-bit attention (asked for)"))
+        else:
+            plan.notes.append("flash-attn-4 runs on NVIDIA Hopper and Blackwell GPUs under Linux; not installed.")
     if "onnxruntime" in extras:
         ort = {"nvidia": ["onnx", "onnxruntime-gpu"], "cpu": ["onnx", "onnxruntime"]}.get(vendor)
         if vendor == "intel" and system == "Windows":
@@ -167,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{ENV_SKIP} is set: nothing installed.")
         return 0
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         say("torch is not installed in this Python; the host (ComfyUI / A1111) installs it. Nothing installed.")
         return 0
@@ -177,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = detect()
     say(f"GPU: {describe(gpu)}")
+    cuda = int((torch.version.cuda or "0").split(".")[0])
     plan = plan_installs(gpu.vendor, platform.system(), _installed(), _extras(args.extras), core_requirements(),
-                         gpu.family)
+                         gpu.family, cuda)
     for note in plan.notes:
         say(note)
     if not plan.steps:

@@ -294,6 +294,13 @@ def test_install_plans_per_gpu(installer):
     assert installer.plan_installs("nvidia", "Linux", {**have, "triton": True, "cudnn_frontend": True}, set(), reqs,
                                    "blackwell").steps == []
     assert installer.plan_installs("nvidia", "Linux", {**have, "triton": True}, set(), reqs, "ada").steps == []
+    # FlashAttention-4 only when asked, with the CuTe DSL's libraries for torch's CUDA
+    assert installer.plan_installs("nvidia", "Linux", {**have, "triton": True, "cudnn_frontend": True},
+                                   {"flash-attn-4"}, reqs, "hopper", 13).steps[0].packages == ["flash-attn-4[cu13]"]
+    assert installer.plan_installs("nvidia", "Linux", {**have, "triton": True, "cudnn_frontend": True},
+                                   {"flash-attn-4"}, reqs, "blackwell", 12).steps[0].packages == ["flash-attn-4"]
+    plan = installer.plan_installs("nvidia", "Linux", {**have, "triton": True}, {"flash-attn-4"}, reqs, "ada", 12)
+    assert plan.steps == [] and any("Hopper and Blackwell" in n for n in plan.notes)
     have_cpu_ort = {**have, "triton": True, "onnxruntime": True}
     plan = installer.plan_installs("nvidia", "Linux", have_cpu_ort, {"onnxruntime"}, reqs)
     assert plan.steps == [] and any("pip uninstall onnxruntime" in n for n in plan.notes)
@@ -304,5 +311,5 @@ def test_install_dry_run_installs_nothing_and_never_fails():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "[sd-accel] GPU: " in out.stdout and "ignoring unknown extra 'bogus'" in out.stdout
-    assert "ignoring unknown extra 'tensorrt'; the extras are: onnxruntime." in out.stdout  # not offered yet
+    assert "ignoring unknown extra 'tensorrt'; the extras are: onnxruntime, flash-attn-4." in out.stdout  # not offered yet
     assert "running: pip" not in out.stdout

@@ -1,8 +1,8 @@
 """Micro-benchmark (bench --kernels): the diffusion transformers' attention at Flux.1-dev's, SD3.5-large's and Wan 2.1
 14B's shapes, each way it can run here: PyTorch's SDPA in bf16 with cuDNN first (the torch path's 16-bit attention),
 cuDNN's fp8 attention (accel/engine/fp8_attention.py) alone and with the pass that quantizes v (q and k come in e4m3
-from the pass that writes them anyway), and SageAttention where it is installed; each with its error against float32
-attention on the first query rows.
+from the pass that writes them anyway), FlashAttention-4 in bf16 (accel/engine/flash4.py) and SageAttention where
+they are installed; each with its error against float32 attention on the first query rows.
 
 q and k are what an RMS norm gives (unit RMS per head), v Gaussian with a few channels eight times larger (its scale
 follows its largest value).
@@ -16,15 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import attention, quant
-from ..engine import fp8_attention
+from ..engine import flash4, fp8_attention
 from ..engine.attention import sdpa_kernels
 from .bench import rel_l2
 from .kernel_bench import _timer
 
 FP8 = torch.float8_e4m3fn
-# (batch, tokens, heads, head_dim) at 1024x1024 (Flux batch 1, SD3.5 with CFG's two) and 832x480x81 (Wan, one half)
+# (batch, tokens, heads, head_dim) at 1024x1024 (Flux batch 1, SD3.5 with CFG's two), 1328x1328 (Qwen-Image, 6,889 image
+# and 512 text tokens, CFG's two) and 832x480x81 (Wan, one half)
 SHAPES = {"flux-dev 1024": (1, 4608, 24, 128), "sd35-large 1024 cfg": (2, 4429, 38, 64),
-          "wan21-14b 480p": (1, 32760, 40, 128)}
+          "qwen-image 1328 cfg": (2, 7401, 24, 128), "wan21-14b 480p": (1, 32760, 40, 128)}
 TINY = {"tiny": (1, 96, 2, 64)}
 ERROR_ROWS = 256
 
@@ -106,6 +107,9 @@ def bench_dit_attention(device: str = "cuda", tiny: bool = False) -> list[dict]:
             err = _err(o.float() * descale, exact)
             rows.append(row("fp8 cuDNN + v quantization", timer(with_v), err))
             rows.append(row("fp8 cuDNN alone", timer(alone), err, "q, k and v already in e4m3"))
+        if flash4.covers(q, k, v):
+            rows.append(row("bf16 FlashAttention-4", timer(lambda: flash4.attention(q, k, v)),
+                            _err(flash4.attention(q, k, v), exact)))
         sage = _sage() if dev.type == "cuda" else None
         if sage is not None:
             rows.append(row("SageAttention", timer(lambda: sage(q, k, v)), _err(sage(q, k, v), exact)))

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from ..engine import flash4
 from ..models.configs import build_dit, cfg_batch, dit_example_inputs, round_comfy_dit
 from ..models.dit import CanonicalDiT
 from .bench import Row, _sync, time_ms, time_variants
@@ -64,6 +65,9 @@ def bench_dit(name: str, device: torch.device, iters: int, compile_modes: list[s
     _sync(device)
     label = f"{name}/{form}"
     log(f"[{label}] {canon.spec.describe()}; built and fp32 reference in {time.perf_counter() - t0:.1f}s")
+    fa4, why = flash4.available(device)
+    log(f"[{label}] the fused blocks' 16-bit attention: " + (f"FlashAttention-4, {why}" if fa4 else
+                                                              f"PyTorch's SDPA (FlashAttention-4: {why})"))
     y = inputs.get("y")  # Chroma has none
     args = (inputs["x"].to(dtype), inputs["timesteps"], inputs["context"].to(dtype), None if y is None else y.to(dtype),
             None, inputs.get("guidance"))

@@ -23,18 +23,20 @@ def _doctor_info(backend: str | None) -> dict:
     from ..plan.device import describe, detect
     from ..plan.policy import choose, probe_packages
 
-    from ..engine import fp8_attention
+    from ..engine import flash4, fp8_attention
 
     gpu = detect()
     installed = probe_packages()
     plan = choose(gpu, backend, installed)
     fp8_ok, fp8_why = fp8_attention.available(torch.device(gpu.device))
+    fa4_ok, fa4_why = flash4.available(torch.device(gpu.device))
     return {
         "gpu": {"description": describe(gpu), **asdict(gpu)},
         "family": gpu.family,
         "packages": installed,
         "plan": {**asdict(plan), "summary": plan.summary()},
         "fp8_attention": {"available": fp8_ok, "why": fp8_why},
+        "flash_attention_4": {"available": fa4_ok, "why": fa4_why},
         "cache": str(default_root()),
         "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")},
         "versions": {"sd-accel": __version__, "torch": torch.__version__},
@@ -54,6 +56,9 @@ def _doctor(args: argparse.Namespace) -> int:
     fp8 = info["fp8_attention"]
     print("fp8 attention (precision fp8, fp8 weights): " + (f"yes, {fp8['why']}" if fp8["available"] else
                                                              f"no, {fp8['why']}; 16-bit attention"))
+    fa4 = info["flash_attention_4"]
+    print("transformers' 16-bit attention: " + (f"FlashAttention-4, {fa4['why']}" if fa4["available"] else
+                                                f"PyTorch's SDPA; FlashAttention-4: no, {fa4['why']}"))
     print(f"cache: {info['cache']}")
     settings = info["settings"]
     print("settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings

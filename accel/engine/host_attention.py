@@ -56,17 +56,30 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ours: Attend, ours
     with this host function (ours where nothing is timed); the choice is said once, ours_name() naming what ours
     runs."""
     key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, host.fn)
+    new = key not in _CHOICES
+    choice = choose(key, q, k, v, ours, host.attend)
+    if choice is None:
+        return ours(q, k, v)
+    if new:
+        _say(choice, ours_name(), host, q, k)
+    return (host.attend if choice.host else ours)(q, k, v)
+
+
+def choose(key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ours: Attend, theirs: Attend) \
+        -> Choice | None:
+    """Whether theirs(q, k, v) serves `key` (Choice.host) rather than ours: timed at the first call under key where
+    a time can be taken, then kept; ours where nothing is timed (the CPU). None at a moment on the GPU that cannot
+    be timed (see _may_time): ours serves that call, and the next chooses."""
     choice = _CHOICES.get(key)
     if choice is None:
         if not _may_time(q):
-            if q.is_cuda:  # a moment that cannot be timed (see _may_time): ours, and the next call chooses
-                return ours(q, k, v)
+            if q.is_cuda:
+                return None
             choice = Choice(host=False)
         else:
-            choice = _timed(q, k, v, ours, host.attend)
+            choice = _timed(q, k, v, ours, theirs)
         _CHOICES[key] = choice
-        _say(choice, ours_name(), host, q, k)
-    return (host.attend if choice.host else ours)(q, k, v)
+    return choice
 
 
 def _may_time(q: torch.Tensor) -> bool:

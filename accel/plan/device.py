@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -81,11 +82,25 @@ AOTRITON_ENV = "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL"
 
 
 def has_package(name: str) -> bool:
-    """Whether a package is importable, without importing it."""
+    """Whether a package is importable, without importing it. A namespace package (a folder without __init__.py)
+    does not count: flash-attn-4 installs flash_attn/cute/ alone, which leaves `flash_attn` a namespace without
+    FlashAttention-2's functions."""
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+def has_subpackage(package: str, name: str) -> bool:
+    """Whether `package`.`name` is an importable package, without importing `package` (FlashAttention-2's
+    __init__ loads its CUDA extension)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and any((Path(p) / name / "__init__.py").is_file()
+                                    for p in spec.submodule_search_locations or ())
 
 
 def _torch_version() -> tuple[int, int]:

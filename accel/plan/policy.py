@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import BadInput
-from .device import GpuInfo, has_package
+from .device import GpuInfo, has_package, has_subpackage
 from .options import ATTENTION, DTYPES, OrtOptions, TorchOptions, check_names, parse
 
 ENV = "SD_ACCEL_BACKEND"
@@ -75,6 +75,7 @@ def probe_packages() -> dict[str, bool]:
     onnxruntime itself is imported only when it is installed (its import is what lists the providers)."""
     found = {name: has_package(name) for name in ("onnxruntime", "triton", "flash_attn")}
     found["cudnn_frontend"] = has_package("cudnn")  # nvidia-cudnn-frontend: fp8 attention (engine/fp8_attention.py)
+    found["flash_attn_4"] = has_subpackage("flash_attn", "cute")  # flash-attn-4: the DiTs' attention (engine/flash4.py)
     providers: list[str] = []
     if found["onnxruntime"]:
         try:

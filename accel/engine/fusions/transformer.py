@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8, fp8_attention
+from .. import flash4, fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
 from .base import comfy_attend, comfy_attention, kernel_module, plain_linear
 
@@ -38,10 +38,22 @@ def kernels_run_on(x: torch.Tensor) -> bool:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention over (B, L, heads, head_dim) q, k and v, as (B, L, heads * head_dim)."""
+    """Attention over (B, L, heads, head_dim) q, k and v, as (B, L, heads * head_dim): FlashAttention-4 where it
+    serves the call (accel/engine/flash4.py), else PyTorch's SDPA with the engine's backend order."""
     B, L, H, D = q.shape
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out.transpose(1, 2).reshape(B, L, H * D)
+    out = flash4.attention(q, k, v) if flash4.serves(q, k, v, _sdpa) else _sdpa(q, k, v)
+    return out.reshape(B, L, H * D)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def sdpa_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """What sdpa runs for these q, k and v, in words, for a message."""
+    if flash4.serves(q, k, v, _sdpa):
+        return f"FlashAttention-4 ({flash4.PACKAGE})"
+    return sdpa_name(*(t.transpose(1, 2) for t in (q, k, v)))
 
 
 def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,7 +65,7 @@ def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     host = fn.host if isinstance(fn, StandIn) else fn
 
     def attend(q, k, v):
-        return comfy_attend(host, q, k, v, sdpa, lambda: sdpa_name(*(t.transpose(1, 2) for t in (q, k, v))),
+        return comfy_attend(host, q, k, v, sdpa, lambda: sdpa_label(q, k, v),
                             lambda q, k, v: host(q.flatten(2), k.flatten(2), v.flatten(2), q.shape[2]))
 
     return fn.around(attend, q, k, v) if isinstance(fn, StandIn) else attend(q, k, v)

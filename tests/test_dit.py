@@ -4,6 +4,8 @@ diffusers' classes with the fused DiT kernels (Triton's interpreter) against the
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -717,3 +719,52 @@ def test_a_comfy_dit_rounded_to_bf16_keeps_what_comfyuis_class_keeps_in_float32(
     with torch.no_grad():
         out = CanonicalDiT(model)(inp["x"].bfloat16(), inp["timesteps"], inp["context"].bfloat16())
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+# Each family's adaLN modulation projections and the projections that write into its residual stream (and the last
+# layer's), block indices left out: ComfyUI's classes, then diffusers'.
+_QUIETED = {
+    ("comfy", "tiny-flux"): {"double_blocks.img_mod.lin", "double_blocks.txt_mod.lin", "double_blocks.img_attn.proj",
+                             "double_blocks.txt_attn.proj", "double_blocks.img_mlp.2", "double_blocks.txt_mlp.2",
+                             "single_blocks.modulation.lin", "single_blocks.linear2", "final_layer.adaLN_modulation.1",
+                             "final_layer.linear"},
+    ("comfy", "tiny-chroma"): {"distilled_guidance_layer.out_proj", "double_blocks.img_attn.proj",
+                               "double_blocks.txt_attn.proj", "double_blocks.img_mlp.2", "double_blocks.txt_mlp.2",
+                               "single_blocks.linear2", "final_layer.linear"},
+    ("comfy", "tiny-sd3"): {"joint_blocks.context_block.adaLN_modulation.1", "joint_blocks.context_block.attn.proj",
+                            "joint_blocks.context_block.mlp.fc2", "joint_blocks.x_block.adaLN_modulation.1",
+                            "joint_blocks.x_block.attn.proj", "joint_blocks.x_block.attn2.proj",
+                            "joint_blocks.x_block.mlp.fc2", "final_layer.adaLN_modulation.1", "final_layer.linear"},
+    ("comfy", "tiny-wan"): {"time_projection.1", "blocks.self_attn.o", "blocks.cross_attn.o", "blocks.ffn.2",
+                            "head.head"},
+    ("comfy", "tiny-qwen-image"): {"transformer_blocks.img_mod.1", "transformer_blocks.txt_mod.1",
+                                   "transformer_blocks.attn.to_out.0", "transformer_blocks.attn.to_add_out",
+                                   "transformer_blocks.img_mlp.net.2", "transformer_blocks.txt_mlp.net.2",
+                                   "norm_out.linear", "proj_out"},
+    ("diffusers", "tiny-flux"): {"transformer_blocks.norm1.linear", "transformer_blocks.norm1_context.linear",
+                                 "transformer_blocks.attn.to_out.0", "transformer_blocks.attn.to_add_out",
+                                 "transformer_blocks.ff.net.2", "transformer_blocks.ff_context.net.2",
+                                 "single_transformer_blocks.norm.linear", "single_transformer_blocks.proj_out",
+                                 "norm_out.linear", "proj_out"},
+    ("diffusers", "tiny-sd3"): {"transformer_blocks.norm1.linear", "transformer_blocks.norm1_context.linear",
+                                "transformer_blocks.attn.to_out.0", "transformer_blocks.attn.to_add_out",
+                                "transformer_blocks.attn2.to_out.0", "transformer_blocks.ff.net.2",
+                                "transformer_blocks.ff_context.net.2", "norm_out.linear", "proj_out"},
+}
+
+
+@pytest.mark.parametrize("form,name", list(_QUIETED))
+def test_the_seeded_init_quiets_each_dits_modulation_and_residual_projections_and_no_others(request, form, name):
+    """seed_dit_parameters scales down exactly the matrices of _QUIETED: a family left drawn at full scale has blocks
+    far from the identity, and its error figures measure the init, not the precision."""
+    if form == "comfy":
+        request.getfixturevalue("comfy_pytorch_attention")
+    model = configs.build_dit(name, form, comfyui_root=H.comfy_root())
+    quiet = {n: p.clone() for n, p in model.named_parameters()}
+    configs.seed_dit_parameters(model, 0, quiet=1.0)
+    quieted = set()
+    for n, p in model.named_parameters():
+        if not torch.equal(p, quiet[n]):
+            assert torch.allclose(quiet[n], 0.1 * p, rtol=1e-5, atol=0), n
+            quieted.add(re.sub(r"^(\w*blocks)\.\d+\.", r"\1.", n.rsplit(".", 1)[0]))
+    assert quieted == _QUIETED[form, name]

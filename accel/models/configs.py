@@ -387,11 +387,16 @@ VIDEO_FRAMES = {"wan21-14b": 21, "wan21-1.3b": 21, "wan22-5b": 31, "tiny-wan": 3
 
 # Trained DiTs start each block near the identity: the adaLN modulation and the projections back into the residual
 # stream are small. Drawn like the other matrices, 57 blocks amplify rounding until bf16 and fp32 disagree entirely,
-# and no error figure means anything; these names are scaled down.
+# and no error figure means anything; parameters whose name contains one of these are scaled down. The short names
+# end in a dot, so that "ffn.2" is not found in an "ffn.20".
 _DIT_QUIET = ("mod.lin", "modulation.lin", "adaLN_modulation", "norm1.linear", "norm1_context.linear", "norm.linear",
               "attn.proj", "linear2", "img_mlp.2", "txt_mlp.2", "mlp.fc2", "attn2.proj", "to_out", "to_add_out",
               "proj_out", "ff.net.2", "ff_context.net.2", "final_layer.linear",
-              "distilled_guidance_layer.out_proj", "norm_out.linear")
+              "distilled_guidance_layer.out_proj", "norm_out.linear",
+              # Wan (comfy.ldm.wan.model)
+              "time_projection.", "self_attn.o.", "cross_attn.o.", "ffn.2.", "head.head.",
+              # Qwen-Image (comfy.ldm.qwen_image.model); its attention's outputs and last layers match the above
+              "img_mod.", "txt_mod.", "img_mlp.net.2.", "txt_mlp.net.2.")
 
 
 def seed_dit_parameters(module: nn.Module, seed: int, quiet: float = 0.1) -> nn.Module:

@@ -294,20 +294,31 @@ def tiny_controlnet(seed: int = 0, xl: bool = False):
     return comfy.controlnet.ControlNet(control, load_device=mm.get_torch_device())
 
 
-def use_comfy_attention(name: str, put=setattr) -> list:
-    """ComfyUI's attention function `name` (its registry's name: "pytorch", "split", "sub_quad", "sage", ...) as the
-    choice for the whole host, where ComfyUI's start-up puts the one its flags choose (--use-split-cross-attention,
-    --use-sage-attention): attention.py's optimized_attention and optimized_attention_masked, and the modules that
-    imported it (Flux's math, MMDiT, Wan, Qwen-Image). put(module, name, value) sets each (monkeypatch.setattr to have
-    them back after a test). Returns the calls of the chosen function, appended as they come: the function in ComfyUI's registry and
-    module is a counting copy of its own (same name and module), which ComfyUI takes for the same choice."""
-    import functools
-
+def put_comfy_attention(fn, put=setattr) -> None:
+    """fn where ComfyUI's start-up puts the attention function its flags choose for the whole host
+    (--use-split-cross-attention, --use-sage-attention): attention.py's optimized_attention and
+    optimized_attention_masked, and the modules that imported it (Flux's math, MMDiT, Wan, Qwen-Image).
+    put(module, name, value) sets each (monkeypatch.setattr to have them back after a test)."""
     import comfy.ldm.flux.math
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
     import comfy.ldm.qwen_image.model as qwen
     import comfy.ldm.wan.model as wan
+
+    for module, attr in ((attention, "optimized_attention"), (attention, "optimized_attention_masked"),
+                         (comfy.ldm.flux.math, "optimized_attention"), (mmdit, "optimized_attention"),
+                         (wan, "optimized_attention"), (qwen, "optimized_attention_masked")):
+        put(module, attr, fn)
+
+
+def use_comfy_attention(name: str, put=setattr) -> list:
+    """ComfyUI's attention function `name` (its registry's name: "pytorch", "split", "sub_quad", "sage", ...) as the
+    choice for the whole host (put_comfy_attention). Returns the calls of the chosen function, appended as they come:
+    the function in ComfyUI's registry and module is a counting copy of its own (same name and module), which ComfyUI
+    takes for the same choice."""
+    import functools
+
+    import comfy.ldm.modules.attention as attention
 
     own = attention.get_attention_function(name)
     calls = []
@@ -319,10 +330,7 @@ def use_comfy_attention(name: str, put=setattr) -> list:
 
     put(attention, "REGISTERED_ATTENTION_FUNCTIONS", {**attention.REGISTERED_ATTENTION_FUNCTIONS, name: counted})
     put(attention, own.__name__, counted)
-    for module, attr in ((attention, "optimized_attention"), (attention, "optimized_attention_masked"),
-                         (comfy.ldm.flux.math, "optimized_attention"), (mmdit, "optimized_attention"),
-                         (wan, "optimized_attention"), (qwen, "optimized_attention_masked")):
-        put(module, attr, counted)
+    put_comfy_attention(counted, put)
     return calls
 
 

@@ -46,3 +46,25 @@ def pack():
 
     H.import_comfy()
     return H.load_pack()
+
+
+@pytest.fixture()
+def comfy_pytorch_attention(monkeypatch):
+    """ComfyUI's PyTorch attention as its choice for the whole host, as on NVIDIA and AMD GPUs (on the CPU ComfyUI
+    picks another)."""
+    import comfy_helpers as H
+
+    if H.comfy_root() is None:
+        pytest.skip("COMFYUI_ROOT is not set to a ComfyUI checkout")
+    H.import_comfy()
+    H.use_comfy_attention("pytorch", monkeypatch.setattr)
+
+
+@pytest.fixture()
+def host_attention(monkeypatch):
+    """accel/engine/host_attention.py with no choice made and nothing said yet in this process."""
+    from sd_accel.accel.engine import host_attention
+
+    monkeypatch.setattr(host_attention, "_CHOICES", {})
+    monkeypatch.setattr(host_attention, "_SAID", set())
+    return host_attention

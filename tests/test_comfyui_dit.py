@@ -56,15 +56,9 @@ def test_transformer_is_accelerated_and_equals_plain(pack, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, family, monkeypatch):
+def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, comfy_pytorch_attention, family, monkeypatch):
     """The DiT fusions, asked for on the CPU (Triton's interpreter), in a real ComfyUI sampling run: ComfyUI on a GPU
     uses its PyTorch attention, which the fused blocks require; on the CPU it picks another one unless told."""
-    import comfy.ldm.flux.math
-    import comfy.ldm.modules.attention as attention
-    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
-
-    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention.attention_pytorch)
-    monkeypatch.setattr(mmdit, "optimized_attention", attention.attention_pytorch)
     model = H.tiny_dit(family, 2)
     pos, neg = H.tiny_dit_conditioning(family, 3)
     plain = sample(model, pos, neg)
@@ -89,21 +83,12 @@ def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, family, monkeyp
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_blocks_serve_under_another_attention_comfyui_chose_and_an_override_runs_comfyuis_forward(
-        pack, family, monkeypatch, caplog):
+        pack, comfy_pytorch_attention, host_attention, family, monkeypatch, caplog):
     """ComfyUI started with --use-split-cross-attention (as with --use-sage-attention, whose sage needs a GPU): the
     node's fused blocks still serve, equal to plain ComfyUI with its PyTorch attention, and say once what they run (on
     the CPU: SDPA, nothing timed); a model patch's optimized_attention_override runs ComfyUI's own forward."""
-    import comfy.ldm.flux.math
-    import comfy.ldm.modules.attention as attention
-    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
-
-    from sd_accel.accel.engine import host_attention
     from sd_accel.accel.engine.fusions import transformer
 
-    monkeypatch.setattr(host_attention, "_CHOICES", {})
-    monkeypatch.setattr(host_attention, "_SAID", set())
-    monkeypatch.setattr(comfy.ldm.flux.math, "optimized_attention", attention.attention_pytorch)
-    monkeypatch.setattr(mmdit, "optimized_attention", attention.attention_pytorch)
     model = H.tiny_dit(family, 2)
     pos, neg = H.tiny_dit_conditioning(family, 3)
     plain = sample(model, pos, neg)

@@ -147,18 +147,14 @@ def test_fusions_that_restate_a_comfyui_forward_cover_its_class(tiny, fusion, bl
 
 @pytest.mark.parametrize("host_faster", [False, True])
 def test_qkv_fusion_under_another_attention_comfyui_chose_runs_the_faster_and_leaves_an_override_its_call(
-        tiny, monkeypatch, caplog, host_faster):
+        tiny, comfy_pytorch_attention, host_attention, monkeypatch, caplog, host_faster):
     """ComfyUI's CrossAttention with the packed projections while ComfyUI's choice for the whole host is its split
     attention (--use-split-cross-attention; --use-sage-attention chooses sage the same way): the fused forward serves,
     with its own attention where nothing is timed (the CPU) or where that was faster, else with ComfyUI's (the timing,
     which needs a GPU, told here); a model patch's override keeps its call."""
-    import comfy.ldm.modules.attention as attention
-
-    from sd_accel.accel.engine import fusions, host_attention
+    from sd_accel.accel.engine import fusions
     from sd_accel.accel.engine.fusions import packing
 
-    monkeypatch.setattr(host_attention, "_CHOICES", {})
-    monkeypatch.setattr(host_attention, "_SAID", set())
     if host_faster:
         monkeypatch.setattr(host_attention, "_may_time", lambda q: True)
         turns = iter([2.0, 1.0] * 8)  # ours is timed first, then ComfyUI's, per shape
@@ -173,7 +169,6 @@ def test_qkv_fusion_under_another_attention_comfyui_chose_runs_the_faster_and_le
         return fn(*args, **kwargs)
 
     with torch.no_grad():
-        monkeypatch.setattr(attention, "optimized_attention", attention.attention_pytorch)
         ref = unet(x, t, ctx)
         split = H.use_comfy_attention("split", monkeypatch.setattr)
         undo, counts = fusions.apply(unet, ["qkv", "cross_attention"])

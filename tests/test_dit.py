@@ -92,23 +92,6 @@ def test_bad_conditioning_names_the_width_it_needs():
         dit.check(torch.zeros(1, 16, 8, 8), torch.zeros(1, 7, 31), torch.zeros(1, 24))
 
 
-@pytest.fixture()
-def comfy_pytorch_attention(monkeypatch):
-    """ComfyUI's PyTorch attention, as on NVIDIA and AMD GPUs (on the CPU ComfyUI picks another)."""
-    if H.comfy_root() is None:
-        pytest.skip("COMFYUI_ROOT is not set to a ComfyUI checkout")
-    H.import_comfy()
-    import comfy.ldm.flux.math
-    import comfy.ldm.modules.attention as attention
-    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
-    import comfy.ldm.qwen_image.model as qwen
-    import comfy.ldm.wan.model as wan
-
-    for module in (comfy.ldm.flux.math, mmdit, wan):
-        monkeypatch.setattr(module, "optimized_attention", attention.attention_pytorch)
-    monkeypatch.setattr(qwen, "optimized_attention_masked", attention.attention_pytorch)
-
-
 @pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
                                                 ("tiny-chroma", "chroma", 5), ("tiny-wan", "wan", 3),
                                                 ("tiny-qwen-image", "qwen_image", 3)])
@@ -374,16 +357,6 @@ def test_fused_qwen_image_blocks_leave_calls_they_do_not_cover_to_comfyuis_forwa
     undo, counts = fusions.apply(model, ["qwen_image"])
     assert counts["qwen_image"] == 2 and "forward" not in vars(block)
     undo()
-
-
-@pytest.fixture()
-def host_attention(monkeypatch):
-    """accel/engine/host_attention.py with no choice made and nothing said yet in this process."""
-    from sd_accel.accel.engine import host_attention
-
-    monkeypatch.setattr(host_attention, "_CHOICES", {})
-    monkeypatch.setattr(host_attention, "_SAID", set())
-    return host_attention
 
 
 def _counted_sdpa(monkeypatch) -> list:

@@ -15,7 +15,7 @@ from sd_accel.accel.engine.fusions import transformer
 from sd_accel.accel.models import configs
 from sd_accel.accel.models.dit import CanonicalDiT
 from sd_accel.accel.plan.device import has_package, has_subpackage
-from test_dit import DEVICE, FUSED_TOL, comfy_pytorch_attention, rel  # noqa: F401
+from test_dit import DEVICE, FUSED_TOL, rel
 
 
 def _reference(q, k, v):

@@ -15,7 +15,7 @@ import comfy_helpers as H
 from sd_accel.accel.engine import fp8_attention
 from sd_accel.accel.models import configs
 from sd_accel.accel.models.dit import CanonicalDiT
-from test_dit import DEVICE, _bf16_inputs, _dit_bf16, _fused_output, comfy_pytorch_attention, rel  # noqa: F401
+from test_dit import _bf16_inputs, _dit_bf16, _fused_output, rel
 
 FP8 = torch.float8_e4m3fn
 pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
@@ -66,9 +66,6 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
     its inputs what the 16-bit path writes within e4m3's rounding, its output the 16-bit attention's within fp8
     attention's error, handed to the output projections as fp8 rows; the model's output close to the 16-bit
     attention's and to ComfyUI's own forward with an attention of the same quantization."""
-    import comfy.ldm.flux.math
-    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
-    import comfy.ldm.qwen_image.model as qwen
     from sd_accel.accel.engine import fp8, fusions
     from sd_accel.accel.engine.fusions.transformer import EPS, Joint, sdpa
     from sd_accel.kernels import qk_rope
@@ -117,9 +114,7 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
     assert 1e-4 < rel(eight, sixteen) <= rel(sixteen, plain)
 
     with monkeypatch.context() as m:
-        m.setattr(comfy.ldm.flux.math, "optimized_attention", quantized_attention)
-        m.setattr(mmdit, "optimized_attention", quantized_attention)
-        m.setattr(qwen, "optimized_attention_masked", quantized_attention)
+        H.put_comfy_attention(quantized_attention, m.setattr)
         marks = fusions.Undo()
         fp8.apply(model, "fp8", marks)
         try:

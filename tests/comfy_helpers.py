@@ -334,6 +334,28 @@ def use_comfy_attention(name: str, put=setattr) -> list:
     return calls
 
 
+def attention_override() -> tuple:
+    """A model patch's optimized_attention_override (in transformer_options), which hands each call on to the
+    attention function ComfyUI gives it, and the list of those functions, appended as they come."""
+    given = []
+
+    def override(fn, *args, **kwargs):
+        given.append(fn)
+        return fn(*args, **kwargs)
+
+    return override, given
+
+
+def counted_sdpa(put=setattr) -> list:
+    """The fused DiT blocks' own attention (transformer.sdpa) counted: the q shape of each call, appended as they
+    come. put as put_comfy_attention's."""
+    from sd_accel.accel.engine.fusions import transformer
+
+    calls = []
+    put(transformer, "sdpa", lambda *a, f=transformer.sdpa: calls.append(a[0].shape) or f(*a))
+    return calls
+
+
 def step_attention_patch(model, strength: float = 0.3):
     """A clone with an attn2 replace patch on every cross-attention whose effect changes with the step: its
     output is the usual attention scaled by 1 + strength * sigma / (1 + sigma), read from transformer_options

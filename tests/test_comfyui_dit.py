@@ -87,14 +87,11 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_and_an_overrid
     """ComfyUI started with --use-split-cross-attention (as with --use-sage-attention, whose sage needs a GPU): the
     node's fused blocks still serve, equal to plain ComfyUI with its PyTorch attention, and say once what they run (on
     the CPU: SDPA, nothing timed); a model patch's optimized_attention_override runs ComfyUI's own forward."""
-    from sd_accel.accel.engine.fusions import transformer
-
     model = H.tiny_dit(family, 2)
     pos, neg = H.tiny_dit_conditioning(family, 3)
     plain = sample(model, pos, neg)
     split = H.use_comfy_attention("split", monkeypatch.setattr)
-    fused = []
-    monkeypatch.setattr(transformer, "sdpa", lambda *a, f=transformer.sdpa: fused.append(1) or f(*a))
+    fused = H.counted_sdpa(monkeypatch.setattr)
     acc, _ = accelerate(pack, model)
     accelerated_unet.session_of(acc).slot.options["triton_kernels"] = True
     with caplog.at_level(logging.WARNING, logger="sd-accel"):
@@ -105,16 +102,12 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_and_an_overrid
     assert len(said) == 1 and any(said[0].endswith(m) for m in status(acc).messages), (said, status(acc).messages)
     if not torch.cuda.is_available():
         assert not split and "nothing is timed: the fused blocks run PyTorch's SDPA" in said[0]
-    overrides, calls = [], len(fused)
-
-    def override(fn, *args, **kwargs):
-        overrides.append(fn.__name__)
-        return fn(*args, **kwargs)
-
+    override, overrides = H.attention_override()
+    calls = len(fused)
     patched = acc.clone()
     patched.model_options["transformer_options"]["optimized_attention_override"] = override
     assert H.rel(sample(patched, pos, neg), plain) <= 1e-5  # ComfyUI's split attention, through the override
-    assert overrides and set(overrides) == {"attention_split"} and len(fused) == calls
+    assert overrides and {f.__name__ for f in overrides} == {"attention_split"} and len(fused) == calls
     assert status(patched).plain_calls == 2
 
 

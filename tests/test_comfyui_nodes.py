@@ -162,12 +162,7 @@ def test_qkv_fusion_under_another_attention_comfyui_chose_runs_the_faster_and_le
     unet = tiny.model.diffusion_model
     g = torch.Generator().manual_seed(5)
     x, t, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10.0, 500.0]), torch.randn(2, 77, 768, generator=g)
-    overrides = []
-
-    def override(fn, *args, **kwargs):
-        overrides.append(fn.__name__)
-        return fn(*args, **kwargs)
-
+    override, overrides = H.attention_override()
     with torch.no_grad():
         ref = unet(x, t, ctx)
         split = H.use_comfy_attention("split", monkeypatch.setattr)
@@ -182,7 +177,7 @@ def test_qkv_fusion_under_another_attention_comfyui_chose_runs_the_faster_and_le
             packing.unpack(unet)
     n = sum(type(m).__name__ == "CrossAttention" for m in unet.modules())
     assert counts["qkv"] == n and H.rel(out, ref) <= 1e-5
-    assert overrides == ["attention_split"] * n
+    assert [f.__name__ for f in overrides] == ["attention_split"] * n
     said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
     assert len(said) == 1, said
     if host_faster:

@@ -259,12 +259,7 @@ def test_fused_wan_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comf
     g = torch.Generator().manual_seed(4)
     x, e, ctx = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((1, 48, 64), (1, 1, 6, 64), (1, 7, 64)))
     freqs = model.rope_encode(3, 8, 8, device=DEVICE)  # 3 x 4 x 4 = 48 tokens
-    overrides = []
-
-    def override(fn, *args, **kwargs):
-        overrides.append(fn)
-        return fn(*args, **kwargs)
-
+    override, overrides = H.attention_override()
     options = {"optimized_attention_override": override}
     with torch.no_grad():
         undo, _ = fusions.apply(model, ["wan"])
@@ -329,12 +324,7 @@ def test_fused_qwen_image_blocks_leave_calls_they_do_not_cover_to_comfyuis_forwa
     g = torch.Generator().manual_seed(6)
     img, txt, temb = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((1, 12, 64), (1, 5, 64), (1, 64)))
     pe = model.pe_embedder(torch.randint(0, 9, (1, 17, 3), generator=g).float().to(DEVICE)).squeeze(1).unsqueeze(2)
-    overrides = []
-
-    def override(fn, *args, **kwargs):
-        overrides.append(fn)
-        return fn(*args, **kwargs)
-
+    override, overrides = H.attention_override()
     calls = ({"encoder_hidden_states_mask": torch.ones(1, 5, device=DEVICE)},
              {"transformer_options": {"optimized_attention_override": override}})
 
@@ -359,15 +349,6 @@ def test_fused_qwen_image_blocks_leave_calls_they_do_not_cover_to_comfyuis_forwa
     undo()
 
 
-def _counted_sdpa(monkeypatch) -> list:
-    """The fused blocks' own attention (transformer.sdpa), counted."""
-    from sd_accel.accel.engine.fusions import transformer
-
-    calls = []
-    monkeypatch.setattr(transformer, "sdpa", lambda *a, f=transformer.sdpa: calls.append(a[0].shape) or f(*a))
-    return calls
-
-
 @pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
                                                 ("tiny-chroma", "chroma", 5), ("tiny-wan", "wan", 3),
                                                 ("tiny-qwen-image", "qwen_image", 3)])
@@ -388,7 +369,7 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_for_the_whole_
     with torch.no_grad():
         ref = canon(**inp)  # ComfyUI's PyTorch attention
         split = H.use_comfy_attention("split", monkeypatch.setattr)
-        sdpa = _counted_sdpa(monkeypatch)
+        sdpa = H.counted_sdpa(monkeypatch.setattr)
         undo, counts = fusions.apply(model)
         with caplog.at_level(logging.WARNING, logger="sd-accel"):
             out, again = canon(**inp), canon(**inp)
@@ -419,7 +400,7 @@ def test_where_comfyuis_choice_is_timed_faster_the_fused_blocks_run_it_and_time_
     with torch.no_grad():
         ref = canon(**inp)
         split = H.use_comfy_attention("split", monkeypatch.setattr)
-        sdpa = _counted_sdpa(monkeypatch)
+        sdpa = H.counted_sdpa(monkeypatch.setattr)
         undo, _ = fusions.apply(model)
         with caplog.at_level(logging.WARNING, logger="sd-accel"):
             out = canon(**inp)
@@ -449,17 +430,14 @@ def test_an_attention_override_or_another_nodes_function_runs_the_blocks_own_for
     pe = model.pe_embedder(torch.zeros(1, 17, 3, device=DEVICE))
     H.use_comfy_attention("split", monkeypatch.setattr)
     own = comfy.ldm.flux.math.optimized_attention
-    overrides, nodes = [], []
-
-    def override(fn, *args, **kwargs):
-        overrides.append(fn)
-        return fn(*args, **kwargs)
+    override, overrides = H.attention_override()
+    nodes = []
 
     def node(*args, **kwargs):
         nodes.append(1)
         return own(*args, **kwargs)
 
-    sdpa = _counted_sdpa(monkeypatch)
+    sdpa = H.counted_sdpa(monkeypatch.setattr)
     with torch.no_grad():
         undo, _ = fusions.apply(model)
         block(img.clone(), txt.clone(), vec, pe, transformer_options={"optimized_attention_override": override})

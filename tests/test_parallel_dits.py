@@ -103,19 +103,11 @@ def _fused(name: str, g, attention: str = "pytorch", text: int | None = None) ->
     default): the parallel output against one process's and ComfyUI's own, and how many attentions the fused blocks
     ran in each."""
     from sd_accel.accel.accelerate import accelerate
-    from sd_accel.accel.engine.fusions import transformer
     from sd_accel.accel.models.dit import CanonicalDiT
     from sd_accel.accel.parallel.sequence import sequence_parallel
 
     H.use_comfy_attention(attention)
-    calls = [0]
-    sdpa = transformer.sdpa
-
-    def counted(*args):
-        calls[0] += 1
-        return sdpa(*args)
-
-    transformer.sdpa = counted
+    sdpa = H.counted_sdpa()
     model = _model(name)
     fusion, default = MODELS[name]
     inp = _inputs(name, 8, text or default)
@@ -124,11 +116,12 @@ def _fused(name: str, g, attention: str = "pytorch", text: int | None = None) ->
         ref = CanonicalDiT(model)(**inp)
         acc = accelerate(model, preference="torch", options={"triton_kernels": True})
         one = acc(*args, guidance=inp.get("guidance"))
-        one_calls, calls[0] = calls[0], 0
+        one_calls = len(sdpa)
+        sdpa.clear()
         with sequence_parallel(model, g):
             out = acc(*args, guidance=inp.get("guidance"))
         acc.release()
-    return {"rel": H.rel(out, one), "rel_plain": H.rel(out, ref), "calls": [one_calls, calls[0]],
+    return {"rel": H.rel(out, one), "rel_plain": H.rel(out, ref), "calls": [one_calls, len(sdpa)],
             "fused": acc.engine.fusion_counts[fusion]}
 
 

@@ -192,6 +192,29 @@ def test_a_missing_package_or_an_older_gpu_is_said_in_words(monkeypatch):
     assert fp8_attention.available(torch.device("cpu")) == (False, "it runs on NVIDIA GPUs only (cuDNN)")
 
 
+def test_the_package_is_imported_once(monkeypatch):
+    """A missing package is not searched for again at each fused block's call."""
+    import builtins
+
+    tries, real = [], builtins.__import__
+
+    def counted(name, *args, **kwargs):
+        if name == "cudnn":
+            tries.append(name)
+            raise ModuleNotFoundError("No module named 'cudnn'", name="cudnn")
+        return real(name, *args, **kwargs)
+
+    fp8_attention._cudnn.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", counted)
+    try:
+        assert fp8_attention._cudnn()[0] is None and fp8_attention._cudnn()[0] is None
+        assert not fp8_attention.sixteen_bit_output(torch.device("cpu"))
+    finally:
+        monkeypatch.undo()
+        fp8_attention._cudnn.cache_clear()
+    assert tries == ["cudnn"]
+
+
 def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytorch_attention, emulated, monkeypatch):
     """Another attention ComfyUI chose for the whole host (sage, ...) for the function the block calls (Qwen-Image's
     optimized_attention_masked), a sequence-parallel stand-in, projections without fp8 products, 32-bit

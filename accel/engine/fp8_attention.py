@@ -16,6 +16,7 @@ sequence-parallel stand-in, a missing package or an older GPU: 16-bit attention 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -51,8 +52,11 @@ def available(device: torch.device) -> tuple[bool, str]:
     return True, f"cuDNN {cudnn.backend_version_string()}, {PACKAGE} {cudnn.__version__}"
 
 
+@functools.cache
 def _cudnn():
-    """(the cudnn module, "") or (None, why): imported on first use, after torch, whose cuDNN library it uses."""
+    """(the cudnn module, "") or (None, why): imported on first use, after torch, whose cuDNN library it uses. The
+    answer is kept: a missing package would otherwise be searched for on every fused block's call (a test that
+    changes what imports calls _cudnn.cache_clear())."""
     try:
         import cudnn
     except Exception as e:  # a broken install can raise more than ImportError; either way 16-bit attention runs

@@ -28,12 +28,11 @@ from torch import nn
 
 from . import fp8
 from .attention import StandIn
+from .fp8 import FP8, FP8_MAX
 from .fusions.base import comfy_choice, kernel_module
 
 log = logging.getLogger("sd-accel")
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 PACKAGE = "nvidia-cudnn-frontend"
 # (q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out): fills out, (B, L, heads, head_dim) like q
 Kernel = Callable[..., None]

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fusions.base import Undo, kernel_module, patch_forward, plain_linear
+from .fusions.base import Undo, kernel_module, own_weights, patch_forward, plain_linear
 
 log = logging.getLogger("sd-accel")
 
@@ -157,8 +157,7 @@ def supported(device: torch.device) -> tuple[bool, str]:
 
 
 def _plain(layer: nn.Module) -> bool:
-    return (isinstance(layer, nn.Linear) and not getattr(layer, "weight_function", None)
-            and not getattr(layer, "bias_function", None) and layer.weight.dim() == 2
+    return (isinstance(layer, nn.Linear) and own_weights(layer) and layer.weight.dim() == 2
             and layer.in_features % 16 == 0 and layer.out_features % 16 == 0)
 
 

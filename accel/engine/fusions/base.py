@@ -93,11 +93,17 @@ def replace_child(parent: nn.Module, name: str, new: nn.Module, undo: Undo) -> N
     undo.add(lambda: parent._modules.__setitem__(name, old))
 
 
+def own_weights(*layers: nn.Module) -> bool:
+    """Layers whose weights have no per-call functions (lowvram, a LoRA applied per call), which only the host's
+    forward applies in step."""
+    return all(not getattr(layer, "weight_function", None) and not getattr(layer, "bias_function", None)
+               for layer in layers)
+
+
 def plain_weights(m: nn.Module) -> bool:
     """A layer whose forward uses its own weight and bias as stored: not ComfyUI's cast-on-the-fly or lowvram
     weight functions, which its forward applies and a fused kernel reading the weight directly would skip."""
-    return (not getattr(m, "comfy_cast_weights", False) and not getattr(m, "weight_function", None)
-            and not getattr(m, "bias_function", None))
+    return not getattr(m, "comfy_cast_weights", False) and own_weights(m)
 
 
 def forward_takes(m: nn.Module, *params: str) -> bool:

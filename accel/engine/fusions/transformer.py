@@ -15,17 +15,10 @@ from torch import nn
 
 from .. import fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
-from .base import comfy_attend, comfy_attention, kernel_module, plain_linear
+from .base import comfy_attend, comfy_attention, kernel_module, own_weights, plain_linear
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
-
-
-def own_weights(*layers: nn.Module) -> bool:
-    """Layers whose weights have no per-call functions (lowvram, a LoRA applied per call), which only the host's
-    forward applies in step."""
-    return all(not getattr(layer, "weight_function", None) and not getattr(layer, "bias_function", None)
-               for layer in layers)
 
 
 def linears(*layers: nn.Module) -> bool:

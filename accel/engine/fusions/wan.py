@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from .. import fp8
-from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, patch_forward,
+from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, own_weights, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
-from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
-                          own_weights, part, plain_layer_norms)
+from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, part,
+                          plain_layer_norms)
 
 WAN = "comfy.ldm.wan.model"  # its blocks' attention function is this module's optimized_attention
 

@@ -135,8 +135,9 @@ def plain_layer_norms(*norms: nn.Module) -> bool:
 
 
 def norm_weight(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """A q/k RMSNorm weight in x's dtype (a model loaded in fp8 stores these in fp8 too)."""
-    return p if p is None or p.dtype == x.dtype else p.to(x.dtype)
+    """A q/k RMSNorm weight in x's dtype (a model loaded in fp8 stores these in fp8 too) on x's device, where the
+    kernel reads it; the weight itself where it is both already."""
+    return None if p is None else p.to(device=x.device, dtype=x.dtype)
 
 
 # Flux's block layout: ComfyUI's Flux and Chroma classes (fusions/flux.py, fusions/chroma.py).

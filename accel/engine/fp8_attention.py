@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,9 +26,8 @@ import torch
 from torch import nn
 
 from . import fp8
-from .attention import StandIn
 from .fp8 import FP8, FP8_MAX
-from .fusions.base import comfy_choice, kernel_module
+from .fusions.base import comfy_function, comfy_pytorch, kernel_module
 
 log = logging.getLogger("sd-accel")
 
@@ -194,9 +192,8 @@ def wanted(module_name: str, name: str, x: torch.Tensor, *projections: nn.Module
     fp8 attention for the sequence its `projections` (the q, k and v projections of every stream) write: all of them
     make fp8 products, the activations are 16-bit, the attention the block would run is ComfyUI's PyTorch one (no
     other host choice, no stand-in), and the model is not DECLINED (said once)."""
-    fn = getattr(sys.modules.get(module_name), name, None)
     if not (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)
-            and not isinstance(fn, StandIn) and comfy_choice(fn) == "pytorch"):
+            and comfy_pytorch(comfy_function(module_name, name)[0])):
         return False
     why = DECLINED.get(module_name)
     if why is not None and why not in _SAID:

@@ -5,7 +5,6 @@ Qwen-Image) and Flux's single block."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -15,7 +14,7 @@ from torch import nn
 
 from .. import fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
-from .base import comfy_attend, comfy_attention, kernel_module, own_weights, plain_linear
+from .base import comfy_attend, comfy_attention, comfy_function, kernel_module, own_weights, plain_linear
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
@@ -42,8 +41,7 @@ def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """sdpa for a fused block of ComfyUI's `module_name`, or ComfyUI's attention chosen for the whole host where it was
     timed faster for the shape (base.comfy_attend); through the `around` of a StandIn that takes the place of that
     module's attention function `name` (sequence parallelism's exchange), where one does."""
-    fn = getattr(sys.modules.get(module_name), name, None)
-    host = fn.host if isinstance(fn, StandIn) else fn
+    fn, host = comfy_function(module_name, name)
 
     def attend(q, k, v):
         return comfy_attend(host, q, k, v, sdpa, lambda: sdpa_name(*(t.transpose(1, 2) for t in (q, k, v))),

@@ -105,6 +105,9 @@ class _Graph:
 
 _HANDLES: dict[int, object] = {}
 _KERNELS: dict[tuple, Kernel | str] = {}  # shape key -> kernel, or why cuDNN refused the shape
+# scale_o of a 16-bit output, one per device: made with a kernel, outside any CUDA graph capture (one made inside would
+# hold nothing until its graph replays), and read by every call after
+_ONE: dict[torch.device, torch.Tensor] = {}
 _SAID: set[str] = set()
 
 
@@ -167,6 +170,8 @@ def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
             except Exception as e:  # cuDNN refuses a shape with one of several error types
                 found = f"cuDNN does not take attention over {shape[2]} heads of {shape[3]} ({type(e).__name__}: " \
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+            else:
+                _ONE.setdefault(device, torch.ones(1, device=device, dtype=torch.float32))
         else:
             found = why
         _KERNELS[key] = found
@@ -218,9 +223,15 @@ class Output:
             return o
         if consumer is not None and fp8.marked(consumer):
             rows = o.reshape(-1, o.shape[-1])  # a view, but for a part of a batch of several
-            return fp8.Rows(rows, self.descale.view(1, 1).expand(rows.shape[0], 1).contiguous(), tuple(o.shape[:2]),
-                            self.dtype)
+            return fp8.Rows(rows, self._row_descales[:rows.shape[0]], tuple(o.shape[:2]), self.dtype)
         return (o.float() * self.descale).to(self.dtype)
+
+    @functools.cached_property
+    def _row_descales(self) -> torch.Tensor:
+        """The descale once per row of the whole output, (B * L, 1): made at the first consumer, and every part's
+        rows take its first rows (a row-wise scale of fp8 products is a contiguous tensor of the rows', not a
+        broadcast)."""
+        return self.descale.view(1, 1).expand(self.o.shape[0] * self.o.shape[1], 1).contiguous()
 
 
 @dataclass
@@ -242,7 +253,7 @@ class Sequence:
         q8, k8, v = self.qkv
         v8, descale_v, scale_v = kernel_module("quant").quantize_tensor(v, self.v_amax)
         out = torch.empty(q8.shape, device=q8.device, dtype=self.out_dtype)
-        scale_o = scale_v if self.out_dtype == FP8 else torch.ones_like(scale_v)
+        scale_o = scale_v if self.out_dtype == FP8 else _ONE[q8.device]
         self.run(q8, k8, v8, self.descales[0, :1], self.descales[1, :1], descale_v, scale_o, out)
         B, L, H, D = out.shape
         return Output(out.view(B, L, H * D), descale_v, v.dtype)

@@ -255,21 +255,26 @@ def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod)
     norm = norm_weight(self.norm.query_norm.scale, x), norm_weight(self.norm.key_norm.scale, x)
     joint = Joint(FLUX_ATTENTION, B, L, H, x, (self.linear1,), [norm], (self.linear2,))
     joint.write(projected, 0, norm, EPS, pe)
-    attn = joint.attend()
-    # linear2(cat(attention, act)) without writing the concatenation: two products into one output (16-bit: the
-    # second accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass
-    # that quantizes its part)
-    if fp8.takes_rows(x, self.linear2):
-        gated_residual_(x, mod.gate, fp8.matmul(part(attn, 0, None, self.linear2), self.linear2, cols=slice(0, C)),
-                        fp8.matmul(fp8.quantized(mlp_in, gelu=True), self.linear2, cols=slice(C, None), bias=False))
-    elif plain_linear(self.linear2) and self.linear2.bias is not None:
-        w, b = self.linear2.weight, self.linear2.bias
-        out = torch.addmm(b, part(attn, 0, None, None).reshape(B * L, C), w[:, :C].t())
-        out.addmm_(F.gelu(mlp_in, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
-        gated_residual_(x, mod.gate, out.view(B, L, C))
-    else:
-        gated_residual_(x, mod.gate, self.linear2(torch.cat((part(attn, 0, None, None),
-                                                             F.gelu(mlp_in, approximate="tanh")), 2)))
+    single_output_(x, mod.gate, joint.attend(), mlp_in, self.linear2)
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x
+
+
+def single_output_(x: torch.Tensor, gate: torch.Tensor, attn: torch.Tensor | fp8_attention.Output,
+                   mlp_in: torch.Tensor, linear2: nn.Module) -> None:
+    """x += gate * linear2(cat(attention, GELU(mlp_in))) in place, a single-stream block's output (Flux's, diffusers'
+    Flux's), without writing the concatenation: two products into one output (16-bit: the second accumulates on the
+    first) or two outputs the gated residual adds together (fp8, the GELU in the pass that quantizes its part)."""
+    B, L, C = x.shape
+    if fp8.takes_rows(x, linear2):
+        gated_residual_(x, gate, fp8.matmul(part(attn, 0, None, linear2), linear2, cols=slice(0, C)),
+                        fp8.matmul(fp8.quantized(mlp_in, gelu=True), linear2, cols=slice(C, None), bias=False))
+    elif plain_linear(linear2) and linear2.bias is not None:
+        w, b = linear2.weight, linear2.bias
+        out = torch.addmm(b, part(attn, 0, None, None).reshape(B * L, C), w[:, :C].t())
+        out.addmm_(F.gelu(mlp_in, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
+        gated_residual_(x, gate, out.view(B, L, C))
+    else:
+        gated_residual_(x, gate, linear2(torch.cat((part(attn, 0, None, None), F.gelu(mlp_in, approximate="tanh")),
+                                                   2)))

@@ -195,15 +195,21 @@ def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Te
 def qk_descales(q_weights: Sequence[torch.Tensor], k_weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """The descales of q and k for the e4m3 output of `qk_norm_rope` / `qk_row_norm_rope` in column 0 of a (2, 4)
     float32 tensor on the weights' device (each row 16 bytes: a library reading them as tensors of their own may want
-    them aligned), from the RMSNorm weights of every stream written into the sequence: an RMSNorm over a weight's n
-    elements bounds max|x| by sqrt(n) * max|w|, with room for the rounding to the input dtype before the rotation and
-    for a 16-bit rotary table. Computed on the device: no host sync, and a CUDA graph that replays it follows a changed
-    weight."""
-    def bound(weights: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([w.float().abs().amax() * w.numel() ** 0.5 for w in weights]).amax()
-
-    bounds = torch.stack([bound(q_weights), bound(k_weights)]).view(2, 1).expand(2, 4)
-    return (bounds * ((1 + 2 ** -6) / FP8_MAX)).clamp_min(1e-12)
+    them aligned), from the RMSNorm weights of every stream written into the sequence (one q and one k weight per
+    stream, all of one size: the streams normalize the same channels): an RMSNorm over a weight's n elements bounds
+    max|x| by sqrt(n) * max|w|, with room for the rounding to the input dtype before the rotation and for a 16-bit
+    rotary table. Computed on the device: no host sync, and a CUDA graph that replays it follows a changed weight."""
+    weights = (*q_weights, *k_weights)
+    n = weights[0].numel()
+    if len(q_weights) != len(k_weights) or any(w.numel() != n for w in weights):
+        raise BadInput(f"qk_descales: {len(q_weights)} q and {len(k_weights)} k weights of "
+                       f"{sorted({w.numel() for w in weights})} elements; expected one of each per stream, of one "
+                       "size.", "Pass the q and k RMSNorm weights of the streams of one sequence.")
+    # one reduction over all weights, q's in row 0 and k's in row 1: the largest sqrt(n) * max|w| of a row is
+    # sqrt(n) times the row's largest |w|, to the bit (rounding is monotonic)
+    stacked = torch.stack([w.reshape(n) for w in weights]).view(2, -1)
+    amax = torch.linalg.vector_norm(stacked, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
+    return ((amax * n ** 0.5).expand(2, 4) * ((1 + 2 ** -6) / FP8_MAX)).clamp_min(1e-12)
 
 
 def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,

@@ -452,6 +452,25 @@ def test_an_attention_override_or_another_nodes_function_runs_the_blocks_own_for
     assert (len(sdpa) == 1 if DEVICE == "cpu" else sdpa) and comfy_choice(own) == "split"
 
 
+def test_the_check_for_comfyuis_pytorch_attention_agrees_with_its_registry(comfy_pytorch_attention):
+    """comfy_pytorch, which the fused blocks ask at every call, says of each function what ComfyUI's registry says:
+    its PyTorch attention, and no other of its functions, no node's own, no stand-in and no function at all."""
+    import comfy.ldm.modules.attention as attention
+
+    from sd_accel.accel.engine.attention import StandIn
+    from sd_accel.accel.engine.fusions.base import comfy_choice, comfy_function, comfy_pytorch
+
+    def node(*args, **kwargs):
+        return attention.attention_pytorch(*args, **kwargs)
+
+    stand_in = StandIn(attention.attention_pytorch, attention.attention_pytorch, lambda *a: None)
+    registry = attention.REGISTERED_ATTENTION_FUNCTIONS
+    for fn in (*registry.values(), node, stand_in, None):
+        pytorch = any(name == "pytorch" and f is fn for name, f in registry.items())
+        assert comfy_pytorch(fn) == pytorch == (comfy_choice(fn) == "pytorch"), fn
+    assert comfy_function("comfy.ldm.flux.math") == (attention.attention_pytorch,) * 2
+
+
 def test_a_cuda_graph_depends_on_the_attention_functions_the_fused_blocks_read(comfy_pytorch_attention, monkeypatch):
     """The torch path's graph token: another function in a place a fused forward reads changes it, and the same one
     back gives the same token (the fusions undone and made again, as suspend and resume do, change nothing)."""

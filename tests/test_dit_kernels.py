@@ -373,6 +373,25 @@ def test_qk_row_norm_rope_writes_e4m3_under_the_rows_bound(B, L, H, D, dtype):
         qk_rope.qk_row_norm_rope((q, k, v), H, sixteen, qw, kw, 1e-6, pe, descales=descales)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qk_descales_are_each_weights_bound_to_the_bit(dtype):
+    """qk_descales' one reduction over all weights gives, to the bit, the bounds sqrt(n) * max|w| taken weight by
+    weight and their largest for q and for k (Wan's one row weight, Qwen-Image's two streams, Flux's per-head ones);
+    weights not paired or not of one size are refused."""
+    for streams, n, scale in ((1, 5120, 0.1), (2, 128, 3.0), (3, 8, 1e-3)):
+        weights = [_randn(n, dtype=dtype, seed=10 * streams + i, scale=scale) for i in range(2 * streams)]
+        got = qk_rope.qk_descales(weights[0::2], weights[1::2])
+        bounds = [torch.stack([w.float().abs().amax() * n ** 0.5 for w in weights[part::2]]).amax() for part in (0, 1)]
+        want = (torch.stack(bounds).view(2, 1).expand(2, 4) * ((1 + 2 ** -6) / 448)).clamp_min(1e-12)
+        assert torch.equal(got, want) and got.stride() == (4, 1)
+    zeros = torch.zeros(8, dtype=dtype, device=DEVICE)
+    assert torch.equal(qk_rope.qk_descales([zeros], [zeros]), torch.full((2, 4), 1e-12, device=DEVICE))
+    with pytest.raises(BadInput, match="one of each per stream, of one size"):
+        qk_rope.qk_descales([zeros], [torch.zeros(16, dtype=dtype, device=DEVICE)])
+    with pytest.raises(BadInput, match="2 q and 1 k weights"):
+        qk_rope.qk_descales([zeros, zeros], [zeros])
+
+
 def test_qk_norm_rope_e4m3_needs_its_buffers_and_norm_weights():
     qkv = _randn(1, 4, 48)
     descales = torch.ones(2, 4, device=DEVICE)

@@ -187,6 +187,29 @@ def test_a_missing_package_or_an_older_gpu_is_said_in_words(monkeypatch):
     assert fp8_attention.available(torch.device("cpu")) == (False, "it runs on NVIDIA GPUs only (cuDNN)")
 
 
+def test_the_package_is_imported_once(monkeypatch):
+    """A missing package is not searched for again at each fused block's call."""
+    import builtins
+
+    tries, real = [], builtins.__import__
+
+    def counted(name, *args, **kwargs):
+        if name == "cudnn":
+            tries.append(name)
+            raise ModuleNotFoundError("No module named 'cudnn'", name="cudnn")
+        return real(name, *args, **kwargs)
+
+    fp8_attention._cudnn.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", counted)
+    try:
+        assert fp8_attention._cudnn()[0] is None and fp8_attention._cudnn()[0] is None
+        assert not fp8_attention.sixteen_bit_output(torch.device("cpu"))
+    finally:
+        monkeypatch.undo()
+        fp8_attention._cudnn.cache_clear()
+    assert tries == ["cudnn"]
+
+
 def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytorch_attention, emulated, monkeypatch):
     """Another attention ComfyUI chose for the whole host (sage, ...) for the function the block calls (Qwen-Image's
     optimized_attention_masked), a sequence-parallel stand-in, projections without fp8 products, 32-bit
@@ -222,6 +245,44 @@ def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytor
         assert not fp8_attention.wanted(module, name, x, layer)
     finally:
         undo()
+
+
+def test_the_outputs_scales_are_made_once(emulated, monkeypatch):
+    """A 16-bit output (Blackwell's) is scaled by one tensor of ones made with the kernel, not one per call; an e4m3
+    output's row descales are made once for all its consumers, each part taking its rows' share."""
+    from sd_accel.accel.engine import fp8
+    from sd_accel.kernels import qk_rope
+
+    like = torch.zeros(2, 6, 16, dtype=torch.bfloat16, device=DEVICE)
+    g = torch.Generator().manual_seed(0)
+    scales_o = []
+
+    def sequence(out_dtype):
+        kernel = fp8_attention.kernel((2, 6, 2, 8), like.device, out_dtype)
+
+        def run(*args):
+            scales_o.append(args[6])
+            kernel(*args)
+
+        q8, k8, v = qk_rope.empty_qkv(2, 6, 2, 8, like, qk_fp8=True)
+        q8.zero_()
+        k8.zero_()
+        v.copy_(torch.randn(v.shape, generator=g))
+        ones = torch.ones(8, device=DEVICE)
+        return fp8_attention.Sequence((q8, k8, v), qk_rope.qk_descales([ones], [ones]),
+                                      v.float().abs().amax().reshape(1), run, out_dtype)
+
+    sixteen = [sequence(torch.bfloat16).attend() for _ in range(2)]
+    assert scales_o[0] is scales_o[1] and torch.equal(scales_o[0], torch.ones(1, device=DEVICE))
+    assert all(torch.equal(o.part(0, 3, None), o.o[:, :3]) and o.o.dtype == torch.bfloat16 for o in sixteen)
+
+    out = sequence(FP8).attend()
+    layer = torch.nn.Linear(16, 16)
+    monkeypatch.setitem(fp8._MARKED, layer, fp8.Copies())
+    parts = [out.part(0, 4, layer), out.part(4, None, layer)]
+    for p, tokens in zip(parts, (4, 2)):
+        assert p.scale.shape == (2 * tokens, 1) and p.scale.is_contiguous() and (p.scale == out.descale).all()
+        assert p.scale.data_ptr() == parts[0].scale.data_ptr()
 
 
 def test_the_emulation_is_attention_within_fp8s_error():

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from ...kernels import attention, quant
 from ..engine import flash4, fp8_attention
 from ..engine.attention import sdpa_kernels
+from ..engine.fp8 import FP8
 from .bench import rel_l2
 from .kernel_bench import _timer
 
-FP8 = torch.float8_e4m3fn
 # (batch, tokens, heads, head_dim) at 1024x1024 (Flux batch 1, SD3.5 with CFG's two), 1328x1328 (Qwen-Image, 6,889 image
 # and 512 text tokens, CFG's two) and 832x480x81 (Wan, one half)
 SHAPES = {"flux-dev 1024": (1, 4608, 24, 128), "sd35-large 1024 cfg": (2, 4429, 38, 64),

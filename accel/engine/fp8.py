@@ -30,12 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fusions.base import Undo, kernel_module, patch_forward, plain_linear
+from .fusions.base import Undo, kernel_module, own_weights, patch_forward, plain_linear
 
 log = logging.getLogger("sd-accel")
 
 PRECISIONS = ("auto", "16bit", "fp8")
 FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
 # The blocks whose projections may run in fp8, and the projections that stay 16-bit (per-sample modulation).
 # ComfyUI's Flux/Chroma, MMDiT, Wan and Qwen-Image blocks, then diffusers' Flux and SD3 blocks. (Wan's modulation is
 # a parameter added to the time projection, not a projection of its own.)
@@ -79,8 +80,8 @@ def _quantize(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
         scale = scale.float().reshape(1, -1) if scale is not None else torch.ones(1, 1, device=w.device)
         return w, scale.expand(1, w.shape[0]).contiguous()
     amax = w.float().abs().amax(dim=1).clamp_min(1e-12)
-    scale = (amax / 448.0).reshape(1, -1)
-    return (w.float() / scale.t()).clamp(-448.0, 448.0).to(FP8), scale
+    scale = (amax / FP8_MAX).reshape(1, -1)
+    return (w.float() / scale.t()).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 class Copies:
@@ -156,8 +157,7 @@ def supported(device: torch.device) -> tuple[bool, str]:
 
 
 def _plain(layer: nn.Module) -> bool:
-    return (isinstance(layer, nn.Linear) and not getattr(layer, "weight_function", None)
-            and not getattr(layer, "bias_function", None) and layer.weight.dim() == 2
+    return (isinstance(layer, nn.Linear) and own_weights(layer) and layer.weight.dim() == 2
             and layer.in_features % 16 == 0 and layer.out_features % 16 == 0)
 
 

@@ -16,9 +16,9 @@ sequence-parallel stand-in, a missing package or an older GPU: 16-bit attention 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -26,13 +26,11 @@ import torch
 from torch import nn
 
 from . import fp8
-from .attention import StandIn
-from .fusions.base import comfy_choice, kernel_module
+from .fp8 import FP8, FP8_MAX
+from .fusions.base import comfy_function, comfy_pytorch, kernel_module
 
 log = logging.getLogger("sd-accel")
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 PACKAGE = "nvidia-cudnn-frontend"
 # (q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out): fills out, (B, L, heads, head_dim) like q
 Kernel = Callable[..., None]
@@ -51,8 +49,11 @@ def available(device: torch.device) -> tuple[bool, str]:
     return True, f"cuDNN {cudnn.backend_version_string()}, {PACKAGE} {cudnn.__version__}"
 
 
+@functools.cache
 def _cudnn():
-    """(the cudnn module, "") or (None, why): imported on first use, after torch, whose cuDNN library it uses."""
+    """(the cudnn module, "") or (None, why): imported on first use, after torch, whose cuDNN library it uses. The
+    answer is kept: a missing package would otherwise be searched for on every fused block's call (a test that
+    changes what imports calls _cudnn.cache_clear())."""
     try:
         import cudnn
     except Exception as e:  # a broken install can raise more than ImportError; either way 16-bit attention runs
@@ -104,6 +105,9 @@ class _Graph:
 
 _HANDLES: dict[int, object] = {}
 _KERNELS: dict[tuple, Kernel | str] = {}  # shape key -> kernel, or why cuDNN refused the shape
+# scale_o of a 16-bit output, one per device: made with a kernel, outside any CUDA graph capture (one made inside would
+# hold nothing until its graph replays), and read by every call after
+_ONE: dict[torch.device, torch.Tensor] = {}
 _SAID: set[str] = set()
 
 
@@ -166,6 +170,8 @@ def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
             except Exception as e:  # cuDNN refuses a shape with one of several error types
                 found = f"cuDNN does not take attention over {shape[2]} heads of {shape[3]} ({type(e).__name__}: " \
                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+            else:
+                _ONE.setdefault(device, torch.ones(1, device=device, dtype=torch.float32))
         else:
             found = why
         _KERNELS[key] = found
@@ -191,9 +197,8 @@ def wanted(module_name: str, name: str, x: torch.Tensor, *projections: nn.Module
     fp8 attention for the sequence its `projections` (the q, k and v projections of every stream) write: all of them
     make fp8 products, the activations are 16-bit, the attention the block would run is ComfyUI's PyTorch one (no
     other host choice, no stand-in), and the model is not DECLINED (said once)."""
-    fn = getattr(sys.modules.get(module_name), name, None)
     if not (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)
-            and not isinstance(fn, StandIn) and comfy_choice(fn) == "pytorch"):
+            and comfy_pytorch(comfy_function(module_name, name)[0])):
         return False
     why = DECLINED.get(module_name)
     if why is not None and why not in _SAID:
@@ -218,9 +223,15 @@ class Output:
             return o
         if consumer is not None and fp8.marked(consumer):
             rows = o.reshape(-1, o.shape[-1])  # a view, but for a part of a batch of several
-            return fp8.Rows(rows, self.descale.view(1, 1).expand(rows.shape[0], 1).contiguous(), tuple(o.shape[:2]),
-                            self.dtype)
+            return fp8.Rows(rows, self._row_descales[:rows.shape[0]], tuple(o.shape[:2]), self.dtype)
         return (o.float() * self.descale).to(self.dtype)
+
+    @functools.cached_property
+    def _row_descales(self) -> torch.Tensor:
+        """The descale once per row of the whole output, (B * L, 1): made at the first consumer, and every part's
+        rows take its first rows (a row-wise scale of fp8 products is a contiguous tensor of the rows', not a
+        broadcast)."""
+        return self.descale.view(1, 1).expand(self.o.shape[0] * self.o.shape[1], 1).contiguous()
 
 
 @dataclass
@@ -242,7 +253,7 @@ class Sequence:
         q8, k8, v = self.qkv
         v8, descale_v, scale_v = kernel_module("quant").quantize_tensor(v, self.v_amax)
         out = torch.empty(q8.shape, device=q8.device, dtype=self.out_dtype)
-        scale_o = scale_v if self.out_dtype == FP8 else torch.ones_like(scale_v)
+        scale_o = scale_v if self.out_dtype == FP8 else _ONE[q8.device]
         self.run(q8, k8, v8, self.descales[0, :1], self.descales[1, :1], descale_v, scale_o, out)
         B, L, H, D = out.shape
         return Output(out.view(B, L, H * D), descale_v, v.dtype)

@@ -93,11 +93,17 @@ def replace_child(parent: nn.Module, name: str, new: nn.Module, undo: Undo) -> N
     undo.add(lambda: parent._modules.__setitem__(name, old))
 
 
+def own_weights(*layers: nn.Module) -> bool:
+    """Layers whose weights have no per-call functions (lowvram, a LoRA applied per call), which only the host's
+    forward applies in step."""
+    return all(not getattr(layer, "weight_function", None) and not getattr(layer, "bias_function", None)
+               for layer in layers)
+
+
 def plain_weights(m: nn.Module) -> bool:
     """A layer whose forward uses its own weight and bias as stored: not ComfyUI's cast-on-the-fly or lowvram
     weight functions, which its forward applies and a fused kernel reading the weight directly would skip."""
-    return (not getattr(m, "comfy_cast_weights", False) and not getattr(m, "weight_function", None)
-            and not getattr(m, "bias_function", None))
+    return not getattr(m, "comfy_cast_weights", False) and own_weights(m)
 
 
 def forward_takes(m: nn.Module, *params: str) -> bool:
@@ -219,15 +225,30 @@ COMFY_FLAGS = {"sage": "--use-sage-attention", "flash": "--use-flash-attention",
                "split": "--use-split-cross-attention"}
 
 
+def comfy_function(module_name: str, name: str = "optimized_attention") -> tuple[Callable | None, Callable | None]:
+    """The attention function `name` of ComfyUI's `module_name` as it stands there (a StandIn, where one takes its
+    place), and the host's function: the one a StandIn stands in for, else the same."""
+    fn = getattr(sys.modules.get(module_name), name, None)
+    return fn, fn.host if isinstance(fn, StandIn) else fn
+
+
+def comfy_pytorch(fn: Callable | None) -> bool:
+    """Whether `fn` is ComfyUI's PyTorch attention (its module's attention_pytorch; a StandIn is not): what
+    comfy_choice names "pytorch", in one look-up rather than a scan of the registry, since the fused blocks ask at
+    every call."""
+    home = sys.modules.get(getattr(fn, "__module__", None) or "")
+    return fn is not None and getattr(home, "attention_pytorch", None) is fn
+
+
 def comfy_choice(fn: Callable | None) -> str | None:
     """The name ComfyUI's attention registry gives `fn` ("pytorch", "sage", "flash", "xformers", "split", "sub_quad")
     when it is one of ComfyUI's own attention functions that its start-up may choose for the whole host: a preference,
     not a patch. None for any other function (a node's own, put in a module's place). A ComfyUI from before the
     registry: its PyTorch attention alone."""
+    if comfy_pytorch(fn):
+        return "pytorch"
     home = sys.modules.get(getattr(fn, "__module__", None) or "")
-    registry = getattr(home, "REGISTERED_ATTENTION_FUNCTIONS", None)
-    if registry is None:
-        return "pytorch" if fn is not None and getattr(home, "attention_pytorch", None) is fn else None
+    registry = getattr(home, "REGISTERED_ATTENTION_FUNCTIONS", None) or {}
     return next((name for name, f in registry.items()
                  if f is fn and getattr(home, getattr(f, "__name__", ""), None) is f), None)
 
@@ -239,8 +260,7 @@ def comfy_attention(module_name: str, transformer_options: dict | None,
     fused forwards then serve the call. None where they must leave it to the host's forward."""
     if "optimized_attention_override" in (transformer_options or {}):
         return None
-    fn = getattr(sys.modules.get(module_name), name, None)
-    fn = fn.host if isinstance(fn, StandIn) else fn
+    _, fn = comfy_function(module_name, name)
     return fn if comfy_choice(fn) is not None else None
 
 
@@ -254,9 +274,9 @@ def comfy_attend(host: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                  ours_name: Callable[[], str], theirs: Attend) -> torch.Tensor:
     """ours(q, k, v) where `host` (a comfy_attention) is ComfyUI's PyTorch attention; else the faster of ours and
     theirs(q, k, v), host called in the form of q, k and v (host_attention.py). ours_name() says what ours runs."""
-    name = comfy_choice(host)
-    if name == "pytorch":
+    if comfy_pytorch(host):
         return ours(q, k, v)
+    name = comfy_choice(host)
     flag = COMFY_FLAGS.get(name)
     why = f"ComfyUI's attention is {name}" + (f" ({flag})" if flag else "")
     return host_attention.attend(q, k, v, ours, ours_name, host_attention.Host(host, name, why, theirs))

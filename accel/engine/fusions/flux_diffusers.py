@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8
-from .base import Undo, kernel_module, of_class, patch_forward, plain_linear
+from .base import Undo, of_class, patch_forward, plain_linear
 from .registry import fusion
-from .transformer import (diffusers_stream, gated_residual_, joint_block, kernels_run_on, modulated_norm,
-                          sdpa)
+from .transformer import Joint, diffusers_stream, joint_block, kernels_run_on, modulated_norm, single_output_
 
 
 def rotation_table(rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -89,28 +88,17 @@ def _single_forward(self, hidden_states, encoder_hidden_states, temb, image_rota
             or hidden_states.dtype != encoder_hidden_states.dtype:
         return type(self).forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                   joint_attention_kwargs)
-    rope = kernel_module("qk_rope")
     Lt = encoder_hidden_states.shape[1]
     x = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    (B, L, C), H = x.shape, attn.heads
+    (B, L, _), layers = x.shape, (attn.to_q, attn.to_k, attn.to_v)
     shift, scale, gate = self.norm.linear(F.silu(temb)).chunk(3, dim=1)
-    h = modulated_norm(x, scale, shift, attn.to_q, attn.to_k, attn.to_v, self.proj_mlp)
-    qkv = rope.empty_qkv(B, L, H, C // H, x)
-    projected = tuple(fp8.project(layer, h) for layer in (attn.to_q, attn.to_k, attn.to_v))
-    rope.qk_norm_rope(projected, H, qkv, 0, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
-                      rotation_table(image_rotary_emb))
+    h = modulated_norm(x, scale, shift, *layers, self.proj_mlp)
+    norm = attn.norm_q.weight, attn.norm_k.weight
+    joint = Joint(None, B, L, attn.heads, x, layers, [norm], (self.proj_out,))
+    joint.write(tuple(fp8.project(layer, h) for layer in layers), 0, norm, attn.norm_q.eps,
+                rotation_table(image_rotary_emb))
     mlp = fp8.project(self.proj_mlp, h)
-    attn_out = sdpa(*qkv)
-    # proj_out(cat(attention, act)) without writing the concatenation: two GEMMs into one output (16-bit) or two fp8
-    # products the gated residual adds together, the GELU in the pass that quantizes its part
-    if fp8.takes_rows(x, self.proj_out):
-        gated_residual_(x, gate, fp8.matmul(attn_out, self.proj_out, cols=slice(0, C)),
-                        fp8.matmul(fp8.quantized(mlp, gelu=True), self.proj_out, cols=slice(C, None), bias=False))
-    else:
-        w, b = self.proj_out.weight, self.proj_out.bias
-        out = torch.addmm(b, attn_out.reshape(B * L, C), w[:, :C].t())
-        out.addmm_(F.gelu(mlp, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
-        gated_residual_(x, gate, out.view(B, L, C))
+    single_output_(x, gate, joint.attend(), mlp, self.proj_out)
     if x.dtype == torch.float16:
         x = x.clip(-65504, 65504)
     return x[:, :Lt], x[:, Lt:]

@@ -23,11 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, patch_forward,
+from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, own_weights, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
-from .transformer import (EPS, diffusers_stream, joint_block, kernels_run_on, linears, own_weights,
-                          plain_layer_norms)
+from .transformer import EPS, diffusers_stream, joint_block, kernels_run_on, linears, plain_layer_norms
 
 QWEN = "comfy.ldm.qwen_image.model"
 ATTENTION = "optimized_attention_masked"  # the function of QWEN that its Attention calls

@@ -45,23 +45,18 @@ def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=Non
     if hidden_states.dim() != 3 or "gligen" in kwargs or not _covered(self) or not layernorm.supported(hidden_states):
         return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                   timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
-    attn = self.attn1(_norm1(self, hidden_states), encoder_hidden_states=None, attention_mask=attention_mask, **kwargs)
-    n2, h = layernorm.layer_norm(attn, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=hidden_states)
-    attn = self.attn2(n2, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask,
-                      **kwargs)
-    return _feed_forward(self, attn, h)
+    return _body(self, hidden_states, dict(encoder_hidden_states=None, attention_mask=attention_mask, **kwargs),
+                 dict(encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask, **kwargs))
 
 
 def _comfy_forward(self, x, context=None, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
-    # ComfyUI's forward without patches: attn1, + x, norm2, attn2, + x, norm3, feed-forward, + x.
+    # ComfyUI's forward, for calls without transformer patches
     layernorm = kernel_module("layernorm")
     if (x.dim() != 3 or transformer_options.get("patches") or transformer_options.get("patches_replace")
             or not _comfy_covered(self) or not layernorm.supported(x)):
         return type(self).forward(self, x, context, transformer_options)
-    n = self.attn1(_norm1(self, x), context=None, value=None, transformer_options=transformer_options)
-    n2, h = layernorm.layer_norm(n, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=x)
-    n = self.attn2(n2, context=context, value=None, transformer_options=transformer_options)
-    return _feed_forward(self, n, h)
+    return _body(self, x, dict(context=None, value=None, transformer_options=transformer_options),
+                 dict(context=context, value=None, transformer_options=transformer_options))
 
 
 def _ldm_covered(m: nn.Module) -> bool:
@@ -70,20 +65,25 @@ def _ldm_covered(m: nn.Module) -> bool:
 
 
 def _ldm_forward(self, x, context=None, *args, **kwargs):
-    # ldm's and sgm's _forward: attn1, + x, norm2, attn2, + x, norm3, feed-forward, + x (sgm's forward hands _forward
-    # only x and context; other inputs take the block's own forward).
+    # ldm's and sgm's _forward (sgm's forward hands _forward only x and context; other inputs take the block's own
+    # forward)
     layernorm = kernel_module("layernorm")
     if args or kwargs or x.dim() != 3 or not _ldm_covered(self) or not layernorm.supported(x):
         return type(self).forward(self, x, context, *args, **kwargs)
-    n = self.attn1(_norm1(self, x), context=None)
-    n2, h = layernorm.layer_norm(n, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=x)
-    n = self.attn2(n2, context=context)
-    return _feed_forward(self, n, h)
+    return _body(self, x, {"context": None}, {"context": context})
 
 
 def _is_ldm_block(m: nn.Module) -> bool:
     return (type(m).__module__.startswith(("ldm.", "sgm.")) and hasattr(m, "_forward")
             and all(hasattr(m, a) for a in ("attn1", "attn2", "norm1", "norm2", "norm3", "ff", "disable_self_attn")))
+
+
+def _body(self, x: torch.Tensor, first: dict, second: dict) -> torch.Tensor:
+    """What the three forwards share once the call is covered: attn1 (called with the host's arguments `first`), + x,
+    norm2, attn2 (with `second`), + x, norm3, feed-forward, + x."""
+    n = self.attn1(_norm1(self, x), **first)
+    n2, h = kernel_module("layernorm").layer_norm(n, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=x)
+    return _feed_forward(self, self.attn2(n2, **second), h)
 
 
 def _norm1(self, x):

@@ -5,7 +5,6 @@ Qwen-Image) and Flux's single block."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -15,17 +14,10 @@ from torch import nn
 
 from .. import flash4, fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
-from .base import comfy_attend, comfy_attention, kernel_module, plain_linear
+from .base import comfy_attend, comfy_attention, comfy_function, kernel_module, own_weights, plain_linear
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
-
-
-def own_weights(*layers: nn.Module) -> bool:
-    """Layers whose weights have no per-call functions (lowvram, a LoRA applied per call), which only the host's
-    forward applies in step."""
-    return all(not getattr(layer, "weight_function", None) and not getattr(layer, "bias_function", None)
-               for layer in layers)
 
 
 def linears(*layers: nn.Module) -> bool:
@@ -61,8 +53,7 @@ def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """sdpa for a fused block of ComfyUI's `module_name`, or ComfyUI's attention chosen for the whole host where it was
     timed faster for the shape (base.comfy_attend); through the `around` of a StandIn that takes the place of that
     module's attention function `name` (sequence parallelism's exchange), where one does."""
-    fn = getattr(sys.modules.get(module_name), name, None)
-    host = fn.host if isinstance(fn, StandIn) else fn
+    fn, host = comfy_function(module_name, name)
 
     def attend(q, k, v):
         return comfy_attend(host, q, k, v, sdpa, lambda: sdpa_label(q, k, v),
@@ -154,8 +145,9 @@ def plain_layer_norms(*norms: nn.Module) -> bool:
 
 
 def norm_weight(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """A q/k RMSNorm weight in x's dtype (a model loaded in fp8 stores these in fp8 too)."""
-    return p if p is None or p.dtype == x.dtype else p.to(x.dtype)
+    """A q/k RMSNorm weight in x's dtype (a model loaded in fp8 stores these in fp8 too) on x's device, where the
+    kernel reads it; the weight itself where it is both already."""
+    return None if p is None else p.to(device=x.device, dtype=x.dtype)
 
 
 # Flux's block layout: ComfyUI's Flux and Chroma classes (fusions/flux.py, fusions/chroma.py).
@@ -275,21 +267,26 @@ def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod)
     norm = norm_weight(self.norm.query_norm.scale, x), norm_weight(self.norm.key_norm.scale, x)
     joint = Joint(FLUX_ATTENTION, B, L, H, x, (self.linear1,), [norm], (self.linear2,))
     joint.write(projected, 0, norm, EPS, pe)
-    attn = joint.attend()
-    # linear2(cat(attention, act)) without writing the concatenation: two products into one output (16-bit: the
-    # second accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass
-    # that quantizes its part)
-    if fp8.takes_rows(x, self.linear2):
-        gated_residual_(x, mod.gate, fp8.matmul(part(attn, 0, None, self.linear2), self.linear2, cols=slice(0, C)),
-                        fp8.matmul(fp8.quantized(mlp_in, gelu=True), self.linear2, cols=slice(C, None), bias=False))
-    elif plain_linear(self.linear2) and self.linear2.bias is not None:
-        w, b = self.linear2.weight, self.linear2.bias
-        out = torch.addmm(b, part(attn, 0, None, None).reshape(B * L, C), w[:, :C].t())
-        out.addmm_(F.gelu(mlp_in, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
-        gated_residual_(x, mod.gate, out.view(B, L, C))
-    else:
-        gated_residual_(x, mod.gate, self.linear2(torch.cat((part(attn, 0, None, None),
-                                                             F.gelu(mlp_in, approximate="tanh")), 2)))
+    single_output_(x, mod.gate, joint.attend(), mlp_in, self.linear2)
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x
+
+
+def single_output_(x: torch.Tensor, gate: torch.Tensor, attn: torch.Tensor | fp8_attention.Output,
+                   mlp_in: torch.Tensor, linear2: nn.Module) -> None:
+    """x += gate * linear2(cat(attention, GELU(mlp_in))) in place, a single-stream block's output (Flux's, diffusers'
+    Flux's), without writing the concatenation: two products into one output (16-bit: the second accumulates on the
+    first) or two outputs the gated residual adds together (fp8, the GELU in the pass that quantizes its part)."""
+    B, L, C = x.shape
+    if fp8.takes_rows(x, linear2):
+        gated_residual_(x, gate, fp8.matmul(part(attn, 0, None, linear2), linear2, cols=slice(0, C)),
+                        fp8.matmul(fp8.quantized(mlp_in, gelu=True), linear2, cols=slice(C, None), bias=False))
+    elif plain_linear(linear2) and linear2.bias is not None:
+        w, b = linear2.weight, linear2.bias
+        out = torch.addmm(b, part(attn, 0, None, None).reshape(B * L, C), w[:, :C].t())
+        out.addmm_(F.gelu(mlp_in, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
+        gated_residual_(x, gate, out.view(B, L, C))
+    else:
+        gated_residual_(x, gate, linear2(torch.cat((part(attn, 0, None, None), F.gelu(mlp_in, approximate="tanh")),
+                                                   2)))

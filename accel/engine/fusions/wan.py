@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from .. import fp8
-from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, patch_forward,
+from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, own_weights, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
 from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
-                          own_weights, part, plain_layer_norms)
+                          norm_weight, part, plain_layer_norms)
 
 WAN = "comfy.ldm.wan.model"  # its blocks' attention function is this module's optimized_attention
 
@@ -57,8 +57,7 @@ def _attention_inputs(self: nn.Module, x, freqs: torch.Tensor) -> Joint:
     projected = tuple(fp8.project(layer, x) for layer in (self.q, self.k, self.v))
     pe = freqs.transpose(1, 2)
     rms = isinstance(self.norm_q, nn.RMSNorm)
-    norm = tuple(n.weight.to(device=pe.device, dtype=projected[0].dtype) for n in (self.norm_q, self.norm_k)) \
-        if rms else (None, None)
+    norm = tuple(norm_weight(n.weight, projected[0]) for n in (self.norm_q, self.norm_k)) if rms else (None, None)
     joint = Joint(WAN, B, L, H, projected[0], (self.q, self.k, self.v), [norm], (self.o,))
     if rms:
         joint.write_rows(projected, norm, self.norm_q.eps, pe)

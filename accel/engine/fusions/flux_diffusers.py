@@ -1,9 +1,10 @@
 """diffusers' Flux blocks (FluxTransformerBlock, FluxSingleTransformerBlock) with the DiT kernels, as fusions/flux.py
 does for ComfyUI's: the adaLN LayerNorm and modulation in one pass per stream; q, k and v from diffusers' three
-projections RMS-normalized, rotated and written at their place in the joint text+image sequence in one pass (its
-(cos, sin) rotary tables turned into Flux's rotation matrices); the gated residual added in the pass that normalizes
-for the MLP; a single block's output projection as two GEMMs into one output instead of a concatenation. The
-projections run as fp8 products where accel/engine/fp8.py marked them (the `precision` option).
+projections (one GEMM where their weights are packed: packing.py) RMS-normalized, rotated and written at their place
+in the joint text+image sequence in one pass (its (cos, sin) rotary tables turned into Flux's rotation matrices); the
+gated residual added in the pass that normalizes for the MLP; a single block's output projection as two GEMMs into one
+output instead of a concatenation. The projections run as fp8 products where accel/engine/fp8.py marked them (the
+`precision` option), a product per layer.
 
 A call it does not cover runs the block's own forward: joint_attention_kwargs (IP-Adapter and other processor
 inputs), another attention processor or backend than diffusers' default, fused q/k/v projections, layers that are
@@ -17,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8
+from . import packing
 from .base import Undo, kernel_module, of_class, patch_forward, plain_linear
 from .registry import fusion
 from .transformer import (diffusers_stream, gated_residual_, joint_block, kernels_run_on, modulated_norm,
-                          sdpa)
+                          project_qkv, sdpa)
 
 
 def rotation_table(rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -96,9 +98,8 @@ def _single_forward(self, hidden_states, encoder_hidden_states, temb, image_rota
     shift, scale, gate = self.norm.linear(F.silu(temb)).chunk(3, dim=1)
     h = modulated_norm(x, scale, shift, attn.to_q, attn.to_k, attn.to_v, self.proj_mlp)
     qkv = rope.empty_qkv(B, L, H, C // H, x)
-    projected = tuple(fp8.project(layer, h) for layer in (attn.to_q, attn.to_k, attn.to_v))
-    rope.qk_norm_rope(projected, H, qkv, 0, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
-                      rotation_table(image_rotary_emb))
+    rope.qk_norm_rope(project_qkv((attn.to_q, attn.to_k, attn.to_v), h), H, qkv, 0, attn.norm_q.weight,
+                      attn.norm_k.weight, attn.norm_q.eps, rotation_table(image_rotary_emb))
     mlp = fp8.project(self.proj_mlp, h)
     attn_out = sdpa(*qkv)
     # proj_out(cat(attention, act)) without writing the concatenation: two GEMMs into one output (16-bit) or two fp8
@@ -123,10 +124,12 @@ def apply(model: nn.Module, undo: Undo) -> int:
         if of_class(m, "FluxTransformerBlock", "diffusers", "norm1", "norm1_context", "ff_context") \
                 and _double_covered(m):
             patch_forward(m, _double_forward, undo)
+            packing.pack_qkv(model, [m.attn.add_q_proj, m.attn.add_k_proj, m.attn.add_v_proj], undo)
         elif of_class(m, "FluxSingleTransformerBlock", "diffusers", "norm", "proj_mlp", "proj_out") \
                 and _single_covered(m):
             patch_forward(m, _single_forward, undo)
         else:
             continue
+        packing.pack_qkv(model, [m.attn.to_q, m.attn.to_k, m.attn.to_v], undo)
         n += 1
     return n

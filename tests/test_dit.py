@@ -117,15 +117,22 @@ def test_comfyuis_transformers_with_fused_kernels_match_their_own_forward(comfy_
 
 
 @pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux_diffusers", 4), ("tiny-sd3", "mmdit_diffusers", 2)])
-def test_diffusers_transformers_with_fused_kernels_match_their_own_forward(name, fusion, blocks):
+def test_diffusers_transformers_with_fused_kernels_match_their_own_forward(name, fusion, blocks, monkeypatch):
     """diffusers' form: its blocks with the DiT kernels against its own forward, in fp32 (Triton's interpreter on the
-    CPU); undone, the model is its own again."""
+    CPU); undone, the model is its own again. Flux's q, k and v are packed (packing.py): one GEMM per stream."""
     pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
     from sd_accel.accel.engine import fusions
+    from sd_accel.accel.engine.fusions import packing
 
     model = configs.build_dit(name, "diffusers", device=DEVICE)
     inp = configs.dit_example_inputs(name, batch=2, latent=(8, 10), device=DEVICE)
     canon = CanonicalDiT(model)
+    gemms = []
+    monkeypatch.setattr(packing, "F", SimpleNamespace(linear=lambda *args: gemms.append(1) or F.linear(*args)))
     with torch.no_grad():
         ref = canon(**inp)
         undo, counts = fusions.apply(model)
@@ -135,6 +142,10 @@ def test_diffusers_transformers_with_fused_kernels_match_their_own_forward(name,
         back = canon(**inp)
     assert rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)  # close, and from the fused forwards
     assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
+    if fusion == "flux_diffusers":  # a double block's two streams, a single block's one
+        streams = 2 * len(model.transformer_blocks) + len(model.single_transformer_blocks)
+        assert len(gemms) == streams and len(packing.packs(model)) == streams
+    packing.unpack(model)
 
 
 def test_comfyuis_chroma_is_flux_without_pooled_input(comfy_pytorch_attention):
@@ -347,6 +358,76 @@ def test_fused_qwen_image_blocks_leave_calls_they_do_not_cover_to_comfyuis_forwa
     undo, counts = fusions.apply(model, ["qwen_image"])
     assert counts["qwen_image"] == 2 and "forward" not in vars(block)
     undo()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_packed_qwen_image_projections_follow_the_hosts_weight_patching_and_unpack(comfy_pytorch_attention,
+                                                                                   monkeypatch):
+    """Each stream's q, k and v weights are rows of one buffer (packing.py), projected by one GEMM. An update in place
+    (ComfyUI's weight_inplace_update) is read by it; a replaced Parameter (ComfyUI's LoRA patching) sends that stream's
+    projections to their layers until the host puts the packed one back; either way the blocks' own forward's output.
+    Unpacked, every weight has its own storage again and the model computes the same."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.engine.fusions import packing
+
+    model = configs.build_dit("tiny-qwen-image", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    inp = configs.dit_example_inputs("tiny-qwen-image", batch=2, latent=(8, 10), device=DEVICE)
+    canon = CanonicalDiT(model)
+    attns = [block.attn for block in model.transformer_blocks]
+    a = attns[0]
+    gemms, layer_calls = [], []
+    monkeypatch.setattr(packing, "F", SimpleNamespace(linear=lambda *args: gemms.append(1) or F.linear(*args)))
+    hooks = [layer.register_forward_hook(lambda m, *_: layer_calls.append(m)) for layer in (a.to_k, a.add_k_proj)]
+
+    def replaced(run):
+        """run() with a's to_v weight replaced by another Parameter, as ComfyUI's LoRA patching does, then put back
+        (its unpatching)."""
+        packed = a.to_v.weight
+        a.to_v.weight = torch.nn.Parameter(packed * 2, requires_grad=False)
+        try:
+            return run()
+        finally:
+            a.to_v.weight = packed
+
+    with torch.no_grad():
+        ref = canon(**inp)
+        layer_calls.clear()
+        undo, counts = fusions.apply(model, ["qwen_image"])
+        assert counts["qwen_image"] == 3
+        for attn in attns:
+            for stream in ((attn.to_q, attn.to_k, attn.to_v), (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)):
+                for tensors in ([layer.weight for layer in stream], [layer.bias for layer in stream]):
+                    assert len({_storage(t) for t in tensors}) == 1
+        fused = canon(**inp)
+        assert rel(fused, ref) <= FUSED_TOL and len(gemms) == 2 * len(attns) and not layer_calls
+        a.to_k.weight.mul_(3.0)  # in place: the packed GEMM reads it
+        a.add_v_proj.bias.add_(1.0)
+        inplace = canon(**inp)
+        assert len(gemms) == 4 * len(attns) and not layer_calls
+        lora = replaced(lambda: canon(**inp))
+        # the image stream of that block projects through its layers, the text stream still packed
+        assert layer_calls == [a.to_k] and len(gemms) == 6 * len(attns) - 1
+        assert torch.equal(canon(**inp), inplace) and len(gemms) == 8 * len(attns) - 1  # packed again
+        undo()
+        plain_inplace = canon(**inp)
+        plain_lora = replaced(lambda: canon(**inp))
+    for h in hooks:
+        h.remove()
+    assert rel(inplace, ref) > 1e-3 and rel(inplace, plain_inplace) <= FUSED_TOL
+    assert rel(lora, inplace) > 1e-3 and rel(lora, plain_lora) <= FUSED_TOL
+    packing.unpack(model)
+    storages = [_storage(p) for p in model.parameters()]
+    assert len(set(storages)) == len(storages) and fusions.base.drop_packs(model) == []
+    with torch.no_grad():
+        assert torch.equal(canon(**inp), plain_inplace)
 
 
 @pytest.mark.parametrize("name,fusion,blocks", [("tiny-flux", "flux", 5), ("tiny-sd3", "mmdit", 3),
@@ -641,7 +722,8 @@ def test_fused_qwen_image_makes_its_projections_fp8_products(comfy_pytorch_atten
     """precision fp8 marks every projection of Qwen-Image's blocks (q, k, v, output and MLP of both streams: 12 a
     block; the modulation stays 16-bit); the fused blocks make each of them as an fp8 product (torch._scaled_mm, which
     runs on the CPU too), as the blocks' own forward does with the marks, and give its output within bfloat16's
-    rounding (the tiny model's fused and own 16-bit outputs are some 6e-3 apart)."""
+    rounding (the tiny model's fused and own 16-bit outputs are some 6e-3 apart). The fusion packs q, k and v
+    (packing.py), but their fp8 copies are per layer: a product each, not the packed 16-bit GEMM."""
     pytest.importorskip("triton")
     from sd_accel.accel.engine import fp8, fusions
 
@@ -658,6 +740,8 @@ def test_fused_qwen_image_makes_its_projections_fp8_products(comfy_pytorch_atten
         out = CanonicalDiT(model)(**inp)
         undo()
     marks()
+    attn = model.transformer_blocks[0].attn
+    assert _storage(attn.to_q.weight) == _storage(attn.to_v.weight)
     assert marked == 24 and counts["qwen_image"] == 3 and own_products == len(products) == 24
     assert rel(out, own) <= 2e-2 and not torch.equal(out, own)
 

@@ -15,7 +15,7 @@ import comfy_helpers as H
 from sd_accel.accel.engine import fp8_attention
 from sd_accel.accel.models import configs
 from sd_accel.accel.models.dit import CanonicalDiT
-from test_dit import _bf16_inputs, _dit_bf16, _fused_output, rel
+from test_dit import DEVICE, _bf16_inputs, _dit_bf16, _fused_output, rel
 
 FP8 = torch.float8_e4m3fn
 pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")

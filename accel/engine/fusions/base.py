@@ -72,7 +72,8 @@ def drop_packs(model: nn.Module) -> list[Any]:
 
 
 def projections(m: nn.Module) -> Any | None:
-    """Where an attention module's projections read their packed weights (the qkv fusion's entry), if anywhere."""
+    """Where an attention module's projections read their packed weights (the qkv fusion's entry), or a joint
+    attention stream's q, k and v, kept under its q projection (packing.pack_qkv), if anywhere."""
     return _PROJECTIONS.get(m)
 
 

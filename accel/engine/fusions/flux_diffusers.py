@@ -1,9 +1,10 @@
 """diffusers' Flux blocks (FluxTransformerBlock, FluxSingleTransformerBlock) with the DiT kernels, as fusions/flux.py
 does for ComfyUI's: the adaLN LayerNorm and modulation in one pass per stream; q, k and v from diffusers' three
-projections RMS-normalized, rotated and written at their place in the joint text+image sequence in one pass (its
-(cos, sin) rotary tables turned into Flux's rotation matrices); the gated residual added in the pass that normalizes
-for the MLP; a single block's output projection as two GEMMs into one output instead of a concatenation. The
-projections run as fp8 products where accel/engine/fp8.py marked them (the `precision` option).
+projections (one GEMM where their weights are packed: packing.py) RMS-normalized, rotated and written at their place
+in the joint text+image sequence in one pass (its (cos, sin) rotary tables turned into Flux's rotation matrices); the
+gated residual added in the pass that normalizes for the MLP; a single block's output projection as two GEMMs into one
+output instead of a concatenation. The projections run as fp8 products where accel/engine/fp8.py marked them (the
+`precision` option), a product per layer.
 
 A call it does not cover runs the block's own forward: joint_attention_kwargs (IP-Adapter and other processor
 inputs), another attention processor or backend than diffusers' default, fused q/k/v projections, layers that are
@@ -17,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8
+from . import packing
 from .base import Undo, of_class, patch_forward, plain_linear
 from .registry import fusion
-from .transformer import Joint, diffusers_stream, joint_block, kernels_run_on, modulated_norm, single_output_
+from .transformer import (Joint, diffusers_stream, joint_block, kernels_run_on, modulated_norm, project_qkv,
+                          single_output_)
 
 
 def rotation_table(rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -95,8 +98,7 @@ def _single_forward(self, hidden_states, encoder_hidden_states, temb, image_rota
     h = modulated_norm(x, scale, shift, *layers, self.proj_mlp)
     norm = attn.norm_q.weight, attn.norm_k.weight
     joint = Joint(None, B, L, attn.heads, x, layers, [norm], (self.proj_out,))
-    joint.write(tuple(fp8.project(layer, h) for layer in layers), 0, norm, attn.norm_q.eps,
-                rotation_table(image_rotary_emb))
+    joint.write(project_qkv(layers, h), 0, norm, attn.norm_q.eps, rotation_table(image_rotary_emb))
     mlp = fp8.project(self.proj_mlp, h)
     single_output_(x, gate, joint.attend(), mlp, self.proj_out)
     if x.dtype == torch.float16:
@@ -111,10 +113,12 @@ def apply(model: nn.Module, undo: Undo) -> int:
         if of_class(m, "FluxTransformerBlock", "diffusers", "norm1", "norm1_context", "ff_context") \
                 and _double_covered(m):
             patch_forward(m, _double_forward, undo)
+            packing.pack_qkv(model, [m.attn.add_q_proj, m.attn.add_k_proj, m.attn.add_v_proj], undo)
         elif of_class(m, "FluxSingleTransformerBlock", "diffusers", "norm", "proj_mlp", "proj_out") \
                 and _single_covered(m):
             patch_forward(m, _single_forward, undo)
         else:
             continue
+        packing.pack_qkv(model, [m.attn.to_q, m.attn.to_k, m.attn.to_v], undo)
         n += 1
     return n

@@ -11,7 +11,8 @@ Packs outlive the fusions' patched forwards: a host's next run replays CUDA grap
 addresses. `unpack` gives every weight its own storage back; the torch path calls it when it is released.
 
 `project` computes an attention module's q, k and v through the packs the qkv fusion made for it; diffusers'
-processor (sdpa_processor) and ComfyUI's restated forward (qkv) both call it.
+processor (sdpa_processor) and ComfyUI's restated forward (qkv) both call it. The DiT fusions pack each stream's q, k
+and v of a joint attention (`pack_qkv`) and find the pack again at each call (`packed`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Undo, drop_packs, packs, plain_linear, projections
+from .base import Undo, drop_packs, packs, plain_linear, projections, set_projections
 
 
 def _reads(t: torch.Tensor | None, buffer: torch.Tensor, row: int) -> bool:
@@ -200,3 +201,20 @@ def project(m: nn.Module, x: torch.Tensor, context: torch.Tensor) -> tuple[torch
         return m.to_q(x), m.to_k(context), m.to_v(context)
     k, v = kv.split(sizes[1:], dim=-1)
     return m.to_q(x), k, v
+
+
+def pack_qkv(model: nn.Module, layers: list[nn.Module], undo: Undo) -> bool:
+    """Pack a stream's q, k and v projections, kept under its q projection for `packed`, where they are packable and
+    of one output width (the form kernels/qk_rope.py reads a packed projection in). Returns whether they were."""
+    if not packable(layers) or len({layer.out_features for layer in layers}) != 1:
+        return False
+    set_projections(layers[0], Projections(pack(model, layers), 0), undo)
+    return True
+
+
+def packed(*layers: nn.Module) -> Pack | None:
+    """The pack `pack_qkv` made of exactly these layers, in this order (the host may have swapped a module since)."""
+    entry = projections(layers[0])
+    if entry is None or not isinstance(entry.source, Pack) or entry.source.layers != layers:
+        return None
+    return entry.source

@@ -2,14 +2,15 @@
 
 A QwenImageTransformerBlock is a double-stream block of joint text+image attention, as Flux's is, with q, k and v
 projected by three layers per stream and ComfyUI's RMSNorm modules for q and k: transformer.joint_block computes it
-(per stream one adaLN pass into the q, k and v projections; one pass that RMS-normalizes q and k per head, rotates
-them and writes q, k and v at their place in the joint sequence, text first; the attention; one pass that adds the
-gated attention output and normalizes and modulates the sum for the MLP; the tanh GELU; one in-place gated residual).
-Its rotary table is Flux's layout once the heads and tokens axes are swapped back (a view), in the activations' dtype
-as the forward casts it. The output norm's LayerNorm and modulation are one adaLN pass. The projections run as fp8
-products where accel/engine/fp8.py marked them (the `precision` option). The attention is SDPA, or the function
-ComfyUI chose for the whole host where it was timed faster (accel/engine/host_attention.py), through the StandIn of
-sequence parallelism where one stands in its place.
+(per stream one adaLN pass into the q, k and v projections, one GEMM where their weights are packed: packing.py; one
+pass that RMS-normalizes q and k per head, rotates them and writes q, k and v at their place in the joint sequence,
+text first; the attention; one pass that adds the gated attention output and normalizes and modulates the sum for the
+MLP; the tanh GELU; one in-place gated residual). Its rotary table is Flux's layout once the heads and tokens axes are
+swapped back (a view), in the activations' dtype as the forward casts it. The output norm's LayerNorm and modulation
+are one adaLN pass. The projections run as fp8 products where accel/engine/fp8.py marked them (the `precision`
+option), a product per layer. The attention is SDPA, or the function ComfyUI chose for the whole host where it was
+timed faster (accel/engine/host_attention.py), through the StandIn of sequence parallelism where one stands in its
+place.
 
 A call it does not cover runs the block's own forward: a text mask (ComfyUI's block passes it to no attention, but a
 forward that does must get it), a modulation of other than one row per sample, an attention override or another
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import packing
 from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, own_weights, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
@@ -94,6 +96,9 @@ def apply(model: nn.Module, undo: Undo) -> int:
         if of_class(m, "QwenImageTransformerBlock", QWEN, "attn", "img_mod", "txt_mod", "img_mlp", "txt_mlp") \
                 and _block_covered(m):
             patch_forward(m, _block_forward, undo)
+            a = m.attn
+            for layers in ([a.add_q_proj, a.add_k_proj, a.add_v_proj], [a.to_q, a.to_k, a.to_v]):
+                packing.pack_qkv(model, layers, undo)
             blocks = True
         elif of_class(m, "LastLayer", QWEN, "linear", "norm", "silu") and linears(m.linear) \
                 and plain_layer_norms(m.norm) and forward_takes(m, "x", "conditioning_embedding"):

@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import flash4, fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
+from . import packing
 from .base import comfy_attend, comfy_attention, comfy_function, kernel_module, own_weights, plain_linear
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
@@ -199,7 +200,8 @@ def diffusers_stream(x: torch.Tensor, mods: torch.Tensor, qkv: tuple[nn.Module, 
                      q_norm: nn.Module, k_norm: nn.Module, proj: nn.Module, ff: nn.Module) -> Stream:
     """A Stream of diffusers' double-block layout (which ComfyUI's Qwen-Image keeps): its modulations the six chunks of
     one (B, 6C) projection (shift, scale and gate of the attention, then of the MLP), q, k and v projected by three
-    layers, q/k RMSNorm modules, a FeedForward of net[0].proj, the GELU, and net[2]."""
+    layers (one GEMM where the fusion packed them: project_qkv), q/k RMSNorm modules, a FeedForward of net[0].proj,
+    the GELU, and net[2]."""
     shift, scale, gate, mlp_shift, mlp_scale, mlp_gate = mods.chunk(6, dim=-1)
     return Stream(x, Modulation(shift, scale, gate), Modulation(mlp_shift, mlp_scale, mlp_gate), qkv, q_norm.weight,
                   k_norm.weight, q_norm.eps, proj, ff.net[0].proj, ff.net[2])
@@ -207,6 +209,19 @@ def diffusers_stream(x: torch.Tensor, mods: torch.Tensor, qkv: tuple[nn.Module, 
 
 def _layers(s: Stream) -> tuple[nn.Module, ...]:
     return s.qkv if isinstance(s.qkv, tuple) else (s.qkv,)
+
+
+def project_qkv(qkv: nn.Module | tuple[nn.Module, nn.Module, nn.Module],
+                h: torch.Tensor | fp8.Rows) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """q, k and v of h in a form qk_norm_rope takes: one layer's (..., 3C) product; three layers' as one GEMM where
+    the fusion packed them (packing.pack_qkv), the pack still holds every weight and no layer makes fp8 products
+    (their fp8 copies are per layer: h is quantized once, for a product each), else as three products."""
+    if not isinstance(qkv, tuple):
+        return fp8.project(qkv, h)
+    pack = packing.packed(*qkv)
+    if pack is not None and pack.intact() and not any(fp8.marked(layer) for layer in qkv):
+        return pack.linear(h, 0, 3)
+    return tuple(fp8.project(layer, h) for layer in qkv)
 
 
 def joint_block(streams: Sequence[Stream], heads: int, module_name: str | None, pe: torch.Tensor | None,
@@ -223,8 +238,7 @@ def joint_block(streams: Sequence[Stream], heads: int, module_name: str | None, 
     for s, norm in zip(streams, norms):
         layers = _layers(s)
         h = modulated_norm(s.x, s.attn_mod.scale, s.attn_mod.shift, *layers)
-        projected = tuple(fp8.project(layer, h) for layer in layers)
-        joint.write(projected if len(projected) == 3 else projected[0], offset, norm, s.eps, pe)
+        joint.write(project_qkv(s.qkv, h), offset, norm, s.eps, pe)
         offset += s.x.shape[1]
     out = joint.attend()
     outs, offset = [], 0

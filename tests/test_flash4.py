@@ -88,13 +88,14 @@ def test_without_the_package_or_a_gpu_pytorch_attention_runs():
 
 def test_flash_attention_4_alone_leaves_no_flash_attention_2_behind(tmp_path, monkeypatch):
     """flash-attn-4 installs flash_attn/cute/ without flash_attn/__init__.py: FlashAttention-2 (the UNets'
-    flash_attn option) is not there, FlashAttention-4 is."""
-    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
-    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    flash_attn option) is not there, FlashAttention-4 is. (A made-up name: flash_attn itself may be installed.)"""
+    package = "sd_accel_test_fa"
+    (tmp_path / package / "cute").mkdir(parents=True)
+    (tmp_path / package / "cute" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert not has_package("flash_attn") and has_subpackage("flash_attn", "cute")
-    (tmp_path / "flash_attn" / "__init__.py").write_text("")
-    assert has_package("flash_attn")
+    assert not has_package(package) and has_subpackage(package, "cute") and not has_subpackage(package, "other")
+    (tmp_path / package / "__init__.py").write_text("")
+    assert has_package(package)
 
 
 cuda_fa4 = pytest.mark.skipif(not torch.cuda.is_available() or not flash4.available(torch.device("cuda"))[0],

@@ -125,19 +125,15 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
     assert rel(eight, own) <= 2e-2
 
 
-def test_wan_keeps_16bit_attention_under_fp8_and_says_so_once(comfy_pytorch_attention, emulated, caplog,
-                                                                 monkeypatch):
-    """Wan is DECLINED (its error on the GPU): under precision fp8 its self-attention stays 16-bit, the output is the
-    fp8 products' with 16-bit attention exactly, and the console says why once."""
+def test_wans_self_attention_takes_fp8_attention_under_fp8(comfy_pytorch_attention, emulated):
+    """Under precision fp8 Wan's self-attention runs in fp8 (one kernel call per block), close to the fp8 products'
+    output with 16-bit attention; the cross-attention to the text stays ComfyUI's module."""
     model, inp = _dit_bf16("tiny-wan"), _bf16_inputs("tiny-wan")
-    with caplog.at_level(logging.WARNING, logger="sd-accel"):
-        eight, counts = _fused_output(model, inp, "fp8")
-        again, _ = _fused_output(model, inp, "fp8")
-    said = [r.getMessage() for r in caplog.records if "fp8 attention is off for comfy.ldm.wan.model" in r.getMessage()]
-    assert counts["fp8"] > 0 and not emulated and len(said) == 1, said
-    monkeypatch.setattr(fp8_attention, "DECLINED", {})  # the same call, Wan not declined: it takes fp8 attention
-    taken, _ = _fused_output(model, inp, "fp8")
-    assert torch.equal(eight, again) and emulated and not torch.equal(taken, eight)
+    eight, counts = _fused_output(model, inp, "fp8")
+    assert counts["fp8"] > 0 and len(emulated) == len(model.blocks)
+    with torch.no_grad():
+        own = CanonicalDiT(model)(**inp)
+    assert 0 < rel(eight, own) <= 5e-2
 
 
 def test_weights_stored_in_fp8_take_fp8_attention_under_auto(comfy_pytorch_attention, emulated):

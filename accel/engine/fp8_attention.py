@@ -185,26 +185,13 @@ def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
 
 # ---- the fused blocks' side
 
-# Models whose blocks keep 16-bit attention under fp8 until fp8 attention is shown accurate on them, with why: on Wan
-# 2.1 14B it moved the output far past the fp8 products' own error, where on Flux and Qwen-Image it moved nothing
-# measurable (BENCHMARKS.md, fp8 attention).
-DECLINED = {"comfy.ldm.wan.model": "on Wan 2.1 14B its error against fp32 was four times the fp8 products' "
-                                   "(BENCHMARKS.md)"}
-
-
 def wanted(module_name: str, name: str, x: torch.Tensor, *projections: nn.Module) -> bool:
     """Whether a fused block of ComfyUI's `module_name`, whose attention is that module's function `name`, may take
     fp8 attention for the sequence its `projections` (the q, k and v projections of every stream) write: all of them
-    make fp8 products, the activations are 16-bit, the attention the block would run is ComfyUI's PyTorch one (no
-    other host choice, no stand-in), and the model is not DECLINED (said once)."""
-    if not (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)
-            and comfy_pytorch(comfy_function(module_name, name)[0])):
-        return False
-    why = DECLINED.get(module_name)
-    if why is not None and why not in _SAID:
-        _SAID.add(why)
-        log.warning("sd-accel: fp8 attention is off for %s: %s; its attention runs in 16 bits.", module_name, why)
-    return why is None
+    make fp8 products, the activations are 16-bit, and the attention the block would run is ComfyUI's PyTorch one (no
+    other host choice, no stand-in)."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)
+            and comfy_pytorch(comfy_function(module_name, name)[0]))
 
 
 @dataclass

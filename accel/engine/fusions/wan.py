@@ -12,9 +12,8 @@ a row per run of tokens) is read by the kernels where ComfyUI's repeat_e spreads
 The self-attention runs as the block's own self_attn module, patched too, so that the hooks on it (sequence
 parallelism marks its calls for the exchange, accel/parallel/wan.py) see every call; its attention goes through
 transformer.comfy_sdpa, or would run in fp8 where accel/engine/fp8_attention.py takes it (the rope pass writing q and
-k in e4m3 under the bound of the row norm's weights, the output going to the o projection as fp8 rows): that module
-declines Wan for now (its DECLINED). The projections run
-as fp8 products where accel/engine/fp8.py marked them. The cross-attention (to the text's tokens) stays ComfyUI's
+k in e4m3 under the bound of the row norm's weights, the output going to the o projection as fp8 rows). The projections
+run as fp8 products where accel/engine/fp8.py marked them. The cross-attention (to the text's tokens) stays ComfyUI's
 module, in 16 bits. A call it does not
 cover runs the module's own forward: an attention override or another node's attention function in ComfyUI, a tensor
 the kernels cannot run on. Blocks with per-call weight functions (lowvram, a LoRA applied per call), q/k norms other

@@ -257,7 +257,8 @@ def _main(argv: list[str] | None) -> int:
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--kernels", action="store_true",
                    help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM and attention ones) and the "
-                        "DiTs' attention at Flux's, SD3.5's and Wan's shapes: bf16 cuDNN, fp8 cuDNN, SageAttention")
+                        "DiTs' attention at Flux's, SD3.5's, Qwen-Image's and Wan's shapes: bf16 cuDNN, fp8 cuDNN, "
+                        "FlashAttention-4, SageAttention (those installed)")
     b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
     b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
     b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",

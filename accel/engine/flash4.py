@@ -1,9 +1,9 @@
 """FlashAttention-4 (the optional `flash-attn-4` package: CuTe DSL kernels, import name `flash_attn.cute`) for the
 fused DiT blocks' 16-bit attention, where it is installed and covers the call.
 
-On an H200 its Hopper forward ran the DiTs' attention 1.12-1.18x faster than cuDNN's through PyTorch's SDPA, the
-engine's choice without it, at every DiT shape measured (Flux, SD3.5, Qwen-Image, Wan 2.1 14B, Wan 2.2 5B;
-BENCHMARKS.md), with the same error against fp32. Its kernels compile at the first call of a head size and dtype in
+On an H200 its Hopper forward ran the DiTs' attention 1.16-1.27x faster than cuDNN's through PyTorch's SDPA, the
+engine's choice without it, at SD3.5's, Qwen-Image's and Wan's shapes, about even at Flux's (BENCHMARKS.md), with the
+same error against fp32. Its kernels compile at the first call of a head size and dtype in
 a process (about 2 s), not per sequence length, and replay in CUDA graphs.
 
 Only the fused blocks' own attention takes it (transformer.sdpa), and only where it was timed faster than PyTorch's
@@ -87,17 +87,19 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa: Callable) ->
         return False
     choice = host_attention.choose(("flash4", tuple(q.shape), tuple(k.shape), q.dtype, q.device), q, k, v, sdpa,
                                    attention)
-    return choice is not None and choice.host
+    if choice is None or not choice.host:
+        return False
+    _say()
+    return True
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim)) v for (B, L, heads, head_dim) q, k and v that `covers` took, as
     (B, L, heads, head_dim)."""
-    _say()
     out = _kernel()[0](q, k, v)
     return out[0] if isinstance(out, tuple) else out
 
 
 @functools.cache
-def _say() -> None:
+def _say() -> None:  # once per process, at the first call it serves (not at the calls that time it)
     log.info("sd-accel: the fused transformer blocks' attention runs FlashAttention-4 (%s).", PACKAGE)

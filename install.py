@@ -12,10 +12,10 @@ What it installs:
   attention is in its compiled module and uses the cuDNN library torch brings;
 - only when asked (--with onnxruntime, or SD_ACCEL_INSTALL=onnxruntime): the ONNX Runtime build for this GPU. It is
   not installed by default: ONNX Runtime is not chosen automatically until it is measured faster than the torch path.
-- only when asked (--with flash-attn-4), on Hopper and Blackwell GPUs under Linux: flash-attn-4, FlashAttention-4's
-  kernels for the transformers' 16-bit attention (1.12-1.18x cuDNN's on an H200), with the CuTe DSL for torch's CUDA
-  (hundreds of MB of libraries, so not by default).
   (A TensorRT path is planned; nothing installs TensorRT until that path exists.)
+- only when asked (--with flash-attn-4), on Hopper and Blackwell GPUs under Linux: flash-attn-4, FlashAttention-4's
+  kernels for the transformers' 16-bit attention (1.16-1.27x cuDNN's at SD3.5's, Qwen-Image's and Wan's shapes on an
+  H200, even at Flux's), with the CuTe DSL for torch's CUDA (hundreds of MB of libraries, so not by default).
 
 No installed package is ever changed: every pip call is constrained to the version of every distribution installed
 in this Python (the host's pins: A1111's transformers 4.30.2 and its huggingface_hub, ComfyUI's torch, ...), so pip

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import comfy_helpers as H
-from sd_accel.accel.engine import flash4, fusions, host_attention
+from sd_accel.accel.engine import flash4, fusions
 from sd_accel.accel.engine.fusions import transformer
 from sd_accel.accel.models import configs
 from sd_accel.accel.models.dit import CanonicalDiT
@@ -37,7 +37,7 @@ def stand_in(monkeypatch):
     return calls
 
 
-def test_flash_attention_4_serves_a_shape_only_where_it_was_timed_faster(monkeypatch):
+def test_flash_attention_4_serves_a_shape_only_where_it_was_timed_faster(host_attention, monkeypatch):
     """Timed once per shape against PyTorch's attention (where a time can be taken), the faster kept."""
     timed = []
 
@@ -48,7 +48,6 @@ def test_flash_attention_4_serves_a_shape_only_where_it_was_timed_faster(monkeyp
     monkeypatch.setattr(flash4, "covers", lambda q, k, v: True)
     monkeypatch.setattr(host_attention, "_may_time", lambda q: True)
     monkeypatch.setattr(host_attention, "_timed", fake_timed)
-    monkeypatch.setattr(host_attention, "_CHOICES", {})
     short, long = torch.randn(1, 16, 2, 8), torch.randn(1, 64, 2, 8)
     assert [flash4.serves(t, t, t, _reference) for t in (short, long, short, long)] == [False, True, False, True]
     assert timed == [(1, 16, 2, 8), (1, 64, 2, 8)]

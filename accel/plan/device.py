@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 
@@ -85,22 +85,23 @@ def has_package(name: str) -> bool:
     """Whether a package is importable, without importing it. A namespace package (a folder without __init__.py)
     does not count: flash-attn-4 installs flash_attn/cute/ alone, which leaves `flash_attn` a namespace without
     FlashAttention-2's functions."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return False
+    spec = _spec(name)
     return spec is not None and spec.origin not in (None, "namespace")
 
 
 def has_subpackage(package: str, name: str) -> bool:
     """Whether `package`.`name` is an importable package, without importing `package` (FlashAttention-2's
     __init__ loads its CUDA extension)."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return False
+    spec = _spec(package)
     return spec is not None and any((Path(p) / name / "__init__.py").is_file()
                                     for p in spec.submodule_search_locations or ())
+
+
+def _spec(name: str) -> "importlib.machinery.ModuleSpec | None":
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
 
 
 def _torch_version() -> tuple[int, int]:

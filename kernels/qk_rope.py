@@ -17,8 +17,8 @@ For fp8 attention both passes may write q and k in e4m3 instead, each divided by
 device: after an RMSNorm over n channels with weight w every element is bounded by sqrt(n) * max|w| (n is head_dim
 per head, heads * head_dim for Wan's row; a rotation keeps the norm of each pair), so a descale set from that bound
 never overflows, and e4m3, a floating-point format, keeps its relative precision below the bound. v, which no norm
-bounds, stays 16-bit; the pass accumulates its largest magnitude into a device scalar (atomic max) for the pass that
-quantizes it (kernels/quant.py quantize_tensor).
+bounds, stays 16-bit; the pass folds its largest magnitude into AMAX_SLOTS partial maxima on the device (atomic max)
+for the pass that quantizes it (kernels/quant.py quantize_tensor takes their largest).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .errors import BadInput
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+AMAX_SLOTS = 64
 
 
 @jit
@@ -60,18 +61,25 @@ def _store_qk(out_ptr, x, mask, descale_ptr, QK_FP8: tl.constexpr):
 
 
 @jit
-def _copy_v(src_ptr, dst_ptr, mask, amax_ptr, V_AMAX: tl.constexpr):
+def _copy_v(src_ptr, dst_ptr, mask):
+    """Copies a tile of v; returns its largest magnitude."""
     v = tl.load(src_ptr, mask=mask, other=0.0)
     tl.store(dst_ptr, v, mask=mask)
-    if V_AMAX:
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v.to(tl.float32)), 1), 0))
+    return tl.max(tl.max(tl.abs(v.to(tl.float32)), 1), 0)
 
 
-@jit(do_not_specialize=("L", "total", "offset", "row_stride", "pe_stride"))
+@jit
+def _fold_amax(amax_ptr, m, program, SLOTS: tl.constexpr):
+    # thousands of programs folding into one address wait on each other: spread over SLOTS partial maxima
+    tl.atomic_max(amax_ptr + program % SLOTS, m)
+
+
+@jit(do_not_specialize=("L", "total", "offset"))
 def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr, amax_ptr, L,
                     total, offset, row_stride, pe_stride, descale_stride, eps,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                    HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr, QK_FP8: tl.constexpr, V_AMAX: tl.constexpr):
+                    HAS_NORM: tl.constexpr, HAS_PE: tl.constexpr, QK_FP8: tl.constexpr, V_AMAX: tl.constexpr,
+                    SLOTS: tl.constexpr):
     # Whole rows are loaded and stored (coalesced).
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -95,13 +103,16 @@ def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr
         if HAS_PE:
             x = _rotate(x, m00, m01, m10, m11, BLOCK_L, BLOCK_D)
         _store_qk(out_ptr + dst, x, mask, descale_ptr + part * descale_stride, QK_FP8)
-    _copy_v(vs_ptr + src, v_ptr + dst, mask, amax_ptr, V_AMAX)
+    v_max = _copy_v(vs_ptr + src, v_ptr + dst, mask)
+    if V_AMAX:
+        _fold_amax(amax_ptr, v_max, (tl.program_id(0) * tl.num_programs(1) + b) * H + h, SLOTS)
 
 
-@jit(do_not_specialize=("L", "row_stride", "pe_stride"))
+@jit(do_not_specialize=("L",))
 def _row_norm_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr, amax_ptr, L,
                           row_stride, pe_stride, descale_stride, eps, H: tl.constexpr, D: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, QK_FP8: tl.constexpr, V_AMAX: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, QK_FP8: tl.constexpr, V_AMAX: tl.constexpr,
+                          SLOTS: tl.constexpr):
     # One program holds BLOCK_L tokens of every head: the RMS over the whole row is summed head by head, then each
     # head is read again (from cache), normalized, rotated and stored.
     b = tl.program_id(1)
@@ -127,8 +138,11 @@ def _row_norm_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr,
             x = _rotate((x * rstd * w).to(in_ptr.dtype.element_ty).to(tl.float32), m00, m01, m10, m11, BLOCK_L,
                         BLOCK_D)
             _store_qk(out_ptr + dst + h * D, x, mask, descale_ptr + part * descale_stride, QK_FP8)
+    v_max = 0.0
     for h in range(H):
-        _copy_v(vs_ptr + src + h * D, v_ptr + dst + h * D, mask, amax_ptr, V_AMAX)
+        v_max = tl.maximum(v_max, _copy_v(vs_ptr + src + h * D, v_ptr + dst + h * D, mask))
+    if V_AMAX:
+        _fold_amax(amax_ptr, v_max, tl.program_id(0) * tl.num_programs(1) + b, SLOTS)
 
 
 def supported(qkv: torch.Tensor) -> bool:
@@ -171,11 +185,11 @@ def _layout(name: str, sq: torch.Tensor, heads: int, out: tuple[torch.Tensor, ..
             raise BadInput(f"{name}: an output is {tuple(t.shape)} {t.dtype}; expected contiguous "
                            f"({B}, {total}, {heads}, {D}) {dtype}.", "Make the outputs with empty_qkv.")
     for t, what in ((descales, "descales"), (v_amax, "v_amax")):
-        if t is not None and (t.dtype != torch.float32 or t.device != sq.device
-                              or (t.dim() != 2 or t.shape[0] != 2 if what == "descales" else t.numel() != 1)):
+        if t is not None and (t.dtype != torch.float32 or t.device != sq.device or not t.is_contiguous()
+                              or (t.dim() != 2 or t.shape[0] != 2 if what == "descales" else t.dim() != 1)):
             raise BadInput(f"{name}: {what} is {tuple(t.shape)} {t.dtype}; expected float32 on {sq.device}, "
-                           "(2, n) descales, one v_amax.", "Make descales with qk_descales and v_amax with "
-                           "torch.zeros(1).")
+                           "(2, n) descales, a vector v_amax.", "Make descales with qk_descales and v_amax with "
+                           "new_v_amax.")
     return B, L, D, total
 
 
@@ -183,6 +197,16 @@ def _fp8_args(descales: Optional[torch.Tensor], v_amax: Optional[torch.Tensor], 
     """The kernels' descale_ptr, amax_ptr and descale_stride (unread stand-ins where not given)."""
     return (descales if descales is not None else like, v_amax if v_amax is not None else like,
             descales.stride(0) if descales is not None else 0)
+
+
+def new_v_amax(device: torch.device | str) -> torch.Tensor:
+    """The partial maxima that `qk_norm_rope` and `qk_row_norm_rope` fold v's largest magnitude into, for one
+    sequence: zeros, (AMAX_SLOTS,) float32."""
+    return torch.zeros(AMAX_SLOTS, device=device)
+
+
+def _slots(v_amax: Optional[torch.Tensor]) -> int:
+    return v_amax.numel() if v_amax is not None else 1
 
 
 def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor,
@@ -221,8 +245,8 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
     sequence) into out[0..2][:, offset:offset + L], each (B, total, heads, head_dim): q and k RMS-normalized per head
     with q_weight and k_weight (when given), then rotated by pe's rows offset..offset + L (when given). With
     `descales` ((2, n) float32, column 0: `qk_descales`) q and k are written in e4m3 (out from empty_qkv(...,
-    qk_fp8=True)) as their values divided by the descales, saturated; with `v_amax` ((1,) float32) max|v| of these
-    rows is folded into it (atomic max: start it at 0 for a sequence)."""
+    qk_fp8=True)) as their values divided by the descales, saturated; with `v_amax` (new_v_amax: float32 partial
+    maxima) max|v| of these rows is folded into it (atomic max: start a sequence with zeros)."""
     sq, sk, sv = _sources(qkv, heads)
     require(sq, _qk_rope_kernel, "qk_norm_rope")
     B, L, D, total = _layout("qk_norm_rope", sq, heads, out, descales, v_amax)
@@ -259,7 +283,8 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
         _qk_rope_kernel[(cdiv(L, block_l), B, heads)](
             sq, sk, sv, qw, kw, pe if pe is not None else qkv, q, k, v, *fp8_args[:2], L, total, offset, qkv.stride(1),
             pe_stride, fp8_args[2], eps, H=heads, D=D, BLOCK_D=block_d, BLOCK_L=block_l, HAS_NORM=q_weight is not None,
-            HAS_PE=pe is not None, QK_FP8=descales is not None, V_AMAX=v_amax is not None, num_warps=4)
+            HAS_PE=pe is not None, QK_FP8=descales is not None, V_AMAX=v_amax is not None,
+            SLOTS=_slots(v_amax), num_warps=4)
 
 
 def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -293,7 +318,8 @@ def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.T
         _row_norm_rope_kernel[(cdiv(L, block_l), B)](
             sq, sk, sv, q_weight.contiguous(), k_weight.contiguous(), pe, *out, descale_ptr, amax_ptr, L, sq.stride(1),
             pe.stride(0) if pe.shape[0] > 1 else 0, descale_stride, eps, H=heads, D=D, BLOCK_D=block_d,
-            BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, num_warps=4)
+            BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, SLOTS=_slots(v_amax),
+            num_warps=4)
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,
@@ -320,4 +346,5 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Ten
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "empty_qkv", "qk_descales", "supported", "FP8"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "empty_qkv", "new_v_amax", "qk_descales",
+           "supported", "AMAX_SLOTS", "FP8"]

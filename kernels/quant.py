@@ -4,7 +4,7 @@ scaling takes them (x = x_fp8 * scale). Optionally the tanh GELU first, in the s
 activation goes from its first projection's output straight to the second projection's fp8 operand.
 
 Also per-tensor quantization by a largest magnitude already on the device (`quantize_tensor`: an attention's v, whose
-amax the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it."""
+partial maxima the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from .errors import BadInput
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MAX_K = 16384
+MAX_AMAX = 1024
 # An all-zero row still gets a scale that divides safely.
 MIN_SCALE = 1e-12
 
@@ -35,10 +36,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.conste
     tl.store(s_ptr + row, scale)
 
 
-@jit(do_not_specialize=("N",))
-def _quantize_tensor_kernel(x_ptr, amax_ptr, q_ptr, descale_ptr, scale_ptr, N, BLOCK: tl.constexpr):
+# N is specialized: a size that Triton knows to be a multiple of 16 keeps the masked loads and stores vectorized (the
+# elements of attention heads always are)
+@jit
+def _quantize_tensor_kernel(x_ptr, amax_ptr, q_ptr, descale_ptr, scale_ptr, N, A, BLOCK: tl.constexpr,
+                            BLOCK_A: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    descale = tl.maximum(tl.load(amax_ptr) / 448.0, 1e-12)
+    a = tl.arange(0, BLOCK_A)
+    descale = tl.maximum(tl.max(tl.load(amax_ptr + a, mask=a < A, other=0.0), 0) / 448.0, 1e-12)
     x = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
     tl.store(q_ptr + i, e4m3(x / descale).to(q_ptr.dtype.element_ty), mask=i < N)
     if tl.program_id(0) == 0:
@@ -70,7 +75,7 @@ def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, to
         block_k = pow2(K)
         with on_device(x):
             _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), GELU=gelu, BLOCK_K=block_k,
-                                        num_warps=warps(block_k))
+                                        num_warps=warps(block_k, 64))
     return q, s
 
 
@@ -83,27 +88,29 @@ def quantize_rows_ref(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor
 
 def quantize_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_fp8 of x's shape, descale, 1 / descale), the scales (1,) float32 tensors of their own, for a contiguous x
-    and its largest magnitude `amax` ((1,) float32 on x's device): x = x_fp8 * descale, x_fp8 saturated at +-448.
-    Runs under Triton's interpreter too (its values are rounded to e4m3 before the conversion)."""
+    and its largest magnitude: the largest of `amax` (float32 on x's device, one value or up to MAX_AMAX partial
+    maxima), x = x_fp8 * descale, x_fp8 saturated at +-448. Runs under Triton's interpreter too (its values are
+    rounded to e4m3 before the conversion)."""
     require(x, _quantize_tensor_kernel, "quantize_tensor")
-    if not x.is_contiguous() or amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device:
+    if not x.is_contiguous() or amax.dtype != torch.float32 or not 0 < amax.numel() <= MAX_AMAX \
+            or not amax.is_contiguous() or amax.device != x.device:
         raise BadInput(f"quantize_tensor: x is {tuple(x.shape)} with strides {x.stride()}, amax {tuple(amax.shape)} "
-                       f"{amax.dtype}; it takes a contiguous x and one float32 amax on its device.",
-                       "Use quantize_tensor_ref for other layouts.")
+                       f"{amax.dtype}; it takes a contiguous x and 1 to {MAX_AMAX} contiguous float32 amax on its "
+                       "device.", "Use quantize_tensor_ref for other layouts.")
     q = torch.empty(x.shape, device=x.device, dtype=FP8)
     descale, scale = (torch.empty(1, device=x.device, dtype=torch.float32) for _ in range(2))
     n = x.numel()
     block = min(tile_for(x), pow2(max(n, 1)))
     with on_device(x):
-        _quantize_tensor_kernel[(max(1, cdiv(n, block)),)](x, amax, q, descale, scale, n, BLOCK=block,
-                                                           num_warps=warps(block))
+        _quantize_tensor_kernel[(max(1, cdiv(n, block)),)](x, amax, q, descale, scale, n, amax.numel(), BLOCK=block,
+                                                           BLOCK_A=pow2(amax.numel()), num_warps=warps(block))
     return q, descale, scale
 
 
 def quantize_tensor_ref(x: torch.Tensor, amax: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch reference of `quantize_tensor` (amax: x's own where not given)."""
-    amax = x.float().abs().amax().reshape(1) if amax is None else amax.float().reshape(1)
+    amax = x.float().abs().amax().reshape(1) if amax is None else amax.float().amax().reshape(1)
     descale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
     return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8), descale, 1.0 / descale
 

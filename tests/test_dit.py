@@ -723,7 +723,9 @@ def test_fused_qwen_image_makes_its_projections_fp8_products(comfy_pytorch_atten
     block; the modulation stays 16-bit); the fused blocks make each of them as an fp8 product (torch._scaled_mm, which
     runs on the CPU too), as the blocks' own forward does with the marks, and give its output within bfloat16's
     rounding (the tiny model's fused and own 16-bit outputs are some 6e-3 apart). The fusion packs q, k and v
-    (packing.py), but their fp8 copies are per layer: a product each, not the packed 16-bit GEMM."""
+    (packing.py), but their fp8 copies are per layer: a product each, not the packed 16-bit GEMM. A stream's output
+    projection takes a product per sample (of a batch of several, a stream's part of the attention output is no view
+    of rows: fusions/transformer.py project_part)."""
     pytest.importorskip("triton")
     from sd_accel.accel.engine import fp8, fusions
 
@@ -742,7 +744,8 @@ def test_fused_qwen_image_makes_its_projections_fp8_products(comfy_pytorch_atten
     marks()
     attn = model.transformer_blocks[0].attn
     assert _storage(attn.to_q.weight) == _storage(attn.to_v.weight)
-    assert marked == 24 and counts["qwen_image"] == 3 and own_products == len(products) == 24
+    extra = (inp["x"].shape[0] - 1) * 2 * len(model.transformer_blocks)  # two streams' output projections a block
+    assert marked == 24 and counts["qwen_image"] == 3 and own_products == 24 and len(products) == 24 + extra > 24
     assert rel(out, own) <= 2e-2 and not torch.equal(out, own)
 
 
@@ -822,3 +825,23 @@ def test_the_seeded_init_quiets_each_dits_modulation_and_residual_projections_an
             assert torch.allclose(quiet[n], 0.1 * p, rtol=1e-5, atol=0), n
             quieted.add(re.sub(r"^(\w*blocks)\.\d+\.", r"\1.", n.rsplit(".", 1)[0]))
     assert quieted == _QUIETED[form, name]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_mlps_linear_gelu_is_the_tanh_gelu(device, monkeypatch):
+    """The DiT MLPs' GELU is the tanh approximation; the fused MLP computes it in the product's epilogue on NVIDIA GPUs,
+    whose call computes the exact GELU on the CPU. Through an identity product in float32 (TF32 off), the output is the
+    tanh GELU of the input to float32 rounding, well apart from the exact GELU."""
+    from sd_accel.accel.engine.fusions.transformer import linear_gelu
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    x = torch.linspace(-5, 5, 4096, device=device).view(64, 64)
+    out = linear_gelu(x.view(4, 16, 64), torch.eye(64, device=device), torch.zeros(64, device=device))
+    assert out.shape == (4, 16, 64)
+    tanh, exact = (torch.nn.functional.gelu(x, approximate=a).view(4, 16, 64) for a in ("tanh", "none"))
+    assert (out - tanh).abs().max() <= 1e-6 < 1e-4 < (out - exact).abs().max()
+    # and in bfloat16 as the MLP runs it: within its rounding of the two steps apart
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h, w, b = (torch.randn(*s, generator=g).to(device, torch.bfloat16) for s in ((2, 33, 64), (96, 64), (96,)))
+    want = torch.nn.functional.gelu(torch.nn.functional.linear(h.float(), w.float(), b.float()), approximate="tanh")
+    assert H.rel(linear_gelu(h, w, b).float(), want) <= 1e-2

@@ -318,7 +318,7 @@ def test_qk_norm_rope_writes_e4m3_q_and_k_and_gathers_vs_amax(B, H, D, dtype, ro
     pe = _flux_pe(1, Lt + Li, D) if rope else None
     got = qk_rope.empty_qkv(B, Lt + Li, H, D, img, qk_fp8=True)
     assert [t.dtype for t in got] == [qk_rope.FP8, qk_rope.FP8, dtype]
-    amax = torch.zeros(1, device=DEVICE)
+    amax = qk_rope.new_v_amax(DEVICE)
     qk_rope.qk_norm_rope(txt, H, got, 0, weights[0], weights[1], pe=pe, descales=descales, v_amax=amax)
     qk_rope.qk_norm_rope(img, H, got, Lt, weights[2], weights[3], pe=pe, descales=descales, v_amax=amax)
     want = [torch.cat(p, dim=1) for p in zip(
@@ -331,7 +331,13 @@ def test_qk_norm_rope_writes_e4m3_q_and_k_and_gathers_vs_amax(B, H, D, dtype, ro
         a, b = out.float() * d, w.float() * d
         assert ((a - b).abs() <= b.abs() / 8 + b.abs().amax() * 2 ** -7).all()
     assert torch.equal(got[2], want[2])
-    assert amax.item() == 40.0
+    # v's largest magnitude, spread over partial maxima, is what quantize_tensor scales v by
+    assert amax.shape == (qk_rope.AMAX_SLOTS,) and amax.max().item() == 40.0
+    from sd_accel.kernels import quant
+
+    (v8, descale, _), (v8_ref, descale_ref, _) = quant.quantize_tensor(got[2], amax), quant.quantize_tensor_ref(got[2])
+    assert torch.equal(v8.float(), v8_ref.float())
+    torch.testing.assert_close(descale, descale_ref, rtol=1e-6, atol=0)
     # the bound holds: no value saturates, and the largest lands well inside e4m3's range
     largest = max(t.float().abs().max().item() for t in got[:2])
     assert 448 / (2 * D ** 0.5) < largest < 448
@@ -359,7 +365,7 @@ def test_qk_row_norm_rope_writes_e4m3_under_the_rows_bound(B, L, H, D, dtype):
     torch.testing.assert_close(descales[:, 0], torch.stack([qw.float().abs().max(), kw.float().abs().max()])
                                * (H * D) ** 0.5 * (1 + 2 ** -6) / 448)
     got = qk_rope.empty_qkv(B, L, H, D, q, qk_fp8=True)
-    amax = torch.zeros(1, device=DEVICE)
+    amax = qk_rope.new_v_amax(DEVICE)
     qk_rope.qk_row_norm_rope((q, k, v), H, got, qw, kw, 1e-6, pe, descales=descales, v_amax=amax)
     sixteen = qk_rope.empty_qkv(B, L, H, D, q)
     qk_rope.qk_row_norm_rope((q, k, v), H, sixteen, qw, kw, 1e-6, pe)
@@ -368,7 +374,7 @@ def test_qk_row_norm_rope_writes_e4m3_under_the_rows_bound(B, L, H, D, dtype):
         scaled = out.float().abs()
         assert scaled.max() < 448 and (scaled[ref != 0] < 2 ** -6).float().mean() < 1e-2
     assert sixteen[0].float().abs().max() / (descales[0, 0] / H ** 0.5) > 448 > got[0].float().abs().max() > 448 / 2
-    assert torch.equal(got[2], v.view(B, L, H, D)) and amax.item() == v.float().abs().max().item()
+    assert torch.equal(got[2], v.view(B, L, H, D)) and amax.max().item() == v.float().abs().max().item()
     with pytest.raises(BadInput, match="expected contiguous"):
         qk_rope.qk_row_norm_rope((q, k, v), H, sixteen, qw, kw, 1e-6, pe, descales=descales)
 
@@ -401,7 +407,7 @@ def test_qk_norm_rope_e4m3_needs_its_buffers_and_norm_weights():
     with pytest.raises(BadInput, match="need the RMSNorm weights"):
         qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv, qk_fp8=True), descales=descales)
     with pytest.raises(BadInput, match="v_amax"):
-        qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv), v_amax=torch.zeros(2, device=DEVICE))
+        qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv), v_amax=torch.zeros(2, 2, device=DEVICE))
 
 
 def test_quantize_tensor_rounds_to_e4m3_as_torch_does():
@@ -430,7 +436,13 @@ def test_quantize_tensor_scales_by_a_device_amax(shape, dtype):
     torch.testing.assert_close(descale, descale_ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
     assert torch.equal(q.float(), q_ref.float())
+    # the largest of partial maxima (qk_rope.new_v_amax's) scales as the one value does
+    parts = torch.zeros(64, device=DEVICE)
+    parts[5], parts[40] = amax[0] / 2, amax[0]
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(quant.quantize_tensor(x, parts), (q, descale, scale)))
     # a smaller amax saturates rather than overflowing
     assert quant.quantize_tensor(x, amax / 4)[0].float().abs().max().item() == 448
+    with pytest.raises(BadInput, match="1 to 1024"):
+        quant.quantize_tensor(x, torch.zeros(2000, device=DEVICE))
     with pytest.raises(BadInput, match="contiguous x"):
         quant.quantize_tensor(x[..., ::2], amax)

@@ -89,8 +89,8 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
                          [t.float() for t in shadows[self][:2]] + [sdpa(*shadows[self]).float()]))
         return out
 
-    def recorded_part(self, start, stop, consumer):
-        rows, widened = part(self, start, stop, consumer), part(self, start, stop, None)
+    def recorded_part(self, start, stop, consumer, sample=None):
+        rows, widened = part(self, start, stop, consumer, sample), part(self, start, stop, None, sample)
         parts.append(rows)
         assert torch.equal((rows.q.float() * rows.scale).to(rows.dtype).view(widened.shape), widened)
         return rows

@@ -227,16 +227,17 @@ def quantized(x: torch.Tensor, gelu: bool = False) -> Rows:
 
 
 def matmul(x: torch.Tensor | Rows, layer: nn.Linear, rows: slice = slice(None), cols: slice = slice(None),
-           bias: bool = True) -> torch.Tensor:
+           bias: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W[rows, cols].T (+ the bias's rows) as an fp8 product, for a marked layer; x (..., K) in 16 bits, or
-    already quantized; the result in x's dtype. rows and cols select output channels and input features (a split
-    projection)."""
+    already quantized; the result in x's dtype (written into `out`, (M, N) contiguous, where given). rows and cols
+    select output channels and input features (a split projection)."""
     entry = _weight(layer)
     w, scale = entry.fp8[rows, cols], entry.scale[:, rows]
     x = x if isinstance(x, Rows) else quantized(x)
     b = layer.bias[rows].to(x.dtype) if bias and layer.bias is not None else None
-    out = torch._scaled_mm(x.q, w.t(), scale_a=x.scale, scale_b=scale, bias=b, out_dtype=x.dtype)
-    return out.view(*x.shape, out.shape[-1])
+    extra = {} if out is None else {"out": out}
+    y = torch._scaled_mm(x.q, w.t(), scale_a=x.scale, scale_b=scale, bias=b, out_dtype=x.dtype, **extra)
+    return y.view(*x.shape, y.shape[-1])
 
 
 def project(layer: nn.Module, x: torch.Tensor | Rows) -> torch.Tensor:

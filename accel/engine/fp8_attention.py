@@ -202,10 +202,11 @@ class Output:
     descale: torch.Tensor  # (1,) float32
     dtype: torch.dtype  # the blocks' 16-bit dtype
 
-    def part(self, start: int, stop: int | None, consumer: Optional[nn.Module]) -> torch.Tensor | fp8.Rows:
-        """Tokens start..stop: fp8.Rows for a consumer that makes fp8 products (no pass: the rows are the
-        output, its descale theirs), else a 16-bit tensor."""
-        o = self.o[:, start:stop]
+    def part(self, start: int, stop: int | None, consumer: Optional[nn.Module],
+             sample: int | None = None) -> torch.Tensor | fp8.Rows:
+        """Tokens start..stop (of one sample where given): fp8.Rows for a consumer that makes fp8 products (no pass:
+        the rows are the output, its descale theirs), else a 16-bit tensor."""
+        o = self.o[:, start:stop] if sample is None else self.o[sample:sample + 1, start:stop]
         if self.o.dtype != FP8:
             return o
         if consumer is not None and fp8.marked(consumer):
@@ -227,7 +228,7 @@ class Sequence:
     them."""
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # e4m3 q and k, 16-bit v: (B, L, heads, head_dim)
     descales: torch.Tensor  # (2, 4) float32: q's and k's descales in column 0 (rows 16 bytes apart, for cuDNN)
-    v_amax: torch.Tensor  # (1,) float32
+    v_amax: torch.Tensor  # v's largest magnitude as partial maxima (kernels/qk_rope.py new_v_amax)
     run: Kernel
     out_dtype: torch.dtype
 
@@ -264,4 +265,4 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
     rope = kernel_module("qk_rope")
     return Sequence(rope.empty_qkv(batch, tokens, heads, head_dim, like, qk_fp8=True),
                     rope.qk_descales([q for q, _ in norms], [k for _, k in norms]),
-                    torch.zeros(1, device=like.device), run, out_dtype)
+                    rope.new_v_amax(like.device), run, out_dtype)

@@ -22,7 +22,7 @@ from .base import Undo, comfy_attention, kernel_module, of_class, patch_forward,
 from .registry import fusion
 from .. import fp8
 from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight,
-                          part)
+                          part, project_part)
 
 MODULE = "comfy.ldm.modules.diffusionmodules.mmdit"
 
@@ -68,12 +68,12 @@ def _joint_forward(self, context, x, c, use_checkpoint=False, transformer_option
                     norm)
     out = joint.attend()
     if not cb.pre_only:
-        y, context = gated_mlp(context, fp8.project(cb.attn.proj, part(out, 0, Lc, cb.attn.proj)), cm[2], cm[4],
+        y, context = gated_mlp(context, project_part(out, 0, Lc, cb.attn.proj), cm[2], cm[4],
                                cm[3], cb.mlp.fc1, cb.mlp.fc2)
         gated_residual_(context, cm[5], y)
     else:
         context = None
-    update = fp8.project(xb.attn.proj, part(out, Lc, None, xb.attn.proj))
+    update = project_part(out, Lc, Lc + Lx, xb.attn.proj)
     if xb.x_block_self_attn:  # MMDiT-X: a second, image-only attention from the same norm with its own modulation
         norm = _qk_weights(xb.attn2, x)
         own = Joint(MODULE, B, Lx, H, x, (xb.attn2.qkv,), [norm], (xb.attn2.proj,))

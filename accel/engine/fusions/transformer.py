@@ -101,10 +101,33 @@ class Joint:
 
 
 def part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int | None,
-         consumer: nn.Module | None) -> torch.Tensor | fp8.Rows:
-    """Tokens start..stop of an attention output (B, L, heads * head_dim), in the form `consumer` takes (fp8 Rows from
-    fp8 attention for a projection making fp8 products; None: 16 bits)."""
-    return out.part(start, stop, consumer) if isinstance(out, fp8_attention.Output) else out[:, start:stop]
+         consumer: nn.Module | None, sample: int | None = None) -> torch.Tensor | fp8.Rows:
+    """Tokens start..stop (of one sample where given) of an attention output (B, L, heads * head_dim), in the form
+    `consumer` takes (fp8 Rows from fp8 attention for a projection making fp8 products; None: 16 bits)."""
+    if isinstance(out, fp8_attention.Output):
+        return out.part(start, stop, consumer, sample)
+    return out[:, start:stop] if sample is None else out[sample:sample + 1, start:stop]
+
+
+def project_part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int, layer: nn.Module) -> torch.Tensor:
+    """layer(tokens start..stop of an attention output): a stream's output projection. Of a batch of several samples
+    such a part is no view of rows, and one product over it would copy it first: each sample's rows go through a
+    product of their own into one output instead."""
+    o = out.o if isinstance(out, fp8_attention.Output) else out
+    B = o.shape[0]
+    if B == 1 or stop - start == o.shape[1] or not (fp8.marked(layer) or plain_linear(layer)):
+        return fp8.project(layer, part(out, start, stop, layer))
+    y = torch.empty(B, stop - start, layer.out_features, device=o.device,
+                    dtype=out.dtype if isinstance(out, fp8_attention.Output) else o.dtype)
+    for b in range(B):
+        x = part(out, start, stop, layer, b)
+        if isinstance(x, fp8.Rows) or fp8.marked(layer):
+            fp8.matmul(x, layer, out=y[b])
+        elif layer.bias is not None:
+            torch.addmm(layer.bias, x[0], layer.weight.t(), out=y[b])
+        else:
+            torch.mm(x[0], layer.weight.t(), out=y[b])
+    return y
 
 
 def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, *consumers: nn.Module,
@@ -125,10 +148,23 @@ def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, 
     the caller adds the MLP's gated output to s. With fp8 products the GELU runs in the pass that quantizes fc2's
     input."""
     h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
+    if isinstance(h, torch.Tensor) and plain_linear(fc1) and fc1.bias is not None and not fp8.marked(fc1):
+        return fp8.project(fc2, linear_gelu(h, fc1.weight, fc1.bias)), x
     a = fp8.project(fc1, h)
     if fp8.takes_rows(a, fc2):
         return fp8.matmul(fp8.quantized(a, gelu=True), fc2), x
     return fc2(F.gelu(a, approximate="tanh")), x
+
+
+def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh-GELU(x @ weight.T + bias). On NVIDIA GPUs the GELU runs in the matrix product's epilogue (cuBLASLt's tanh
+    GELU on the float32 accumulator, or torch's tanh GELU after the product where cuBLASLt does not take it), not as
+    a pass of its own over the MLP's widest activation. torch's CPU version of that call computes the exact GELU:
+    elsewhere the two steps run apart."""
+    if x.device.type != "cuda" or torch.version.hip is not None:
+        return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+    out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
@@ -244,7 +280,7 @@ def joint_block(streams: Sequence[Stream], heads: int, module_name: str | None, 
     outs, offset = [], 0
     for s in streams:
         L = s.x.shape[1]
-        y, x = gated_mlp(s.x, fp8.project(s.proj, part(out, offset, offset + L, s.proj)), s.attn_mod.gate,
+        y, x = gated_mlp(s.x, project_part(out, offset, offset + L, s.proj), s.attn_mod.gate,
                          s.mlp_mod.scale, s.mlp_mod.shift, s.fc1, s.fc2)
         outs.append(gated_residual_(x, s.mlp_mod.gate, y))
         offset += L

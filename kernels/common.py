@@ -37,8 +37,9 @@ INTERPRET_TILE = 1 << 16
 def jit(fn: Callable | None = None, *, do_not_specialize: tuple[str, ...] = ()) -> Callable:
     """triton.jit where Triton is installed. do_not_specialize: the integer arguments that follow the image size
     (pixel and row counts): Triton would compile another variant of the kernel whenever one of them stops being a
-    multiple of 16 or becomes 1, so a new image size would wait for compilation. None of them is a contiguous
-    dimension, so the variants gain nothing."""
+    multiple of 16 or becomes 1, so a new image size would wait for compilation. Name only counts whose variants gain
+    nothing: a row stride, or a length that bounds a flattened contiguous range, left unspecialized costs the
+    kernel its vectorized loads and stores (Triton no longer knows rows start 16-element aligned)."""
     if fn is None:
         return lambda f: jit(f, do_not_specialize=do_not_specialize)
     return triton.jit(fn, do_not_specialize=do_not_specialize) if triton is not None else fn

@@ -29,6 +29,7 @@ import torch
 
 from .common import cdiv, e4m3, jit, on_device, pow2, require, supported_tensor, tl
 from .errors import BadInput
+from .quant import MAX_AMAX
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -74,6 +75,7 @@ def _fold_amax(amax_ptr, m, program, SLOTS: tl.constexpr):
     tl.atomic_max(amax_ptr + program % SLOTS, m)
 
 
+# row_stride and pe_stride stay specialized: aligned rows keep the loads vectorized (common.jit)
 @jit(do_not_specialize=("L", "total", "offset"))
 def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr, amax_ptr, L,
                     total, offset, row_stride, pe_stride, descale_stride, eps,
@@ -108,6 +110,7 @@ def _qk_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr
         _fold_amax(amax_ptr, v_max, (tl.program_id(0) * tl.num_programs(1) + b) * H + h, SLOTS)
 
 
+# row_stride and pe_stride stay specialized, as above
 @jit(do_not_specialize=("L",))
 def _row_norm_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr, amax_ptr, L,
                           row_stride, pe_stride, descale_stride, eps, H: tl.constexpr, D: tl.constexpr,
@@ -186,10 +189,11 @@ def _layout(name: str, sq: torch.Tensor, heads: int, out: tuple[torch.Tensor, ..
                            f"({B}, {total}, {heads}, {D}) {dtype}.", "Make the outputs with empty_qkv.")
     for t, what in ((descales, "descales"), (v_amax, "v_amax")):
         if t is not None and (t.dtype != torch.float32 or t.device != sq.device or not t.is_contiguous()
-                              or (t.dim() != 2 or t.shape[0] != 2 if what == "descales" else t.dim() != 1)):
+                              or (t.dim() != 2 or t.shape[0] != 2 if what == "descales"
+                                  else t.dim() != 1 or not 0 < t.numel() <= MAX_AMAX)):
             raise BadInput(f"{name}: {what} is {tuple(t.shape)} {t.dtype}; expected float32 on {sq.device}, "
-                           "(2, n) descales, a vector v_amax.", "Make descales with qk_descales and v_amax with "
-                           "new_v_amax.")
+                           f"(2, n) descales, a v_amax of 1 to {MAX_AMAX} values.",
+                           "Make descales with qk_descales and v_amax with new_v_amax.")
     return B, L, D, total
 
 

@@ -17,6 +17,7 @@ from .errors import BadInput
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MAX_K = 16384
+# every program of quantize_tensor loads all the partial maxima it is given
 MAX_AMAX = 1024
 # An all-zero row still gets a scale that divides safely.
 MIN_SCALE = 1e-12

@@ -840,8 +840,41 @@ def test_the_mlps_linear_gelu_is_the_tanh_gelu(device, monkeypatch):
     assert out.shape == (4, 16, 64)
     tanh, exact = (torch.nn.functional.gelu(x, approximate=a).view(4, 16, 64) for a in ("tanh", "none"))
     assert (out - tanh).abs().max() <= 1e-6 < 1e-4 < (out - exact).abs().max()
-    # and in bfloat16 as the MLP runs it: within its rounding of the two steps apart
+    # bfloat16, the MLP's own dtype (cuBLASLt's epilogue where float32 may go another way): over [-3.5, -1] the GELU
+    # is small, so the two GELUs lie bfloat16 steps apart (more than 2 at half the points)
+    x = torch.linspace(-3.5, -1, 4096, device=device).to(torch.bfloat16)
+    out = linear_gelu(x.view(64, 64), torch.eye(64, device=device, dtype=x.dtype),
+                      torch.zeros(64, device=device, dtype=x.dtype)).view(-1)
+    tanh, exact = (torch.nn.functional.gelu(x.float(), approximate=a).to(x.dtype) for a in ("tanh", "none"))
+
+    def steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # bfloat16 values apart (same signs here)
+        return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+    assert steps(out, tanh).max() <= 1 and (steps(out, exact) > 2).float().mean() > 0.4
+    # and through a product as the MLP runs it: within its rounding of the two steps apart
     g = torch.Generator(device="cpu").manual_seed(0)
     h, w, b = (torch.randn(*s, generator=g).to(device, torch.bfloat16) for s in ((2, 33, 64), (96, 64), (96,)))
     want = torch.nn.functional.gelu(torch.nn.functional.linear(h.float(), w.float(), b.float()), approximate="tanh")
     assert H.rel(linear_gelu(h, w, b).float(), want) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,bias", [(1, True), (3, True), (3, False)])
+def test_a_streams_output_projection_over_a_batch_equals_the_layers_own(dtype, batch, bias):
+    """A stream's part of a joint attention output, projected sample by sample into one output (of a batch of
+    several the part is no view of rows), equals the layer's own call on the part: the text part, a middle part,
+    the image part; with gradients on, the layer's own call runs (products into an output record no autograd)."""
+    from sd_accel.accel.engine.fusions.transformer import project_part
+
+    g = torch.Generator(device="cpu").manual_seed(batch)
+    out = torch.randn(batch, 23, 16, generator=g).to(DEVICE, dtype)
+    layer = torch.nn.Linear(16, 24, bias=bias).to(DEVICE, dtype)
+    with torch.no_grad():
+        for start, stop in ((0, 5), (5, 17), (5, 23), (0, 23)):
+            got = project_part(out, start, stop, layer)
+            want = layer(out[:, start:stop])
+            assert got.shape == want.shape == (batch, stop - start, 24) and got.dtype == dtype
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bfloat16: the bias added before or after rounding
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    with torch.enable_grad():
+        torch.testing.assert_close(project_part(out, 5, 17, layer), layer(out[:, 5:17]))

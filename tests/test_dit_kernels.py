@@ -408,6 +408,9 @@ def test_qk_norm_rope_e4m3_needs_its_buffers_and_norm_weights():
         qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv, qk_fp8=True), descales=descales)
     with pytest.raises(BadInput, match="v_amax"):
         qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv), v_amax=torch.zeros(2, 2, device=DEVICE))
+    for count in (0, 1025):  # no slot to fold into; more than quantize_tensor reads
+        with pytest.raises(BadInput, match="1 to 1024 values"):
+            qk_rope.qk_norm_rope(qkv, 2, qk_rope.empty_qkv(1, 4, 2, 8, qkv), v_amax=torch.zeros(count, device=DEVICE))
 
 
 def test_quantize_tensor_rounds_to_e4m3_as_torch_does():

@@ -115,18 +115,21 @@ def project_part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int
     product of their own into one output instead."""
     o = out.o if isinstance(out, fp8_attention.Output) else out
     B = o.shape[0]
-    if B == 1 or stop - start == o.shape[1] or not (fp8.marked(layer) or plain_linear(layer)):
+    # products into a given output do not record autograd: with gradients on, the layer's own call
+    if B == 1 or stop - start == o.shape[1] or torch.is_grad_enabled():
         return fp8.project(layer, part(out, start, stop, layer))
-    y = torch.empty(B, stop - start, layer.out_features, device=o.device,
-                    dtype=out.dtype if isinstance(out, fp8_attention.Output) else o.dtype)
-    for b in range(B):
-        x = part(out, start, stop, layer, b)
-        if isinstance(x, fp8.Rows) or fp8.marked(layer):
-            fp8.matmul(x, layer, out=y[b])
+    xs = [part(out, start, stop, layer, b) for b in range(B)]
+    eight = isinstance(xs[0], fp8.Rows) or fp8.takes_rows(xs[0], layer)
+    if not (eight or plain_linear(layer)):
+        return fp8.project(layer, part(out, start, stop, layer))
+    y = torch.empty(B, stop - start, layer.out_features, device=o.device, dtype=xs[0].dtype)
+    for x, y_b in zip(xs, y):
+        if eight:
+            fp8.matmul(x, layer, out=y_b)
         elif layer.bias is not None:
-            torch.addmm(layer.bias, x[0], layer.weight.t(), out=y[b])
+            torch.addmm(layer.bias, x[0], layer.weight.t(), out=y_b)
         else:
-            torch.mm(x[0], layer.weight.t(), out=y[b])
+            torch.mm(x[0], layer.weight.t(), out=y_b)
     return y
 
 
@@ -146,7 +149,7 @@ def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, 
               shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
     """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update (x + update where gate is None);
     the caller adds the MLP's gated output to s. With fp8 products the GELU runs in the pass that quantizes fc2's
-    input."""
+    input; after a plain 16-bit fc1, in its product's epilogue (linear_gelu)."""
     h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
     if isinstance(h, torch.Tensor) and plain_linear(fc1) and fc1.bias is not None and not fp8.marked(fc1):
         return fp8.project(fc2, linear_gelu(h, fc1.weight, fc1.bias)), x

@@ -839,7 +839,7 @@ def test_the_mlps_linear_gelu_is_the_tanh_gelu(device, monkeypatch):
     out = linear_gelu(x.view(4, 16, 64), torch.eye(64, device=device), torch.zeros(64, device=device))
     assert out.shape == (4, 16, 64)
     tanh, exact = (torch.nn.functional.gelu(x, approximate=a).view(4, 16, 64) for a in ("tanh", "none"))
-    assert (out - tanh).abs().max() <= 1e-6 < 1e-4 < (out - exact).abs().max()
+    assert (out - tanh).abs().max() <= 2e-5 < 2e-4 < (out - exact).abs().max()  # a fast tanh in the epilogue
     # bfloat16, the MLP's own dtype (cuBLASLt's epilogue where float32 may go another way): over [-3.5, -1] the GELU
     # is small, so the two GELUs lie bfloat16 steps apart (more than 2 at half the points)
     x = torch.linspace(-3.5, -1, 4096, device=device).to(torch.bfloat16)

@@ -47,7 +47,7 @@ def available(device: torch.device) -> tuple[bool, str]:
     runs it)."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False, "it runs on NVIDIA GPUs only"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device)
     if major not in (9, 10):
         return False, f"its kernels here are for Hopper and Blackwell (compute capability 9.0, 10.x); this GPU is " \
                       f"{major}.{minor}"

@@ -115,15 +115,15 @@ def project_part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int
     product of their own into one output instead."""
     o = out.o if isinstance(out, fp8_attention.Output) else out
     B = o.shape[0]
+    # fp8 products where a part comes as fp8 Rows or as 16 bits for a marked layer (what fp8.project would make)
+    eight = fp8.marked(layer) and (o.dtype == fp8.FP8 or fp8.takes_rows(o, layer))
     # products into a given output do not record autograd: with gradients on, the layer's own call
-    if B == 1 or stop - start == o.shape[1] or torch.is_grad_enabled():
+    if B == 1 or stop - start == o.shape[1] or torch.is_grad_enabled() or not (eight or plain_linear(layer)):
         return fp8.project(layer, part(out, start, stop, layer))
-    xs = [part(out, start, stop, layer, b) for b in range(B)]
-    eight = isinstance(xs[0], fp8.Rows) or fp8.takes_rows(xs[0], layer)
-    if not (eight or plain_linear(layer)):
-        return fp8.project(layer, part(out, start, stop, layer))
-    y = torch.empty(B, stop - start, layer.out_features, device=o.device, dtype=xs[0].dtype)
-    for x, y_b in zip(xs, y):
+    y = torch.empty(B, stop - start, layer.out_features, device=o.device,
+                    dtype=out.dtype if isinstance(out, fp8_attention.Output) else o.dtype)
+    for b, y_b in enumerate(y):
+        x = part(out, start, stop, layer, b)
         if eight:
             fp8.matmul(x, layer, out=y_b)
         elif layer.bias is not None:

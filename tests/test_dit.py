@@ -657,6 +657,35 @@ def test_precision_is_checked():
         parse(TorchOptions, {"precision": "int4"})
 
 
+def test_an_fp8_product_adds_little_to_the_rounding_of_its_operands():
+    """A wide fp8 projection (K = 15,360, Flux's linear2) against the float32 product of its own e4m3 operands: on a
+    GPU its partial sums are accumulated as the tensor cores do (fewer bits than float32, `use_fast_accum`), and what
+    that loses must stay small beside what rounding the operands to e4m3 loses."""
+    from sd_accel.accel.engine import fp8
+    from sd_accel.accel.engine.fusions.base import Undo
+
+    torch.manual_seed(0)
+    block = type("SingleStreamBlock", (torch.nn.Module,), {})()
+    block.linear2 = torch.nn.Linear(15360, 3072, device=DEVICE, dtype=torch.bfloat16)
+    undo = Undo()
+    assert fp8.apply(block, "fp8", undo) == 1
+    x = torch.randn(256, 15360, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = block.linear2(x)
+        w, b = block.linear2.weight.float(), block.linear2.bias.float()
+    undo()
+
+    def e4m3(t):  # per row, to e4m3's range and back
+        s = t.abs().amax(dim=1, keepdim=True) / 448.0
+        return (t / s).to(torch.float8_e4m3fn).float() * s
+
+    exact = x.float() @ w.t() + b
+    of_operands = e4m3(x.float()) @ e4m3(w).t() + b
+    rounding = rel(of_operands, exact)
+    assert 1e-2 < rounding < 5e-2  # e4m3's rounding of N(0, 1) operands
+    assert rel(y, of_operands) < min(1e-2, rounding / 4)  # H200: 3.4e-3 beside 3.7e-2
+
+
 def test_fp8_operands_stay_where_a_graph_read_them_and_follow_weight_changes(comfy_pytorch_attention):
     """A CUDA graph replays the fp8 copies and scales at the addresses it captured: they must outlive the end of a
     host's run (suspend/resume), and a weight changed between runs (in place, replaced, or an inference tensor the

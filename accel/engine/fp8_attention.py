@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from . import fp8
-from .fp8 import FP8, FP8_MAX
 from .fusions.base import comfy_function, comfy_pytorch, kernel_module
 
 log = logging.getLogger("sd-accel")
@@ -74,7 +73,7 @@ def sixteen_bit_output(device: torch.device) -> bool:
 
 def sdpa_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                  descale_k: torch.Tensor, descale_v: torch.Tensor, scale_o: torch.Tensor,
-                 out_dtype: torch.dtype = FP8) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """What cuDNN's fp8 attention computes, in torch (tests; the bench's check): softmax(q k^T / sqrt(head_dim)) v
     over (B, L, heads, head_dim) e4m3 q, k and v times their descales, the probabilities before normalization
     (in [0, 1]) rounded to e4m3 at 448 full scale as cuDNN's scale_s has them, the output times scale_o, in
@@ -83,10 +82,10 @@ def sdpa_fp8_ref(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q
                                                                               (v8, descale_v)))
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))
-    p8 = (p * FP8_MAX).to(FP8).float() / FP8_MAX
+    p8 = (p * fp8.FP8_MAX).to(fp8.FP8).float() / fp8.FP8_MAX
     o = (p8 @ v) / p.sum(dim=-1, keepdim=True) * scale_o.float().reshape(())
-    if out_dtype == FP8:
-        o = o.clamp(-FP8_MAX, FP8_MAX)
+    if out_dtype == fp8.FP8:
+        o = o.clamp(-fp8.FP8_MAX, fp8.FP8_MAX)
     return o.to(out_dtype).transpose(1, 2).contiguous()
 
 
@@ -130,7 +129,7 @@ def _build(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
                                                descale_v=scalars[2], descale_s=scalars[3], scale_s=scalars[4],
                                                scale_o=scalars[5], is_inference=True, attn_scale=1.0 / math.sqrt(D),
                                                use_causal_mask=False)
-        o_type = {FP8: cudnn.data_type.FP8_E4M3, torch.bfloat16: cudnn.data_type.BFLOAT16,
+        o_type = {fp8.FP8: cudnn.data_type.FP8_E4M3, torch.bfloat16: cudnn.data_type.BFLOAT16,
                   torch.float16: cudnn.data_type.HALF}[out_dtype]
         o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(o_type)
         for t in (amax_s, amax_o):
@@ -141,7 +140,7 @@ def _build(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
         g.check_support()
         g.build_plans()
         # each scalar in an allocation of its own: cuDNN takes its tensors 16-byte aligned
-        scale_s = torch.full((1, 1, 1, 1), FP8_MAX, device=device)
+        scale_s = torch.full((1, 1, 1, 1), fp8.FP8_MAX, device=device)
         entry = _Graph(g, (q, k, v, *scalars, o, amax_s, amax_o), (1.0 / scale_s, scale_s),
                        tuple(torch.empty(1, 1, 1, 1, device=device) for _ in range(2)),
                        torch.empty(max(g.get_workspace_size(), 1), device=device, dtype=torch.uint8), handle)
@@ -207,7 +206,7 @@ class Output:
         """Tokens start..stop (of one sample where given): fp8.Rows for a consumer that makes fp8 products (no pass:
         the rows are the output, its descale theirs), else a 16-bit tensor."""
         o = self.o[:, start:stop] if sample is None else self.o[sample:sample + 1, start:stop]
-        if self.o.dtype != FP8:
+        if self.o.dtype != fp8.FP8:
             return o
         if consumer is not None and fp8.marked(consumer):
             rows = o.reshape(-1, o.shape[-1])  # a view, but for a part of a batch of several
@@ -241,7 +240,7 @@ class Sequence:
         q8, k8, v = self.qkv
         v8, descale_v, scale_v = kernel_module("quant").quantize_tensor(v, self.v_amax)
         out = torch.empty(q8.shape, device=q8.device, dtype=self.out_dtype)
-        scale_o = scale_v if self.out_dtype == FP8 else _ONE[q8.device]
+        scale_o = scale_v if self.out_dtype == fp8.FP8 else _ONE[q8.device]
         self.run(q8, k8, v8, self.descales[0, :1], self.descales[1, :1], descale_v, scale_o, out)
         B, L, H, D = out.shape
         return Output(out.view(B, L, H * D), descale_v, v.dtype)
@@ -258,7 +257,7 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
     if not wanted(module_name, name, like, *projections) or any(w is None for pair in norms for w in pair):
         return None
     sixteen_bit = not all(fp8.marked(c) for c in consumers) and sixteen_bit_output(like.device)
-    out_dtype = like.dtype if sixteen_bit else FP8
+    out_dtype = like.dtype if sixteen_bit else fp8.FP8
     run = kernel((batch, tokens, heads, head_dim), like.device, out_dtype)
     if run is None:
         return None

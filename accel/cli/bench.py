@@ -231,6 +231,7 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
         _sync(device)
         first_s = time.perf_counter() - start
         acc(*args)  # the second call at a shape captures its graph
+        _sync(device)  # its work done before the next call is timed (a video DiT's step queues seconds of it)
         # Another shape, then the first again: the first must be served from what was built, not rebuilt.
         # (half the height, down to a size the path accelerates: Qwen-Image's 166 latent rows halve to an odd 83)
         half = args[0].shape[-2] // 2

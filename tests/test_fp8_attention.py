@@ -36,6 +36,8 @@ def emulated(monkeypatch):
         return run
 
     monkeypatch.setattr(fp8_attention, "available", lambda device: (True, "emulated"))
+    # the tiny models' head sizes would keep FlashAttention-4's 16-bit attention where it is installed
+    monkeypatch.setattr(fp8_attention.flash4, "available", lambda device: (False, "not asked for here"))
     monkeypatch.setattr(fp8_attention, "_build", build)
     monkeypatch.setattr(fp8_attention, "_KERNELS", {})
     monkeypatch.setattr(fp8_attention, "_SAID", set())
@@ -168,6 +170,31 @@ def test_where_no_kernel_runs_the_attention_is_16_bit_and_says_why_once(comfy_py
         m.setattr(fp8_attention, "wanted", lambda *args: False)
         sixteen, _ = _fused_output(model, inp, "fp8")
     assert torch.equal(out, sixteen) and torch.equal(again, sixteen)
+
+
+def test_with_flashattention_4_only_head_size_128_takes_fp8_attention(comfy_pytorch_attention, emulated, monkeypatch,
+                                                                     caplog):
+    """Where FlashAttention-4 runs the 16-bit attention, SD3.5's head size (64) keeps it under precision fp8, exactly as
+    without fp8 attention, said once; a head size of 128 (Flux's) still takes fp8 attention."""
+    monkeypatch.setattr(fp8_attention.flash4, "available", lambda device: (True, "said to be installed"))
+    model, inp = _dit_bf16("tiny-sd3"), _bf16_inputs("tiny-sd3")
+    with caplog.at_level(logging.INFO, logger="sd-accel"):
+        out, counts = _fused_output(model, inp, "fp8")
+        _fused_output(model, inp, "fp8")
+    assert counts["fp8"] > 0 and not emulated
+    said = [r.getMessage() for r in caplog.records if "cuDNN's fp8" in r.getMessage()]
+    assert said == ["sd-accel: at head size 64 the attention runs in 16 bits: FlashAttention-4's kernel is faster "
+                    "there than cuDNN's fp8 one."]
+    with monkeypatch.context() as m:
+        m.setattr(fp8_attention, "wanted", lambda *args: False)
+        sixteen, _ = _fused_output(model, inp, "fp8")
+    assert torch.equal(out, sixteen)
+
+    cfg = {**configs.COMFY_DIT_CONFIGS["tiny-flux"][1], "hidden_size": 256, "num_heads": 2, "axes_dim": [16, 56, 56]}
+    monkeypatch.setitem(configs.COMFY_DIT_CONFIGS, "tiny-flux-128", ("flux", cfg))
+    monkeypatch.setitem(configs.DIT_SHAPES, "tiny-flux-128", configs.DIT_SHAPES["tiny-flux"])
+    _fused_output(_dit_bf16("tiny-flux-128"), _bf16_inputs("tiny-flux-128"), "fp8")
+    assert emulated and all(shape[3] == 128 for shape in emulated)
 
 
 def test_a_missing_package_or_an_older_gpu_is_said_in_words(monkeypatch):

@@ -11,7 +11,10 @@ something needs 16 bits it is widened. v's descale maps max|v| to 448, and every
 v's rows, so the output never overflows.
 
 Blocks without qk norm (SD3.0), heads cuDNN does not take, a host attention other than ComfyUI's PyTorch one, a
-sequence-parallel stand-in, a missing package or an older GPU: 16-bit attention as before, said once per reason.
+sequence-parallel stand-in, a missing package or an older GPU: 16-bit attention as before, said once per reason. So
+too where FlashAttention-4 runs the 16-bit attention and the head size is not one at which cuDNN's fp8 kernel was
+measured faster than it (on an H200, 128: Flux, Qwen-Image, Wan; at SD3.5's 64 FlashAttention-4's bf16 kernel is
+1.27x cuDNN's bf16 one, cuDNN's fp8 kernel about even with that).
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import fp8
+from . import flash4, fp8
 from .fusions.base import comfy_function, comfy_pytorch, kernel_module
 
 log = logging.getLogger("sd-accel")
 
 PACKAGE = "nvidia-cudnn-frontend"
+# The head sizes at which cuDNN's fp8 attention (with v's quantization) was measured faster than FlashAttention-4's
+# 16-bit attention (BENCHMARKS.md): where that runs, other head sizes stay 16-bit.
+AHEAD_OF_FLASH4 = (128,)
 # (q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out): fills out, (B, L, heads, head_dim) like q
 Kernel = Callable[..., None]
 
@@ -175,11 +181,15 @@ def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
             found = why
         _KERNELS[key] = found
     if isinstance(found, str):
-        if found not in _SAID:
-            _SAID.add(found)
-            log.warning("sd-accel: fp8 attention cannot run: %s; the attention runs in 16 bits.", found)
+        _say(f"fp8 attention cannot run: {found}; the attention runs in 16 bits", logging.WARNING)
         return None
     return found
+
+
+def _say(what: str, level: int) -> None:
+    if what not in _SAID:
+        _SAID.add(what)
+        log.log(level, "sd-accel: %s.", what)
 
 
 # ---- the fused blocks' side
@@ -255,6 +265,10 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
     has no qk norm to bound q and k, or no kernel runs: said once). The output is e4m3 where every consumer makes fp8
     products or the GPU writes no 16-bit output, else 16-bit."""
     if not wanted(module_name, name, like, *projections) or any(w is None for pair in norms for w in pair):
+        return None
+    if head_dim not in AHEAD_OF_FLASH4 and available(like.device)[0] and flash4.available(like.device)[0]:
+        _say(f"at head size {head_dim} the attention runs in 16 bits: FlashAttention-4's kernel is faster there than "
+             "cuDNN's fp8 one", logging.INFO)
         return None
     sixteen_bit = not all(fp8.marked(c) for c in consumers) and sixteen_bit_output(like.device)
     out_dtype = like.dtype if sixteen_bit else fp8.FP8

@@ -182,13 +182,22 @@ def test_with_flashattention_4_only_head_size_128_takes_fp8_attention(comfy_pyto
         out, counts = _fused_output(model, inp, "fp8")
         _fused_output(model, inp, "fp8")
     assert counts["fp8"] > 0 and not emulated
-    said = [r.getMessage() for r in caplog.records if "cuDNN's fp8" in r.getMessage()]
-    assert said == ["sd-accel: at head size 64 the attention runs in 16 bits: FlashAttention-4's kernel is faster "
-                    "there than cuDNN's fp8 one."]
+    said = [r.getMessage() for r in caplog.records if "fp8" in r.getMessage()]
+    assert said == ["sd-accel: at head size 64 the attention stays 16-bit under fp8: FlashAttention-4 is installed, "
+                    "and its 16-bit kernel was measured faster there than cuDNN's fp8 one."]
     with monkeypatch.context() as m:
         m.setattr(fp8_attention, "wanted", lambda *args: False)
         sixteen, _ = _fused_output(model, inp, "fp8")
     assert torch.equal(out, sixteen)
+
+    # where cuDNN's kernel cannot run, that is what is said
+    caplog.clear()
+    with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="sd-accel"):
+        m.setattr(fp8_attention, "available", lambda device: (False, "no cuDNN here"))
+        m.setattr(fp8_attention, "_KERNELS", {})
+        _fused_output(model, inp, "fp8")
+    assert [r.getMessage() for r in caplog.records if "fp8" in r.getMessage()] == \
+        ["sd-accel: fp8 attention cannot run: no cuDNN here; the attention runs in 16 bits."]
 
     cfg = {**configs.COMFY_DIT_CONFIGS["tiny-flux"][1], "hidden_size": 256, "num_heads": 2, "axes_dim": [16, 56, 56]}
     monkeypatch.setitem(configs.COMFY_DIT_CONFIGS, "tiny-flux-128", ("flux", cfg))

@@ -237,9 +237,9 @@ def matmul(x: torch.Tensor | Rows, layer: nn.Linear, rows: slice = slice(None), 
     x = x if isinstance(x, Rows) else quantized(x)
     b = layer.bias[rows].to(x.dtype) if bias and layer.bias is not None else None
     extra = {} if out is None else {"out": out}
-    # Hopper's fp8 tensor cores accumulate with fewer bits than float32; without fast accumulation cuBLAS adds their
-    # partial sums into float32 every few steps of K, which costs 4-18% of the product's time. What fast
-    # accumulation loses (about 3e-3 of a product at K = 15,360) is a tenth of the e4m3 rounding of its operands.
+    # The fp8 tensor cores accumulate with fewer bits than float32; without fast accumulation cuBLAS adds their partial
+    # sums into float32 every few steps of K, a cost the product pays throughout, for a gain in accuracy far below
+    # what rounding its operands to e4m3 has already lost (BENCHMARKS.md).
     y = torch._scaled_mm(x.q, w.t(), scale_a=x.scale, scale_b=scale, bias=b, out_dtype=x.dtype, use_fast_accum=True,
                          **extra)
     return y.view(*x.shape, y.shape[-1])

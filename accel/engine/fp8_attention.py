@@ -12,9 +12,9 @@ v's rows, so the output never overflows.
 
 Blocks without qk norm (SD3.0), heads cuDNN does not take, a host attention other than ComfyUI's PyTorch one, a
 sequence-parallel stand-in, a missing package or an older GPU: 16-bit attention as before, said once per reason. So
-too where FlashAttention-4 runs the 16-bit attention and the head size is not one at which cuDNN's fp8 kernel was
-measured faster than it (on an H200, 128: Flux, Qwen-Image, Wan; at SD3.5's 64 FlashAttention-4's bf16 kernel is
-1.27x cuDNN's bf16 one, cuDNN's fp8 kernel about even with that).
+too where FlashAttention-4 is installed, at a head size it takes where cuDNN's fp8 kernel was not measured faster
+than its 16-bit one (BENCHMARKS.md, on an H200; Blackwell not measured): 128 (Flux, Chroma, Qwen-Image, Wan) keeps
+fp8 attention, SD3.5's 64 does not.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ log = logging.getLogger("sd-accel")
 
 PACKAGE = "nvidia-cudnn-frontend"
 # The head sizes at which cuDNN's fp8 attention (with v's quantization) was measured faster than FlashAttention-4's
-# 16-bit attention (BENCHMARKS.md): where that runs, other head sizes stay 16-bit.
+# 16-bit attention (BENCHMARKS.md): where that is installed, other head sizes it takes stay 16-bit.
 AHEAD_OF_FLASH4 = (128,)
 # (q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out): fills out, (B, L, heads, head_dim) like q
 Kernel = Callable[..., None]
@@ -266,9 +266,11 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
     products or the GPU writes no 16-bit output, else 16-bit."""
     if not wanted(module_name, name, like, *projections) or any(w is None for pair in norms for w in pair):
         return None
-    if head_dim not in AHEAD_OF_FLASH4 and available(like.device)[0] and flash4.available(like.device)[0]:
-        _say(f"at head size {head_dim} the attention runs in 16 bits: FlashAttention-4's kernel is faster there than "
-             "cuDNN's fp8 one", logging.INFO)
+    # cuDNN's availability first: where it is missing, that is what to say
+    if head_dim not in AHEAD_OF_FLASH4 and head_dim % 8 == 0 and available(like.device)[0] \
+            and flash4.available(like.device)[0]:
+        _say(f"at head size {head_dim} the attention stays 16-bit under fp8: FlashAttention-4 is installed, and its "
+             "16-bit kernel was measured faster there than cuDNN's fp8 one", logging.INFO)
         return None
     sixteen_bit = not all(fp8.marked(c) for c in consumers) and sixteen_bit_output(like.device)
     out_dtype = like.dtype if sixteen_bit else fp8.FP8

@@ -174,8 +174,9 @@ def test_where_no_kernel_runs_the_attention_is_16_bit_and_says_why_once(comfy_py
 
 def test_with_flashattention_4_only_head_size_128_takes_fp8_attention(comfy_pytorch_attention, emulated, monkeypatch,
                                                                      caplog):
-    """Where FlashAttention-4 runs the 16-bit attention, SD3.5's head size (64) keeps it under precision fp8, exactly as
-    without fp8 attention, said once; a head size of 128 (Flux's) still takes fp8 attention."""
+    """Where FlashAttention-4 is installed, SD3.5's head size (64) keeps the 16-bit attention under precision fp8,
+    exactly as without fp8 attention, said once (unless cuDNN's kernel cannot run: that is said); a head size of 128
+    (Flux's) still takes fp8 attention."""
     monkeypatch.setattr(fp8_attention.flash4, "available", lambda device: (True, "said to be installed"))
     model, inp = _dit_bf16("tiny-sd3"), _bf16_inputs("tiny-sd3")
     with caplog.at_level(logging.INFO, logger="sd-accel"):

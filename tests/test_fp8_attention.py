@@ -37,11 +37,18 @@ def emulated(monkeypatch):
 
     monkeypatch.setattr(fp8_attention, "available", lambda device: (True, "emulated"))
     # the tiny models' head sizes would keep FlashAttention-4's 16-bit attention where it is installed
-    monkeypatch.setattr(fp8_attention.flash4, "available", lambda device: (False, "not asked for here"))
+    monkeypatch.setattr(fp8_attention.flash4, "takes", lambda device, head_dim: False)
     monkeypatch.setattr(fp8_attention, "_build", build)
     monkeypatch.setattr(fp8_attention, "_KERNELS", {})
     monkeypatch.setattr(fp8_attention, "_SAID", set())
     return calls
+
+
+def _tiny_flux_128(monkeypatch) -> None:
+    """configs' "tiny-flux-128": tiny Flux with two heads of 128 channels (the head size of cuDNN's fp8 kernels)."""
+    cfg = {**configs.COMFY_DIT_CONFIGS["tiny-flux"][1], "hidden_size": 256, "num_heads": 2, "axes_dim": [16, 56, 56]}
+    monkeypatch.setitem(configs.COMFY_DIT_CONFIGS, "tiny-flux-128", ("flux", cfg))
+    monkeypatch.setitem(configs.DIT_SHAPES, "tiny-flux-128", configs.DIT_SHAPES["tiny-flux"])
 
 
 def quantized_attention(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
@@ -177,7 +184,7 @@ def test_with_flashattention_4_only_head_size_128_takes_fp8_attention(comfy_pyto
     """Where FlashAttention-4 is installed, SD3.5's head size (64) keeps the 16-bit attention under precision fp8,
     exactly as without fp8 attention, said once (unless cuDNN's kernel cannot run: that is said); a head size of 128
     (Flux's) still takes fp8 attention."""
-    monkeypatch.setattr(fp8_attention.flash4, "available", lambda device: (True, "said to be installed"))
+    monkeypatch.setattr(fp8_attention.flash4, "takes", lambda device, head_dim: True)
     model, inp = _dit_bf16("tiny-sd3"), _bf16_inputs("tiny-sd3")
     with caplog.at_level(logging.INFO, logger="sd-accel"):
         out, counts = _fused_output(model, inp, "fp8")
@@ -200,9 +207,7 @@ def test_with_flashattention_4_only_head_size_128_takes_fp8_attention(comfy_pyto
     assert [r.getMessage() for r in caplog.records if "fp8" in r.getMessage()] == \
         ["sd-accel: fp8 attention cannot run: no cuDNN here; the attention runs in 16 bits."]
 
-    cfg = {**configs.COMFY_DIT_CONFIGS["tiny-flux"][1], "hidden_size": 256, "num_heads": 2, "axes_dim": [16, 56, 56]}
-    monkeypatch.setitem(configs.COMFY_DIT_CONFIGS, "tiny-flux-128", ("flux", cfg))
-    monkeypatch.setitem(configs.DIT_SHAPES, "tiny-flux-128", configs.DIT_SHAPES["tiny-flux"])
+    _tiny_flux_128(monkeypatch)
     _fused_output(_dit_bf16("tiny-flux-128"), _bf16_inputs("tiny-flux-128"), "fp8")
     assert emulated and all(shape[3] == 128 for shape in emulated)
 
@@ -390,9 +395,7 @@ def test_cudnn_fp8_attention_is_the_emulation(shape):
 def test_a_fused_flux_takes_cudnns_fp8_attention_on_the_gpu(comfy_pytorch_attention, monkeypatch):
     """A small Flux of head size 128 (cuDNN's) under precision fp8: every attention through cuDNN, the output close
     to the 16-bit attention's."""
-    cfg = {**configs.COMFY_DIT_CONFIGS["tiny-flux"][1], "hidden_size": 256, "num_heads": 2, "axes_dim": [16, 56, 56]}
-    monkeypatch.setitem(configs.COMFY_DIT_CONFIGS, "tiny-flux-128", ("flux", cfg))
-    monkeypatch.setitem(configs.DIT_SHAPES, "tiny-flux-128", configs.DIT_SHAPES["tiny-flux"])
+    _tiny_flux_128(monkeypatch)
     model, inp = _dit_bf16("tiny-flux-128"), _bf16_inputs("tiny-flux-128")
     built = []
     build = fp8_attention._build

@@ -62,6 +62,15 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def takes(device: torch.device, head_dim: int) -> bool:
+    """Whether FlashAttention-4 can run on `device` and has kernels for heads of `head_dim` channels."""
+    return available(device)[0] and _head_size(_capability(device)[0], head_dim)
+
+
+def _head_size(major: int, head_dim: int) -> bool:
+    return head_dim % 8 == 0 and head_dim <= (256 if major == 9 else 128)
+
+
 def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether FlashAttention-4 takes these (B, L, heads, head_dim) q, k and v: installed, on Hopper or Blackwell,
     16-bit, a head size its kernels have (multiples of 8 up to 256 on Hopper, 128 on Blackwell), each head's channels
@@ -72,8 +81,7 @@ def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     major = _capability(q.device)[0]
     head_dim = q.shape[-1]
-    if major not in (9, 10) or head_dim % 8 or head_dim > (256 if major == 9 else 128) \
-            or head_dim != k.shape[-1] or head_dim != v.shape[-1]:
+    if major not in (9, 10) or not _head_size(major, head_dim) or head_dim != k.shape[-1] or head_dim != v.shape[-1]:
         return False
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         return False

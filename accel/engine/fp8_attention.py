@@ -267,8 +267,7 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
     if not wanted(module_name, name, like, *projections) or any(w is None for pair in norms for w in pair):
         return None
     # cuDNN's availability first: where it is missing, that is what to say
-    if head_dim not in AHEAD_OF_FLASH4 and head_dim % 8 == 0 and available(like.device)[0] \
-            and flash4.available(like.device)[0]:
+    if head_dim not in AHEAD_OF_FLASH4 and available(like.device)[0] and flash4.takes(like.device, head_dim):
         _say(f"at head size {head_dim} the attention stays 16-bit under fp8: FlashAttention-4 is installed, and its "
              "16-bit kernel was measured faster there than cuDNN's fp8 one", logging.INFO)
         return None

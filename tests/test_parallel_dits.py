@@ -9,6 +9,8 @@ ControlNet residuals, are refused."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -173,3 +175,44 @@ def test_another_model_is_refused():
         with sequence_parallel(torch.nn.Linear(2, 2), Group()):
             pass
     assert "one GPU" in e.value.fix
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_sequence_parallel_calls_replay_cuda_graphs_cut_at_their_collectives():
+    """A sequence-parallel call (one NCCL process on the GPU: the exchanges run, as copies) is captured in pieces, one
+    more than its collectives (two per block, the gather at the end), and each replay runs them between the pieces:
+    call after call, its output is its plain first call's on those inputs, and the one-process call's."""
+    pytest.importorskip("triton")
+    H.import_comfy()
+    from sd_accel.accel.accelerate import accelerate
+    from sd_accel.accel.parallel.group import Group
+    from sd_accel.accel.parallel.rendezvous import free_port, join
+    from sd_accel.accel.parallel.sequence import sequence_parallel
+    from sd_accel.accel.parallel.spread import SPREAD_OPTIONS
+
+    device = torch.device("cuda", 0)
+    join("nccl", free_port(), 0, 1, 120, device)
+    try:
+        model = _model("tiny-flux").to(device, torch.bfloat16)
+        acc = accelerate(model, preference="torch", options={**SPREAD_OPTIONS, "cuda_graphs": True})
+
+        def call(seed: int, spread: bool) -> torch.Tensor:
+            inp = {k: v.to(device) for k, v in _inputs("tiny-flux", 8, 8).items()}
+            inp["x"] = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(seed)).to(inp["x"])
+            with torch.no_grad(), sequence_parallel(model, Group()) if spread else contextlib.nullcontext():
+                return acc(inp["x"], inp["timesteps"], inp["context"], inp.get("y"),
+                           guidance=inp.get("guidance")).float()
+
+        spread = {}
+        for seed in (0, 1, 0, 2, 1):  # seed 0 first: the plain call; then the capture, and replays
+            out = call(seed, True)
+            assert torch.isfinite(out).all() and H.rel(out, spread.setdefault(seed, out)) <= 1e-3, seed
+        (entry,) = acc.engine.graphs._entries.values()
+        blocks = len(model.double_blocks) + len(model.single_blocks)
+        assert len(entry.pieces.graphs) == 2 * blocks + 2 and acc.engine.graphs.captures == 1
+        for seed in (0, 1, 2):  # the same shapes alone: the graph captured again, without collectives
+            assert H.rel(call(seed, False), spread[seed]) <= 1e-2, seed  # the same math in other orders, in bf16
+        assert [len(e.pieces.graphs) for e in acc.engine.graphs._entries.values()] == [1]
+        acc.release()
+    finally:
+        torch.distributed.destroy_process_group()

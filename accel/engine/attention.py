@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Hashable, Iterator
 
 import torch
 
@@ -71,11 +71,14 @@ def reads(module: str, name: str) -> None:
     _READ.add((module, name))
 
 
-def read() -> tuple[int, ...]:
+def read() -> tuple:
     """The functions those places hold now: which one runs, or which one a fused block timed its own attention
     against (accel/engine/host_attention.py), is part of what a CUDA graph captured, so a graph serves only while the
-    same ones are there."""
-    return tuple(id(getattr(sys.modules.get(m), n, None)) for m, n in sorted(_READ))
+    same ones are there. A stand-in, made afresh for each call, counts as what it does (its key)."""
+    def what(fn) -> Hashable:
+        return fn.key if isinstance(fn, StandIn) and fn.key is not None else id(fn)
+
+    return tuple(what(getattr(sys.modules.get(m), n, None)) for m, n in sorted(_READ))
 
 
 @dataclass(frozen=True)
@@ -88,29 +91,21 @@ class StandIn:
     call: Callable  # what the host's blocks call in host's place, with host's arguments
     # around(attend, q, k, v) for (B, L, heads, head_dim) q, k and v, where attend(q, k, v) -> (B, L, heads * head_dim)
     around: Callable
+    # alike for stand-ins that do the same, so that a CUDA graph captured with one replays for another; None: its own
+    key: Hashable = None
 
     def __call__(self, *args, **kwargs):
         return self.call(*args, **kwargs)
-
-
-_STANDING: list[StandIn] = []  # the stand-ins in place now
 
 
 @contextlib.contextmanager
 def standing_in(module, name: str, fn: StandIn) -> Iterator[None]:
     """fn in the place of module's attention function `name` (fn.host) while it lasts."""
     setattr(module, name, fn)
-    _STANDING.append(fn)
     try:
         yield
     finally:
-        _STANDING.remove(fn)
         setattr(module, name, fn.host)
-
-
-def standing() -> bool:
-    """Whether a stand-in is in place (a sequence-parallel exchange): such calls run without a CUDA graph."""
-    return bool(_STANDING)
 
 
 class FlashAttnProcessor:

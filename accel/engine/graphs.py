@@ -5,16 +5,25 @@ its static buffers, and weights are read from wherever the parameters lived at c
 is keyed by the inputs' shapes, dtypes and device, and each entry remembers a token of the weights'
 storage; a host that swaps Parameter objects (ComfyUI's LoRA patching does) changes the token and the
 shape is captured again instead of replaying stale weights.
+
+A call over several processes (sequence parallelism: accel/parallel/exchange.py) holds collectives. Each one cuts the
+capture: the graph so far ends before it, the collective runs, and the next graph begins after it; a replay runs the
+graphs with the collectives between them, on the same tensors. NCCL captured inside one graph made a spread Flux step
+three times slower, and running such a call without graphs left its GPU idle a fifth of the step while the CPU
+launched its kernels (BENCHMARKS.md). The tensors a collective reads and writes come from `empty()`, which keeps them
+outside the graphs' pool, two per shape taken in turn, so the memory they need does not grow with the blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 _registrations = 0
@@ -57,9 +66,92 @@ class WeightsWatch:
         return tuple(map(torch.Tensor.data_ptr, self.tensors()))
 
 
+class _Buffers:
+    """The tensors the collectives of one captured call read and write: made in the warm-up call before the capture
+    (none can be made outside the graphs' pool while one is captured), two per shape, dtype and device, taken in turn.
+    A collective's output is read before the second collective after it of its shape writes there again, and every
+    collective waits for what the stream did before it."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple, list[torch.Tensor]] = {}
+        self.turns: Counter = Counter()
+        self.made = False  # the warm-up call is over: a capture takes only what it made
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (tuple(shape), dtype, torch.device(device))
+        ring = self.held.setdefault(key, [])
+        turn = self.turns[key] % 2
+        self.turns[key] += 1
+        if turn == len(ring):
+            if self.made:
+                raise RuntimeError(f"a collective's tensor {key} was not made in the call before the capture")
+            ring.append(torch.empty(tuple(shape), dtype=dtype, device=device))
+        return ring[turn]
+
+
+@dataclass
+class _Pieces:
+    """One call's graphs and the collectives between them, in order (one graph more than collectives)."""
+
+    pool: tuple
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    between: list[Callable[[], None]] = field(default_factory=list)
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        # With a process group, NCCL's watchdog thread polls the events of collectives (the warm-up's, those between
+        # the pieces) while a piece is captured; in the default global mode any thread's poll ends the capture.
+        graph.capture_begin(*self.pool, capture_error_mode="thread_local" if dist.is_initialized() else "global")
+        self.graphs.append(graph)
+
+    def cut(self, run: Callable[[], None]) -> None:
+        self.graphs[-1].capture_end()
+        run()
+        self.between.append(run)
+        self.begin()
+
+    def replay(self) -> None:
+        for graph, run in zip(self.graphs, self.between):
+            graph.replay()
+            run()
+        self.graphs[-1].replay()
+
+
+_buffers: _Buffers | None = None  # while GraphCache warms up or captures a call
+_pieces: _Pieces | None = None  # while GraphCache captures a call
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor for a collective to read or write (between()): a new one, or while a call is captured, one kept with
+    its graphs."""
+    if _buffers is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return _buffers.take(shape, dtype, device)
+
+
+def between(run: Callable[[], None]) -> None:
+    """run() now: a collective over the processes, on tensors from empty(). While a call is captured it cuts the
+    capture, and each replay runs it between the two graphs."""
+    if _pieces is None:
+        run()
+    else:
+        _pieces.cut(run)
+
+
+@contextlib.contextmanager
+def _capturing(buffers: _Buffers, pieces: _Pieces | None = None) -> Iterator[None]:
+    global _buffers, _pieces
+    _buffers, _pieces = buffers, pieces
+    try:
+        yield
+    finally:
+        _buffers, _pieces = None, None
+
+
 @dataclass
 class _Entry:
-    graph: torch.cuda.CUDAGraph
+    pieces: _Pieces
+    buffers: _Buffers
     inputs: list[torch.Tensor]
     output: torch.Tensor
     token: tuple
@@ -109,32 +201,43 @@ class GraphCache:
         self._entries.move_to_end(key)
         for dst, src in zip(entry.inputs, tensors):
             dst.copy_(src)
-        entry.graph.replay()
+        entry.pieces.replay()
         # Graphs share one pool, so another shape's replay may reuse this output's memory: hand out a copy.
         return entry.output.clone()
 
     def _capture(self, tensors: Sequence[torch.Tensor], token: tuple) -> _Entry:
         start = time.perf_counter()
         static = [t.detach().clone() for t in tensors]
+        buffers = _Buffers()
         # One side stream for every warm-up: cuBLAS keeps a workspace per stream that is never given back.
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the side stream's own allocations and cuBLAS workspace stay out of the graph
+        with torch.cuda.stream(stream), _capturing(buffers):  # the side stream's allocations stay out of the graph
             self.fn(*static)
         torch.cuda.current_stream().wait_stream(stream)
+        buffers.made, buffers.turns = True, Counter()
         if self._pool is None or not self._entries:
             # A pool is released with the last graph that used it: start a new one when none is left.
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
+        pieces = _Pieces((self._pool,))
+        # What torch.cuda.graph does before its capture, which cannot be cut; the pieces of one call share the pool
+        # and replay in the order they were captured, so each may reuse what the ones before it freed.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         # Factory calls default to the graph's device while it is captured: a host's code that builds a constant
         # on the CPU and copies it over (ldm's and sgm's timestep_embedding, as A1111 runs SDXL) cannot be captured.
-        with torch.cuda.graph(graph, pool=self._pool), torch.device(static[0].device):
-            output = self.fn(*static)
+        # Captured on the warm-up's stream, whose cuBLAS workspace the warm-up made.
+        with torch.cuda.stream(stream), torch.device(static[0].device), _capturing(buffers, pieces):
+            pieces.begin()
+            try:
+                output = self.fn(*static)
+            finally:
+                pieces.graphs[-1].capture_end()
         self.captures += 1
         self.capture_s += time.perf_counter() - start
-        return _Entry(graph, static, output, token)
+        return _Entry(pieces, buffers, static, output, token)
 
     def clear(self) -> None:
         self._entries.clear()

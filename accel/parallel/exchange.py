@@ -20,15 +20,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..engine import graphs
 from ..engine.attention import StandIn
 from .group import Group
 from .shards import Shards
 
 
 def _all_to_all(x: torch.Tensor, g: Group) -> torch.Tensor:
-    """Part i of x (its first dim) goes to rank i; part j of the result came from rank j."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=g.group)
+    """Part i of x (its first dim; a tensor from graphs.empty) goes to rank i; part j of the result came from rank j.
+    The result is graphs.empty's too: read it before two more exchanges of its shape."""
+    out = graphs.empty(x.shape, x.dtype, x.device)
+    graphs.between(lambda: dist.all_to_all_single(out, x, group=g.group))
     return out
 
 
@@ -40,7 +42,7 @@ def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: int,
     one itself where B is 1 and no row is whole."""
     (B, L, H, D), w = q.shape, g.world
     s, h = L - whole, H // w
-    send = q.new_empty(w, B, s, 3, h, D)
+    send = graphs.empty((w, B, s, 3, h, D), q.dtype, q.device)
     for i, t in enumerate((q, k, v)):
         send[:, :, :, i] = t[:, whole:].unflatten(2, (w, h)).permute(2, 0, 1, 3, 4)
     got = _all_to_all(send, g).transpose(0, 1).reshape(B, w * s, 3, h, D)
@@ -57,9 +59,10 @@ def to_tokens(out: torch.Tensor, whole: int, g: Group) -> torch.Tensor:
     w = g.world
     s = (total - whole) // w
     out = out.reshape(B, total, -1)
-    rows = out[:, whole:].unflatten(1, (w, s)).transpose(0, 1)  # (w, B, s, c): no copy to make where B is 1
+    rows = out[:, whole:].unflatten(1, (w, s)).transpose(0, 1)  # (w, B, s, c)
+    send = graphs.empty((w, B, whole + s, out.shape[2]), out.dtype, out.device)
     # every rank needs this rank's heads of the whole rows
-    send = torch.cat((out[:, :whole].expand(w, -1, -1, -1), rows), 2) if whole else rows.contiguous()
+    torch.cat((out[:, :whole].expand(w, -1, -1, -1), rows), 2, out=send)
     return _all_to_all(send, g).permute(1, 2, 0, 3).reshape(B, whole + s, w * out.shape[2])
 
 
@@ -82,4 +85,4 @@ def stand_in(host: Callable, shards: Shards) -> StandIn:
         whole = shards.whole(q.shape[1])
         return to_tokens(attend(*to_heads(q, k, v, whole, g)), whole, g)
 
-    return StandIn(host, call, around)
+    return StandIn(host, call, around, key=("exchange", host, id(g.group)))

@@ -8,7 +8,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..engine import graphs
 from ..errors import BadInput
+
+# torch 2.13 renamed all_gather_into_tensor (and warns at each call of the old name)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ def shard(x: torch.Tensor, dim: int, g: Group) -> torch.Tensor:
 
 def gather(x: torch.Tensor, dim: int, g: Group) -> torch.Tensor:
     """Every rank's share of x along dim, in rank order."""
-    parts = [torch.empty_like(x) for _ in range(g.world)]
-    dist.all_gather(parts, x.contiguous(), group=g.group)
-    return torch.cat(parts, dim)
+    send = graphs.empty(x.shape, x.dtype, x.device)
+    send.copy_(x)
+    parts = graphs.empty((g.world * x.shape[0], *x.shape[1:]), x.dtype, x.device)  # rank after rank (gloo's form)
+    graphs.between(lambda: _all_gather(parts, send, group=g.group))
+    return torch.cat(parts.chunk(g.world), dim)

@@ -33,7 +33,7 @@ GPUS = ("1", "2", "4", "all")
 # call twice in a process that lacks kernels, so the processes' collectives would fall out of step), and no
 # torch.compile (sequence parallelism hooks the blocks afresh for each call, and compiled blocks guard on their hooks: a
 # recompile every step). CUDA graphs stay as asked: a CFG half's call holds no collective and replays its graph; a
-# sequence-parallel call runs without one (the engine: its exchanges captured in a graph ran three times slower).
+# sequence-parallel call replays graphs cut at its collectives, which run between them (accel/engine/graphs.py).
 SPREAD_OPTIONS = {"parallel_compile": False, "compile": False}
 
 

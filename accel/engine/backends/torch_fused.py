@@ -33,7 +33,7 @@ from ...models.dit import CanonicalDiT
 from ...models.spec import CanonicalUNet
 from ...plan.options import Runtime, TorchOptions
 from ...progress import NullProgress, Progress
-from ..attention import FlashAttnProcessor, read, sdpa_kernels, standing
+from ..attention import FlashAttnProcessor, read, sdpa_kernels
 from ..graphs import GraphCache, WeightsWatch
 
 log = logging.getLogger("sd-accel")
@@ -268,9 +268,7 @@ class TorchEngine:
             timesteps = timesteps.expand(x.shape[0])
         if guidance is not None and guidance.dim() == 0:
             guidance = guidance.expand(x.shape[0])
-        # A call under sequence parallelism (stand-ins in place) runs without a graph: its exchanges, captured in one,
-        # made a spread Flux step three times slower (BENCHMARKS.md).
-        if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device or standing():
+        if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device:
             return self._compiling_ahead(self._run, x_in, timesteps, ctx, y, control, guidance, **kwargs).to(x.dtype)
         ctrl, layout = _flatten_control(control)
         self._layout = (y is not None, guidance is not None, layout)

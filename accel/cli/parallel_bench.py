@@ -56,6 +56,7 @@ class Result:
     rel_err: float | None = None
     noise: float | None = None  # the 1-GPU row's: how far its output moves with its input moved by one bf16 rounding
     kernels: dict[str, float] | None = None  # with --profile: rank 0's GPU ms per step by operator class
+    top_kernels: list | None = None  # with --profile: rank 0's costliest kernels, (name, ms per step, launches)
     note: str = ""
 
 
@@ -218,8 +219,8 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
         where[0] = f"building {name}"
         start = time.perf_counter()
         model = build_dit(name, "comfy", seed=0, device=device, dtype=dtype, comfyui_root=job.comfyui)
-        # The torch path as the node's workers run it: CUDA graphs for the 1-GPU and CFG calls, none under sequence
-        # parallelism (engine).
+        # The torch path as the node's workers run it, with CUDA graphs (cut at the collectives of a sequence-parallel
+        # call: accel/engine/graphs.py).
         acc = accelerate(model, preference="torch", options=dict(SPREAD_OPTIONS),
                          gpu=detect(rank) if job.cuda else cpu_info())
         _sync(device)
@@ -236,6 +237,8 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
                 if rank == 0:
                     _compare(row, out, job)
                     _say(f"[{name} {size}] {_line(row)}")
+                    for kernel, ms, launches in row.top_kernels or ():
+                        _say(f"[{name} {size}]     {ms:7.3f} ms  x{launches:<5g} {kernel}")
                     rows.append(row)
                 del out
         acc.release()
@@ -272,10 +275,11 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
     if job.world == 1:
         row.noise = _noise(acc, args, out)
     if job.profile:  # every rank runs the profiled calls (their collectives); rank 0's kernels are the row's
-        from .profile import by_class, kernel_times
+        from .profile import by_class, kernel_times, top
 
         with torch.inference_mode():
-            row.kernels = by_class(kernel_times(call, runs=2))
+            times = kernel_times(call, runs=2)
+        row.kernels, row.top_kernels = by_class(times), top(times)
     return row, out
 
 
@@ -333,7 +337,8 @@ LEGEND = ("ms/step = one sampling step of the whole batch (both CFG halves), med
           "rank; speedup over the 1-GPU row of the same model and size; peak GB = the most any rank allocated; "
           "rel err = relative L2 distance of the output from the 1-GPU output, in fp32; on the 1-GPU row, in brackets, "
           "its bf16 noise: its own distance when its input moves by one bf16 rounding (x (1 + 2^-8 r)), the yardstick "
-          "for the others. CUDA graphs in the 1 GPU and CFG rows; none in sequence-parallel calls.")
+          "for the others. CUDA graphs in every row; a sequence-parallel call's are cut at its exchanges, which run "
+          "between them.")
 
 
 def table(rows: list[Result]) -> str:

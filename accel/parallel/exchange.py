@@ -34,6 +34,18 @@ def _all_to_all(x: torch.Tensor, g: Group) -> torch.Tensor:
     return out
 
 
+def _copy(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """src copied into out (a new contiguous tensor where None), 16 bytes at a time where the rows allow: PyTorch's
+    strided copy moves one element per thread, 2 bytes of bf16."""
+    out = torch.empty(src.shape, dtype=src.dtype, device=src.device) if out is None else out
+    try:
+        wide = out.view(torch.complex128), src.view(torch.complex128)
+    except RuntimeError:  # a row's bytes, or its start, not a multiple of 16
+        return out.copy_(src)
+    wide[0].copy_(wide[1])
+    return out
+
+
 def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: int,
              g: Group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, whole + s, heads, D) q, k and v of this rank -> (B, whole + world * s, heads / world, D), of this rank's
@@ -44,8 +56,9 @@ def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: int,
     s, h = L - whole, H // w
     send = graphs.empty((w, B, s, 3, h, D), q.dtype, q.device)
     for i, t in enumerate((q, k, v)):
-        send[:, :, :, i] = t[:, whole:].unflatten(2, (w, h)).permute(2, 0, 1, 3, 4)
-    got = _all_to_all(send, g).transpose(0, 1).reshape(B, w * s, 3, h, D)
+        _copy(t[:, whole:].unflatten(2, (w, h)).permute(2, 0, 1, 3, 4), send[:, :, :, i])
+    got = _all_to_all(send, g).transpose(0, 1)
+    got = (_copy(got) if B > 1 else got).reshape(B, w * s, 3, h, D)
     if whole:
         mine = slice(g.rank * h, (g.rank + 1) * h)
         got = torch.cat((torch.stack([t[:, :whole, mine] for t in (q, k, v)], 2), got), 1)
@@ -61,9 +74,9 @@ def to_tokens(out: torch.Tensor, whole: int, g: Group) -> torch.Tensor:
     out = out.reshape(B, total, -1)
     rows = out[:, whole:].unflatten(1, (w, s)).transpose(0, 1)  # (w, B, s, c)
     send = graphs.empty((w, B, whole + s, out.shape[2]), out.dtype, out.device)
-    # every rank needs this rank's heads of the whole rows
-    torch.cat((out[:, :whole].expand(w, -1, -1, -1), rows), 2, out=send)
-    return _all_to_all(send, g).permute(1, 2, 0, 3).reshape(B, whole + s, w * out.shape[2])
+    send[:, :, :whole] = out[:, :whole]  # every rank needs this rank's heads of the whole rows
+    _copy(rows, send[:, :, whole:])
+    return _copy(_all_to_all(send, g).permute(1, 2, 0, 3)).reshape(B, whole + s, w * out.shape[2])
 
 
 def stand_in(host: Callable, shards: Shards) -> StandIn:

@@ -96,16 +96,24 @@ class _Pieces:
     pool: tuple
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     between: list[Callable[[], None]] = field(default_factory=list)
+    open: bool = False  # the last graph is being captured
 
     def begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        # With a process group, NCCL's watchdog thread polls the events of collectives (the warm-up's, those between
-        # the pieces) while a piece is captured; in the default global mode any thread's poll ends the capture.
+        # With a process group, NCCL's watchdog thread queries the events of collectives (the warm-up's, those between
+        # the pieces) while a piece is captured. CUDA's global mode forbids such calls to every thread while a capture
+        # lasts; thread_local forbids them to the capturing thread only.
         graph.capture_begin(*self.pool, capture_error_mode="thread_local" if dist.is_initialized() else "global")
         self.graphs.append(graph)
+        self.open = True
+
+    def end(self) -> None:
+        if self.open:
+            self.open = False
+            self.graphs[-1].capture_end()
 
     def cut(self, run: Callable[[], None]) -> None:
-        self.graphs[-1].capture_end()
+        self.end()
         run()
         self.between.append(run)
         self.begin()
@@ -233,8 +241,8 @@ class GraphCache:
             pieces.begin()
             try:
                 output = self.fn(*static)
-            finally:
-                pieces.graphs[-1].capture_end()
+            finally:  # a collective that failed between two pieces left none open
+                pieces.end()
         self.captures += 1
         self.capture_s += time.perf_counter() - start
         return _Entry(pieces, buffers, static, output, token)

@@ -3,8 +3,8 @@ wan21-14b-gpus`, for a machine with 4 GPUs; with fewer the node runs on what the
 text-to-video run at 832x480, 81 frames (21 latent frames), CFG 5, bf16, seeded well-conditioned weights, with the
 Accelerated UNet node on 1 GPU and then with gpus 2 and 4, each spread run twice (the second: its workers up, its
 graphs captured); each run's seconds (a spread run's first start of its workers, with the weights sent, shown apart)
-and its relative distance from the 1-GPU latents. Plain ComfyUI is timed
-beside them over 5 steps only (its seconds per step), to keep the check within 600 s.
+and its relative distance from the 1-GPU latents. Plain ComfyUI is timed beside them over 5 steps only (its seconds
+per step), to keep the check within 600 s.
 
 The limit is bf16 noise measured on this very run: how far the 1-GPU run moves when its starting noise changes by one
 bf16 rounding (each value times 1 + 2^-8 r, r ~ N(0, 1)); a spread run may lie 3 times that from the 1-GPU run. That

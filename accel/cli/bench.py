@@ -197,7 +197,7 @@ def _profile(row: Row, fn: Callable[[], object], log: Callable[[str], None]) -> 
     row.extra["top_kernels"] = profile.top(kernels)
     log(f"[{row.model}] {row.variant} profile (ms/step): {row.extra['profile_ms']}")
     for name, ms, n in row.extra["top_kernels"]:
-        log(f"[{row.model}]     {ms:7.3f} ms  x{n:<5g} {name}")
+        log(f"[{row.model}]     {profile.top_line(name, ms, n)}")
 
 
 # --paths that only a diffusion transformer's bench takes: fp8 products (precision fp8), and its weights stored in fp8

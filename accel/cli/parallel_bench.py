@@ -34,6 +34,7 @@ from ..parallel.layout import Layout, candidates, make_layouts
 from ..parallel.rendezvous import NO_MULTICAST, cpu_threads, free_port, join
 from ..parallel.spread import SPREAD_OPTIONS
 from .bench import _peak_gb, _peak_reset, _sync, rel_l2
+from .profile import by_class, kernel_times, top, top_line
 from .video_sizes import parse_video_sizes
 
 # How long a rank waits for the others, at start-up and in any collective, before it fails rather than hangs. Ranks
@@ -237,8 +238,8 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
                 if rank == 0:
                     _compare(row, out, job)
                     _say(f"[{name} {size}] {_line(row)}")
-                    for kernel, ms, launches in row.top_kernels or ():
-                        _say(f"[{name} {size}]     {ms:7.3f} ms  x{launches:<5g} {kernel}")
+                    for kernel in row.top_kernels or ():
+                        _say(f"[{name} {size}]     {top_line(*kernel)}")
                     rows.append(row)
                 del out
         acc.release()
@@ -275,8 +276,6 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
     if job.world == 1:
         row.noise = _noise(acc, args, out)
     if job.profile:  # every rank runs the profiled calls (their collectives); rank 0's kernels are the row's
-        from .profile import by_class, kernel_times, top
-
         with torch.inference_mode():
             times = kernel_times(call, runs=2)
         row.kernels, row.top_kernels = by_class(times), top(times)

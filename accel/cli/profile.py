@@ -63,3 +63,8 @@ def top(kernels: dict[str, tuple[float, float]], n: int = 12, width: int = 90) -
     """The n kernels that take the most time: (name cut to width, ms per call, launches per call)."""
     rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:n]
     return [(name[:width], round(ms, 3), n_) for name, (ms, n_) in rows]
+
+
+def top_line(name: str, ms: float, launches: float) -> str:
+    """One of top()'s kernels, as the benches print it."""
+    return f"{ms:7.3f} ms  x{launches:<5g} {name}"

@@ -75,10 +75,11 @@ def read() -> tuple:
     """The functions those places hold now: which one runs, or which one a fused block timed its own attention
     against (accel/engine/host_attention.py), is part of what a CUDA graph captured, so a graph serves only while the
     same ones are there. A stand-in, made afresh for each call, counts as what it does (its key)."""
-    def what(fn) -> Hashable:
-        return fn.key if isinstance(fn, StandIn) and fn.key is not None else id(fn)
+    return tuple(_what(getattr(sys.modules.get(m), n, None)) for m, n in sorted(_READ))
 
-    return tuple(what(getattr(sys.modules.get(m), n, None)) for m, n in sorted(_READ))
+
+def _what(fn) -> Hashable:
+    return fn.key if isinstance(fn, StandIn) and fn.key is not None else id(fn)
 
 
 @dataclass(frozen=True)

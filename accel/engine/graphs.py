@@ -77,6 +77,10 @@ class _Buffers:
         self.turns: Counter = Counter()
         self.made = False  # the warm-up call is over: a capture takes only what it made
 
+    def seal(self) -> None:
+        """The warm-up call is over: the capture takes the same tensors in the same turns."""
+        self.made, self.turns = True, Counter()
+
     def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (tuple(shape), dtype, torch.device(device))
         ring = self.held.setdefault(key, [])
@@ -225,7 +229,7 @@ class GraphCache:
         with torch.cuda.stream(stream), _capturing(buffers):  # the side stream's allocations stay out of the graph
             self.fn(*static)
         torch.cuda.current_stream().wait_stream(stream)
-        buffers.made, buffers.turns = True, Counter()
+        buffers.seal()
         if self._pool is None or not self._entries:
             # A pool is released with the last graph that used it: start a new one when none is left.
             self._pool = torch.cuda.graph_pool_handle()

@@ -241,6 +241,8 @@ def test_bench_says_what_it_cannot_time(tmp_path):
     assert r.returncode == 2 and "is not a ComfyUI checkout" in r.stderr and "Traceback" not in r.stderr
     r = run("bench", "--vae", "--tiny", "--models", "wan21")
     assert r.returncode == 2 and "builds ComfyUI's Wan VAEs: pass --comfyui DIR" in r.stderr
+    r = run("bench", "--tiny", "--models", "sd15", "--compile-modes", "default,max-autotune-cudagraphs")
+    assert r.returncode == 2 and "unknown --compile-modes max-autotune-cudagraphs; choose from default," in r.stderr
 
 
 @pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")

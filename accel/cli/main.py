@@ -11,6 +11,9 @@ import sys
 
 from ..progress import keep_logs_off_bars
 
+# torch.compile's modes (its `mode` argument; "default" is None)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 
 def _doctor_info(backend: str | None) -> dict:
     """What `doctor` reports, as data: the text and the --json form are both made from it."""
@@ -182,7 +185,12 @@ def _bench(args: argparse.Namespace) -> int:
     elif not (args.kernels or args.vae or args.first_call) or args.unet:
         from . import bench
 
-        modes = [] if args.no_compile or args.tiny else ["default", "reduce-overhead"]
+        modes = [m for m in args.compile_modes.split(",") if m]
+        if set(modes) - set(COMPILE_MODES):
+            print(f"sd-accel bench: unknown --compile-modes {','.join(sorted(set(modes) - set(COMPILE_MODES)))}; "
+                  f"choose from {','.join(COMPILE_MODES)}", file=sys.stderr)
+            return 2
+        modes = [] if args.no_compile or args.tiny else modes
         paths = [p for p in args.paths.split(",") if p and not (p.endswith("-compile") and (args.no_compile or args.tiny))]
         try:
             rows = bench.run(models, args.tiny, args.iters, modes, paths,
@@ -255,6 +263,9 @@ def _main(argv: list[str] | None) -> int:
     b.add_argument("--iters", type=int, help="timed runs per variant (median is reported; default 20, with --gpus 3)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
+    b.add_argument("--compile-modes", default="default,reduce-overhead", metavar="MODE,...",
+                   help="the torch.compile baselines' modes: " + ", ".join(COMPILE_MODES) + " (default: "
+                        "default,reduce-overhead)")
     b.add_argument("--kernels", action="store_true",
                    help="micro-benchmark the Triton kernels (GB/s; TFLOP/s for the GEMM and attention ones) and the "
                         "DiTs' attention at Flux's, SD3.5's, Qwen-Image's and Wan's shapes: bf16 cuDNN, fp8 cuDNN, "

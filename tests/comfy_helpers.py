@@ -138,8 +138,10 @@ def same(a, b, tol: float = 1e-2) -> bool:
     return rel(a, b) <= tol
 
 
-def tiny_model(seed: int = 0, xl: bool = False):
-    """A ModelPatcher around ComfyUI's own BaseModel / SDXL with a tiny UNet of the SD1.5 / SDXL layout."""
+def tiny_model(seed: int = 0, xl: bool = False, weight_dtype=None):
+    """A ModelPatcher around ComfyUI's own BaseModel / SDXL with a tiny UNet of the SD1.5 / SDXL layout; weights
+    stored in weight_dtype (torch.float8_e4m3fn: ComfyUI's fp8_e4m3fn weight dtype, with the manual-cast dtype its
+    loader picks for this device)."""
     import comfy.model_management as mm
     import comfy.model_patcher
     import comfy.supported_models
@@ -148,6 +150,9 @@ def tiny_model(seed: int = 0, xl: bool = False):
 
     config = comfy.supported_models.SDXL(dict(TINY_SDXL)) if xl else comfy.supported_models.SD15(dict(TINY_SD15))
     config.unet_config.update(TINY_SDXL if xl else TINY_SD15)  # the classes add their own head counts
+    if weight_dtype is not None:
+        config.set_inference_dtype(weight_dtype, mm.unet_manual_cast(weight_dtype, mm.get_torch_device(),
+                                                                     config.supported_inference_dtypes))
     model = config.get_model({})
     configs.seed_parameters(model.diffusion_model, seed)
     return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),

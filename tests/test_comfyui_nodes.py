@@ -194,6 +194,24 @@ def test_sdxl_model_is_accelerated(pack):
     assert status(pack, acc).engine_calls == 2
 
 
+def test_sdxl_with_weights_stored_in_fp8_runs_in_the_dtype_comfyui_feeds_it(pack):
+    """ComfyUI's fp8_e4m3fn weight dtype: its layers widen each weight per call to the manual-cast dtype it picked
+    for the device (float16 for SDXL on most GPUs, float32 on the CPU); the engine computes in that dtype too, not in
+    one of its own (bfloat16 before: a GPU without it, or the CPU, got no engine)."""
+    import torch
+
+    xl = H.tiny_model(5, xl=True, weight_dtype=torch.float8_e4m3fn)
+    fed = xl.model.manual_cast_dtype
+    assert fed is not None and {p.dtype for p in xl.model.diffusion_model.parameters()} == {torch.float8_e4m3fn}
+    pos, neg = H.tiny_conditioning(6, xl=True)
+    acc, _ = accelerate(pack, xl)
+    out = sample(acc, pos, neg)
+    assert accelerated_unet.session_of(acc).slot.acc.unet.dtype == fed
+    s = status(pack, acc)
+    assert s.engine_calls == 2 and s.plain_calls == 0 and s.backend == "torch"
+    assert H.same(out, sample(xl, pos, neg))
+
+
 def test_lora_before_or_after_the_node_matches_plain_lora(pack, tiny):
     import comfy.sd
 

@@ -637,7 +637,8 @@ def test_weights_loaded_in_fp8_run_as_fp8_products_close_to_comfyuis_own_path(co
     pytest.importorskip("triton")
     model = _dit_bf16("tiny-flux", dtype=torch.float8_e4m3fn)
     canon = CanonicalDiT(model)
-    assert canon.dtype == torch.bfloat16  # what the host feeds it
+    assert canon.dtype == torch.bfloat16  # what ComfyUI feeds Flux (its manual-cast dtype) where it is not said
+    assert CanonicalDiT(model, fed=torch.float16).dtype == torch.float16
     model.dtype = torch.bfloat16
     inp = _bf16_inputs("tiny-flux")
     with torch.no_grad():

@@ -198,7 +198,7 @@ class EngineSlot:
         log.addHandler(collect)
         try:
             try:
-                acc = self._engine_for(module, weights_key)
+                acc = self._engine_for(module, weights_key, x.dtype)
             except Exception as e:
                 if is_interrupt(e):
                     raise
@@ -265,7 +265,7 @@ class EngineSlot:
         progress.done()
         return out
 
-    def _engine_for(self, module: torch.nn.Module, weights_key: Any):
+    def _engine_for(self, module: torch.nn.Module, weights_key: Any, fed: torch.dtype):
         if self._module is not module:
             self.release()
             self._module, self._failed = module, None
@@ -278,7 +278,7 @@ class EngineSlot:
             else:
                 self._refresh_weights(weights_key)
         if self.acc is None:
-            self._build(module, weights_key)
+            self._build(module, weights_key, fed)
         elif self.acc.fallback is None and self.acc.backend not in ("torch", "off"):
             from ..engine import backends
             from ..plan.options import Runtime
@@ -288,13 +288,15 @@ class EngineSlot:
                                                              Runtime(gpu=self.acc.gpu), NullProgress())
         return self.acc if self.acc is not None and self.acc.engine is not None else None
 
-    def _build(self, module: torch.nn.Module, weights_key: Any) -> None:
+    def _build(self, module: torch.nn.Module, weights_key: Any, fed: torch.dtype) -> None:
+        """The engine for `module`, fed latents of dtype `fed` (what weights stored in fp8 compute in)."""
         from ..accelerate import accelerate
+        from ..models.spec import canonical
         from ..progress import NullProgress
 
         start = time.perf_counter()
         try:
-            acc = accelerate(module, self.preference, self.options,
+            acc = accelerate(canonical(module, fed), self.preference, self.options,
                              self.progress() if self.progress else NullProgress(), self.gpu, self.cache_root,
                              self.profile.options() if self.profile is not None else None)
         except AccelError as e:

@@ -117,9 +117,9 @@ class CanonicalDiT(Canonical):
     """Calls a Flux or SD3 transformer through the canonical signature. Holds the module (as `unet`, the name the
     engines read for either kind of diffusion model), changes nothing."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, fed: torch.dtype | None = None) -> None:
         spec = inspect_dit(module)
-        super().__init__(module)
+        super().__init__(module, fed)
         self.spec = spec
 
     @property

@@ -85,17 +85,21 @@ FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") i
 class Canonical(nn.Module):
     """What the engines read of a wrapped diffusion model (UNet or DiT): the module as `unet`, its dtype and device."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, fed: torch.dtype | None = None) -> None:
         super().__init__()
         self.unet = module
+        self.fed = fed
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the model computes in: its weights', or bfloat16 for weights stored in fp8, which its layers widen
-        per call (ComfyUI's fp8_e4m3fn weight dtype; it feeds such a model bfloat16). Layers a host keeps in float32
+        """The dtype the model computes in: its weights'; for weights stored in fp8, which its layers widen per call,
+        the dtype the host feeds it (`fed`: ComfyUI's manual-cast dtype for its fp8_e4m3fn weight dtype, float16 for
+        SDXL on most GPUs, bfloat16 for Flux), bfloat16 where that is not known. Layers a host keeps in float32
         whatever the model's dtype (ComfyUI's Wan patch embedding, the first parameter) do not decide it."""
         dtype = next((p.dtype for p in self.unet.parameters() if p.dtype != torch.float32), torch.float32)
-        return torch.bfloat16 if dtype in FP8_DTYPES else dtype
+        if dtype not in FP8_DTYPES:
+            return dtype
+        return self.fed if self.fed in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
 
     @property
     def device(self) -> torch.device:
@@ -107,9 +111,9 @@ class CanonicalUNet(Canonical):
 
     size_multiple = 8  # latent pixels: three 2x downsamplings must divide the size evenly
 
-    def __init__(self, unet: nn.Module) -> None:
+    def __init__(self, unet: nn.Module, fed: torch.dtype | None = None) -> None:
         spec = inspect_unet(unet)
-        super().__init__(unet)
+        super().__init__(unet, fed)
         self.spec = spec
 
     def check(self, x: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None) -> None:
@@ -138,14 +142,15 @@ class CanonicalUNet(Canonical):
         return _diffusers_call(self.unet, self.spec, x, timesteps, context, y, control)
 
 
-def canonical(model: nn.Module) -> "CanonicalUNet | CanonicalDiT":
+def canonical(model: nn.Module, fed: torch.dtype | None = None) -> "CanonicalUNet | CanonicalDiT":
     """The canonical-call wrapper of a UNet (CanonicalUNet) or a diffusion transformer (CanonicalDiT); a model
-    already wrapped as is. UnsupportedModel for anything else."""
+    already wrapped as is. fed: the dtype the host feeds the model (Canonical.dtype). UnsupportedModel for anything
+    else."""
     from .dit import CanonicalDiT, is_dit
 
     if isinstance(model, (CanonicalUNet, CanonicalDiT)):
         return model
-    return CanonicalDiT(model) if is_dit(model) else CanonicalUNet(model)
+    return CanonicalDiT(model, fed) if is_dit(model) else CanonicalUNet(model, fed)
 
 
 class _IdentityTimeProj(nn.Module):

@@ -17,7 +17,7 @@ import sequences  # noqa: E402
 pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
 
 
-@pytest.mark.parametrize("name", ["sd15", "flux-dev", "chroma", "wan21-1.3b", "qwen-image"])
+@pytest.mark.parametrize("name", ["sd15", "sdxl-fp8weights", "flux-dev", "chroma", "wan21-1.3b", "qwen-image"])
 def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     report = sequences.run_model(name, size="tiny", device="cpu")
     runs, settings = {r.run for r in report.rows}, {r.setting for r in report.rows}

@@ -32,6 +32,8 @@ import comfy_helpers as H
 MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int, int], int]] = {
     "sd15": ("SD15", "sd15", torch.float16, 7.0, (512, 512), (768, 512), 77),
     "sdxl": ("SDXL", "sdxl", torch.float16, 7.0, (1024, 1024), (832, 1216), 77),
+    # SDXL with its weights stored in fp8 (WEIGHTS), as ComfyUI loads it with weight dtype fp8_e4m3fn
+    "sdxl-fp8weights": ("SDXL", "sdxl", torch.float16, 7.0, (1024, 1024), (832, 1216), 77),
     "flux-dev": ("Flux", "flux-dev", torch.bfloat16, 1.0, (1024, 1024), (1024, 768), 512),
     "sd35-medium": ("SD3", "sd35-medium", torch.bfloat16, 4.5, (1024, 1024), (1024, 768), 333),
     "chroma": ("Chroma", "chroma", torch.bfloat16, 4.0, (1024, 1024), (1024, 768), 512),
@@ -41,12 +43,16 @@ MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int
     # Wan 2.1's native clip, 81 frames (21 latent frames) at 480p: the several-GPU check's model (tests/gpu/gpus.py)
     "wan21-14b": ("WAN21_T2V", "wan21-14b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
 }
-TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "flux-dev": "tiny-flux", "sd35-medium": "tiny-sd3",
+TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "sdxl-fp8weights": "tiny-sdxl", "flux-dev": "tiny-flux", "sd35-medium": "tiny-sd3",
         "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image", "wan21-14b": "tiny-wan"}
 FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21}  # latent frames; the others are images (Qwen-Image's: one frame)
 QUICK = ("sd15", "flux-dev")
 NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b")  # named alone until their first GPU run has been read
-UNETS = ("sd15", "sdxl")
+UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
+# Models whose weights are stored in another dtype than they compute in: ComfyUI's cast-on-the-fly layers widen each
+# weight per call to the dtype the model runs in (the 16-bit one, or float32 for the yardstick's reference, which so
+# keeps the same fp8 weights and measures the 16-bit computation's noise alone).
+WEIGHTS = {"sdxl-fp8weights": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,7 @@ class Harness:
                 self.dtype = torch.float32  # the CPU runs the plain model's float32 kernels
         self.cls, self.config = cls, config
         self.unet = name in UNETS
+        self.xl = MODELS[name][1] == "sdxl"
         self.report = Report(name)
         self.pack = H.load_pack()
         self._plain: dict[Run, tuple[torch.Tensor, float]] = {}
@@ -141,7 +148,8 @@ class Harness:
     # ------------------------------------------------------------------ models and runs
 
     def build(self, dtype: torch.dtype):
-        """A ModelPatcher around ComfyUI's own model of this architecture, seeded (same seed: same weights)."""
+        """A ModelPatcher around ComfyUI's own model of this architecture, seeded (same seed: same weights), computing
+        in `dtype` (its weights stored in WEIGHTS' dtype where the model has one)."""
         import comfy.model_management as mm
         import comfy.model_patcher
         import comfy.supported_models
@@ -154,9 +162,11 @@ class Harness:
             unet_config = dict(configs.COMFY_DIT_CONFIGS[self.config][1])
         config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
         config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
-        config.set_inference_dtype(dtype, None)
+        stored = WEIGHTS.get(self.name)
+        config.set_inference_dtype(stored or dtype, dtype if stored else None)
         model = config.get_model({}, device=self.device)
-        configs.seed_dit_parameters(model.diffusion_model, 0)
+        # no gradients, as a loaded checkpoint's (ComfyUI's fp8 LoRA patching writes its rounding into out= tensors)
+        configs.seed_dit_parameters(model.diffusion_model, 0).requires_grad_(False)
         return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                                 offload_device=mm.unet_offload_device())
 
@@ -166,7 +176,7 @@ class Harness:
         g = torch.Generator().manual_seed(_seed(self.name, "text"))
         if self.unet:
             dim = configs.LDM_UNET_CONFIGS[self.config]["context_dim"]
-            pooled = 1280 if self.name == "sdxl" else None
+            pooled = 1280 if self.xl else None
         else:
             family, cfg = configs.COMFY_DIT_CONFIGS[self.config]
             dim = {"sd3": lambda: cfg["context_embedder_config"]["params"]["in_features"],
@@ -180,7 +190,7 @@ class Harness:
             extra = {"pooled_output": torch.randn(1, pooled, generator=g) * scale if pooled else None}
             if self.name == "flux-dev":
                 extra["guidance"] = 3.5
-            if self.name == "sdxl":
+            if self.xl:
                 extra.update(width=self.base[0], height=self.base[1], target_width=self.base[0],
                              target_height=self.base[1])
             return [[torch.randn(1, self.tokens, dim, generator=g) * scale, extra]]

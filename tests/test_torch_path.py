@@ -299,3 +299,57 @@ def test_kernels_compiled_ahead_give_what_kernels_compiled_in_turn_give(tmp_path
         ref = unet(x, t, ctx, y).cpu()
     for out in (outputs["parallel"]["first"], *outputs["parallel"]["later"]):
         assert rel(out, ref) <= 1e-2
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI "
+                    "checkout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test (Triton's interpreter, float32); on the GPU the "
+                    "suite's sdxl-fp8weights runs the same inside ComfyUI (tests/gpu/run)")
+def test_comfyuis_fp8_stored_unet_runs_its_fused_kernels_on_16_bit_copies_and_gets_its_fp8_weights_back():
+    """ComfyUI's fp8_e4m3fn weight dtype: cast-on-the-fly layers holding fp8 weights, which the fusions decline. The
+    torch path widens them once into copies it keeps, so the fusions take the layers; suspend() and release() give
+    every layer its own fp8 Parameter back; a weight the host replaced meanwhile (ComfyUI's LoRA patching) is
+    widened again into the same copy at the next run."""
+    import comfy_helpers as H
+
+    H.import_comfy()
+    import comfy.utils
+
+    xl = H.tiny_model(5, xl=True, weight_dtype=torch.float8_e4m3fn).model
+    module = xl.diffusion_model
+    unet = CanonicalUNet(module, fed=xl.manual_cast_dtype)
+    own = {name: p for name, p in module.named_parameters()}
+    cast_layers = [m for m in module.modules() if getattr(m, "comfy_cast_weights", False)]
+    assert {p.dtype for p in own.values()} == {torch.float8_e4m3fn} and cast_layers
+    g = torch.Generator().manual_seed(0)
+    x, ctx = torch.randn(2, 4, 16, 16, generator=g), torch.randn(2, 77, unet.spec.context_dim, generator=g)
+    y = torch.randn(2, module.label_emb[0][0].in_features, generator=g)
+    t = torch.tensor([900.0, 20.0])
+    ref = unet(x, t, ctx, y)
+
+    def host_left_as_it_was():
+        return (all(p is own[name] for name, p in module.named_parameters()) and len(own) == len(
+            list(module.parameters())) and all(m.comfy_cast_weights for m in cast_layers))
+
+    engine = torch_fused.build(unet, FUSED)
+    counts = engine.fusion_counts or {}
+    assert counts.get("fp8-stored layers widened") == len(cast_layers), counts
+    assert all(counts.get(k) for k in ("groupnorm", "geglu", "resnet", "qkv")), counts
+    assert rel(engine(x, t, ctx, y), ref) <= 1e-5
+    copies = {id(p) for p in module.parameters()}
+    engine.suspend()
+    assert host_left_as_it_was()
+    assert torch.equal(unet(x, t, ctx, y), ref)
+
+    # the host's LoRA patching replaces a Parameter while the engine is suspended
+    name = next(n for n in own if n.endswith("attn1.to_q.weight"))
+    patched = torch.nn.Parameter((own[name].float() * 1.5).to(torch.float8_e4m3fn), requires_grad=False)
+    comfy.utils.set_attr_param(module, name, patched)
+    own[name] = dict(module.named_parameters())[name]  # set_attr_param wraps it in a Parameter of its own
+    changed = unet(x, t, ctx, y)
+    assert rel(changed, ref) > 1e-4
+    assert rel(engine(x, t, ctx, y), changed) <= 1e-5
+    assert {id(p) for p in module.parameters()} == copies  # the same copies: a CUDA graph still reads them
+    engine.release()
+    assert host_left_as_it_was()
+    assert torch.equal(unet(x, t, ctx, y), changed)

@@ -16,6 +16,8 @@ decides a recapture (`_weights.token()`: the address of every parameter and buff
 - fp8 copies of 16-bit weights and every fp8 layer's scales (fp8.Copies): kept by the engine across suspend(),
   quantized again in place before each replay when their weight changed (object, address or version) or the host
   said so (`weights_changed`);
+- 16-bit copies of a UNet's fp8-stored weights (widen.Widened): kept by the engine across suspend(), which gives the
+  layers their fp8 weights back; widened again in place when their source changed or the host said so;
 - folded biases, the time embedding's SiLU and shared K/V or time projections (fusions/resnet.py, packing.py): made
   from the parameters inside each call, so they are part of what the graph captured, not kept tensors;
 - norm weights cast to the activations' dtype (fusions/transformer.py): cast inside each call, likewise.
@@ -120,6 +122,7 @@ class TorchEngine:
         self.suspended = False
         self.fusion_counts: dict[str, int] | None = None  # modules each fused kernel took, once applied
         self._fp8 = None  # the fp8 operands (accel/engine/fp8.py Copies) of a transformer's marked projections
+        self._widened = None  # a UNet's fp8-stored weights as 16-bit copies (accel/engine/widen.py)
         self._layout_at_suspend: list | None = None
         progress.stage("prepare torch path", total=3)
         self._apply(progress)
@@ -134,6 +137,17 @@ class TorchEngine:
     def _apply(self, progress: Progress) -> None:
         """Make every change to the module, each with its undo step in self._undo."""
         options, module = self.options, self.unet.unet
+        widened = 0
+        if options.triton_kernels and not options.compile and isinstance(self.unet, CanonicalUNet):
+            # first: the copies are what channels_last restrides and the fusions take
+            from .. import widen
+            from ..fusions.base import Undo
+
+            if self._widened is None:
+                self._widened = widen.Widened()
+            marks = Undo()
+            widened = self._widened.apply(module, self.unet.dtype, marks)
+            self._undo.append(marks)
         if options.attention == "flash_attn" and isinstance(self.unet, CanonicalUNet) \
                 and self.unet.spec.form == "diffusers":
             try:
@@ -161,6 +175,8 @@ class TorchEngine:
 
             undo, counts = fusions.apply(module, options.fusions)
             self._undo.append(undo)
+            if widened:
+                counts["fp8-stored layers widened"] = widened
             if isinstance(self.unet, CanonicalDiT):
                 from .. import fp8
 
@@ -210,6 +226,8 @@ class TorchEngine:
         it (inference tensors keep no version) are made again, in place, before the next call."""
         if self._fp8 is not None:
             self._fp8.stale()
+        if self._widened is not None:
+            self._widened.stale()
 
     def _compile_blocks(self, module: torch.nn.Module) -> None:
         blocks = [m for m in module.modules() if type(m).__name__ in REPEATED_BLOCKS]
@@ -261,6 +279,8 @@ class TorchEngine:
                  y: torch.Tensor | None = None, control: dict | None = None, guidance: torch.Tensor | None = None,
                  **kwargs: Any) -> torch.Tensor:
         self.resume()
+        if self._widened is not None:
+            self._widened.refresh()
         dtype = self.unet.dtype
         x_in, ctx = x.to(dtype), context.to(dtype)
         y = None if y is None else y.to(dtype)
@@ -288,6 +308,7 @@ class TorchEngine:
         self._undo_changes()
         if self._fp8 is not None:
             self._fp8.clear()
+        self._widened = None
         # Packed projection weights outlive suspend() (the graphs read them where they are); not release().
         from ..fusions import packing
 

@@ -23,11 +23,11 @@ import weakref
 import torch
 from torch import nn
 
+from ..models.spec import FP8_DTYPES
 from .fusions.base import Undo, own_weights
 
 log = logging.getLogger("sd-accel")
 
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 # The share of the GPU's memory left free after the copies, below which the weights keep widening per call.
 FREE_AFTER = 0.25
 

@@ -4,6 +4,7 @@ memory, freed on release."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -301,8 +302,7 @@ def test_kernels_compiled_ahead_give_what_kernels_compiled_in_turn_give(tmp_path
         assert rel(out, ref) <= 1e-2
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI "
-                    "checkout")
+@pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test (Triton's interpreter, float32); on the GPU the "
                     "suite's sdxl-fp8weights runs the same inside ComfyUI (tests/gpu/run)")
 def test_comfyuis_fp8_stored_unet_runs_its_fused_kernels_on_16_bit_copies_and_gets_its_fp8_weights_back():

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fusions.base import Undo, kernel_module, own_weights, patch_forward, plain_linear
+from .fusions.base import Undo, kernel_module, own_weights, patch_forward, plain_linear, version
 
 log = logging.getLogger("sd-accel")
 
@@ -62,14 +62,10 @@ class Rows(NamedTuple):
     dtype: torch.dtype  # the 16-bit dtype the products return
 
 
-def _version(t: torch.Tensor) -> int | None:
-    return None if t.is_inference() else t._version
-
-
 def _key(layer: nn.Linear) -> tuple:
     w, s = layer.weight, getattr(layer, "scale_weight", None)
-    return (w.data_ptr(), _version(w), w.dtype, tuple(w.shape),
-            None if s is None else (s.data_ptr(), _version(s), tuple(s.shape)))
+    return (w.data_ptr(), version(w), w.dtype, tuple(w.shape),
+            None if s is None else (s.data_ptr(), version(s), tuple(s.shape)))
 
 
 def _quantize(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..models.spec import FP8_DTYPES
-from .fusions.base import Undo, own_weights
+from .fusions.base import Undo, own_weights, version
 
 log = logging.getLogger("sd-accel")
 
@@ -43,7 +43,7 @@ def _takes(layer: nn.Module) -> list[str]:
 
 
 def _key(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), None if t.is_inference() else t._version, tuple(t.shape), t.dtype
+    return t.data_ptr(), version(t), tuple(t.shape), t.dtype
 
 
 class Widened:

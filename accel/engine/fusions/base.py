@@ -94,6 +94,12 @@ def replace_child(parent: nn.Module, name: str, new: nn.Module, undo: Undo) -> N
     undo.add(lambda: parent._modules.__setitem__(name, old))
 
 
+def version(t: torch.Tensor) -> int | None:
+    """t's version counter (in-place updates bump it), None for an inference tensor, which keeps none: how derived
+    tensors (fp8 copies, widened copies) tell that their source changed in place."""
+    return None if t.is_inference() else t._version
+
+
 def own_weights(*layers: nn.Module) -> bool:
     """Layers whose weights have no per-call functions (lowvram, a LoRA applied per call), which only the host's
     forward applies in step."""

@@ -3,6 +3,7 @@ keep about a module; the helpers more than one fusion calls."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -115,7 +116,13 @@ def plain_weights(m: nn.Module) -> bool:
 
 def forward_takes(m: nn.Module, *params: str) -> bool:
     """Whether the forward of m's class takes exactly these parameters (after self): the form a fusion restates."""
-    return list(inspect.signature(type(m).forward).parameters) == ["self", *params]
+    return _parameters(type(m).forward) == ("self", *params)
+
+
+@functools.lru_cache(maxsize=256)
+def _parameters(fn: Callable) -> tuple[str, ...]:
+    # once per function: the fusions ask at every resume (every sampling run), for each of thousands of modules
+    return tuple(inspect.signature(fn).parameters)
 
 
 def of_class(m: nn.Module, name: str, package: str, *attrs: str) -> bool:

@@ -329,7 +329,8 @@ def test_comfyuis_fp8_stored_unet_runs_its_fused_kernels_on_16_bit_copies_and_ge
 
     def host_left_as_it_was():
         return (all(p is own[name] for name, p in module.named_parameters()) and len(own) == len(
-            list(module.parameters())) and all(m.comfy_cast_weights for m in cast_layers))
+            list(module.parameters())) and all(m.comfy_cast_weights for m in cast_layers)
+            and not any("comfy_cast_weights" in vars(m) for m in cast_layers))  # ComfyUI's class attribute says it
 
     engine = torch_fused.build(unet, FUSED)
     counts = engine.fusion_counts or {}
@@ -350,6 +351,19 @@ def test_comfyuis_fp8_stored_unet_runs_its_fused_kernels_on_16_bit_copies_and_ge
     assert rel(changed, ref) > 1e-4
     assert rel(engine(x, t, ctx, y), changed) <= 1e-5
     assert {id(p) for p in module.parameters()} == copies  # the same copies: a CUDA graph still reads them
+
+    # lowvram, or a LoRA applied per call, gives a layer weight functions between runs, and nothing is registered:
+    # that layer keeps its fp8 weight and its own forward, which applies them
+    engine.suspend()
+    layer = next(m for m in cast_layers if isinstance(m, torch.nn.Linear) and m.out_features == m.in_features)
+    layer.weight_function = [lambda w: w * 2]
+    doubled = unet(x, t, ctx, y)
+    assert rel(doubled, changed) > 1e-4
+    assert rel(engine(x, t, ctx, y), doubled) <= 1e-5
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.comfy_cast_weights
+    engine.suspend()
+    del layer.weight_function
+    assert rel(engine(x, t, ctx, y), changed) <= 1e-5
     engine.release()
     assert host_left_as_it_was()
     assert torch.equal(unet(x, t, ctx, y), changed)

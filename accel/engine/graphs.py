@@ -41,6 +41,13 @@ _hooks = [
 ]
 
 
+def registrations() -> int:
+    """How many Parameters, buffers and submodules have been registered on any module so far (attribute assignment
+    registers them). While it stays the same, no module tree got a new submodule or tensor that way; writes into a
+    module's parameter dict, as widen.py swaps its copies in and out, are not counted."""
+    return _registrations
+
+
 class WeightsWatch:
     """Identity of the storage every parameter and buffer of a module reads from, cheap enough for every step.
 
@@ -57,8 +64,8 @@ class WeightsWatch:
         self._tensors: list[torch.Tensor] = []
 
     def tensors(self) -> list[torch.Tensor]:
-        if self._seen != _registrations:
-            self._seen = _registrations
+        if self._seen != registrations():
+            self._seen = registrations()
             self._tensors = list(self.module.parameters()) + list(self.module.buffers())
         return self._tensors
 

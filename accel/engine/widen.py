@@ -25,6 +25,7 @@ from torch import nn
 
 from ..models.spec import FP8_DTYPES
 from .fusions.base import Undo, own_weights, version
+from .graphs import registrations
 
 log = logging.getLogger("sd-accel")
 
@@ -32,14 +33,22 @@ log = logging.getLogger("sd-accel")
 FREE_AFTER = 0.25
 
 
+def _fp8_names(layer: nn.Module) -> list[str]:
+    """The names of the layer's fp8-stored Parameters, read from its parameter dict: attribute lookups that miss are
+    slow, and a UNet has thousands of modules."""
+    return [n for n in ("weight", "bias") if (p := layer._parameters.get(n)) is not None and p.dtype in FP8_DTYPES]
+
+
+def _scaled(layer: nn.Module) -> bool:
+    """Scaled-fp8 weights (`scale_weight`, `scale_input`), which only the host's forward applies."""
+    return getattr(layer, "scale_weight", None) is not None or getattr(layer, "scale_input", None) is not None
+
+
 def _takes(layer: nn.Module) -> list[str]:
-    """The names of the layer's fp8-stored tensors to widen: a ComfyUI cast-on-the-fly layer with no weight functions
-    and no scaled-fp8 scales."""
-    if not getattr(layer, "comfy_cast_weights", False) or not own_weights(layer) \
-            or getattr(layer, "scale_weight", None) is not None or getattr(layer, "scale_input", None) is not None:
-        return []
-    return [n for n in ("weight", "bias") if isinstance(getattr(layer, n, None), torch.Tensor)
-            and getattr(layer, n).dtype in FP8_DTYPES]
+    """The names of the Parameters to widen of a layer found by the walk: a ComfyUI cast-on-the-fly layer with no
+    weight functions (lowvram and a LoRA applied per call set them between runs)."""
+    names = _fp8_names(layer)
+    return names if names and getattr(layer, "comfy_cast_weights", False) and own_weights(layer) else []
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -53,34 +62,60 @@ class Widened:
         # layer -> name -> (the fp8 source's weak reference and key, the 16-bit Parameter the layer holds in calls)
         self._copies: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple]] = weakref.WeakKeyDictionary()
         self._stale = False
+        # (registrations(), the module, its layers with unscaled fp8 weights) at the last walk of the module's tree,
+        # which stays the same until something is registered in it: walking SDXL's 10,000 modules costs milliseconds
+        self._walked: tuple = (-1, None, [])
         self.declined: str | None = None  # why the weights widen per call, once decided
 
     def apply(self, module: nn.Module, dtype: torch.dtype, undo: Undo) -> int:
         """Give every fp8-stored cast-on-the-fly layer of module its 16-bit copies (made or brought up to date first)
-        and make it a plain layer, each change with its undo step; the number of layers."""
-        layers = [(m, names) for m in module.modules() if (names := _takes(m))]
+        and make it a plain layer, with one undo step for all; the number of layers.
+
+        This runs at every resume, so once per sampling run: the same copies go back into the layers' parameter
+        dicts directly, which skips the module registration hooks. Nothing registered changes in that case (the
+        layers get back the Parameters they held at the engine's last call, whose list graphs.WeightsWatch keeps); a
+        new copy is set as an attribute, which runs the hooks."""
+        if self._walked[0] != registrations() or self._walked[1] is not module:
+            found = [m for m in module.modules() if _fp8_names(m) and not _scaled(m)]
+            self._walked = (registrations(), module, found)
+        layers = [(m, names) for m in self._walked[2] if (names := _takes(m))]
         if not layers or self.declined or not self._fits(layers, dtype):
             return 0
         stale, self._stale = self._stale, False
+        swapped, flags = [], []
         # Plain tensors, not inference ones, even inside a host's inference_mode: an inference tensor in a Parameter
         # fails the layers' own forward ("Inference tensors do not track version counter").
         with torch.inference_mode(False), torch.no_grad():
             for layer, names in layers:
                 kept = self._copies.setdefault(layer, {})
                 for name in names:
-                    source = getattr(layer, name)
-                    entry = kept.get(name)
+                    source = layer._parameters[name]
+                    entry, key = kept.get(name), _key(source)
                     if entry is None or entry[1].shape != source.shape or entry[1].device != source.device:
                         copy = nn.Parameter(source.to(dtype), requires_grad=False)
+                        setattr(layer, name, copy)
                     else:
                         copy = entry[1]
-                        if stale or entry[0][0]() is not source or entry[0][1] != _key(source):
+                        if stale or entry[0][0]() is not source or entry[0][1] != key:
                             copy.data.copy_(source)
-                    kept[name] = ((weakref.ref(source), _key(source)), copy)
-                    setattr(layer, name, copy)
-                    undo.add(lambda layer=layer, name=name, source=source: setattr(layer, name, source))
-                layer.comfy_cast_weights = False
-                undo.add(lambda layer=layer: setattr(layer, "comfy_cast_weights", True))
+                            entry = None
+                        layer._parameters[name] = copy
+                    if entry is None:
+                        kept[name] = ((weakref.ref(source), key), copy)
+                    swapped.append((layer, name, source))
+                flags.append((layer, "comfy_cast_weights" in layer.__dict__, layer.__dict__.get("comfy_cast_weights")))
+                layer.__dict__["comfy_cast_weights"] = False
+
+        def give_back() -> None:
+            for layer, name, source in swapped:
+                layer._parameters[name] = source
+            for layer, had, before in flags:
+                if had:
+                    layer.__dict__["comfy_cast_weights"] = before
+                else:
+                    layer.__dict__.pop("comfy_cast_weights", None)
+
+        undo.add(give_back)
         return len(layers)
 
     def _fits(self, layers: list[tuple[nn.Module, list[str]]], dtype: torch.dtype) -> bool:

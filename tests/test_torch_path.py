@@ -66,6 +66,25 @@ def test_ldm_unet_same_function_on_cpu(sdxl):
     assert_fused_same_function(unet, x, torch.tensor([900.0, 20.0]), ctx, y)
 
 
+def test_precision_fp8_on_a_unet_says_it_computes_in_16_bits_and_does(caplog):
+    """The node's precision fp8 is for the transformers: a UNet built with it says once that it computes in its own
+    dtype, and gives what the default precision gives."""
+    import dataclasses
+    import logging
+
+    unet = CanonicalUNet(build_unet("tiny-sd15", seed=3))
+    x, t, ctx, y = example_inputs(unet.unet, latent=16, seed=4)
+    plain = torch_fused.build(unet, FUSED)
+    ref = plain(x, t, ctx, y)
+    plain.release()
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        engine = torch_fused.build(unet, dataclasses.replace(FUSED, precision="fp8"))
+    said = [r.getMessage() for r in caplog.records if "precision fp8" in r.getMessage()]
+    assert len(said) == 1 and "this UNet computes in float32" in said[0], said
+    assert torch.equal(engine(x, t, ctx, y), ref)
+    engine.release()
+
+
 def _down_residual_shapes(unet: torch.nn.Module, x, t, ctx):
     """Shapes of the skip connections and of the mid-block output, read off a plain forward pass."""
     skips, mid = [], []

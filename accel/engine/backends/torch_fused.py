@@ -125,6 +125,10 @@ class TorchEngine:
         self._widened = None  # a UNet's fp8-stored weights as 16-bit copies (accel/engine/widen.py)
         self._layout_at_suspend: list | None = None
         progress.stage("prepare torch path", total=3)
+        if options.precision == "fp8" and isinstance(unet, CanonicalUNet):
+            log.warning("sd-accel: precision fp8 is for the diffusion transformers; this UNet computes in %s as "
+                        "before (fp8 could not make SD1.x or SDXL much faster: BENCHMARKS.md, \"fp8 for the UNets\").",
+                        str(unet.dtype).removeprefix("torch."))
         self._apply(progress)
         self._forward = unet
         self.graphs = GraphCache(self._graph_fn, max_graphs=options.max_graphs, run_first=self._compiling_ahead) \

@@ -352,10 +352,16 @@ def test_comfyuis_fp8_stored_unet_runs_its_fused_kernels_on_16_bit_copies_and_ge
             and not any("comfy_cast_weights" in vars(m) for m in cast_layers))  # ComfyUI's class attribute says it
 
     engine = torch_fused.build(unet, FUSED)
+
+    def graphs_see_what_the_layers_hold():
+        # the tensors whose addresses are the CUDA graphs' weight token, against what the module holds now
+        return [id(t) for t in engine._weights.tensors()] == [id(t) for t in (*module.parameters(), *module.buffers())]
+
     counts = engine.fusion_counts or {}
     assert counts.get("fp8-stored layers widened") == len(cast_layers), counts
     assert all(counts.get(k) for k in ("groupnorm", "geglu", "resnet", "qkv")), counts
     assert rel(engine(x, t, ctx, y), ref) <= 1e-5
+    assert graphs_see_what_the_layers_hold()
     copies = {id(p) for p in module.parameters()}
     engine.suspend()
     assert host_left_as_it_was()
@@ -370,6 +376,7 @@ def test_comfyuis_fp8_stored_unet_runs_its_fused_kernels_on_16_bit_copies_and_ge
     assert rel(changed, ref) > 1e-4
     assert rel(engine(x, t, ctx, y), changed) <= 1e-5
     assert {id(p) for p in module.parameters()} == copies  # the same copies: a CUDA graph still reads them
+    assert graphs_see_what_the_layers_hold()
 
     # lowvram, or a LoRA applied per call, gives a layer weight functions between runs, and nothing is registered:
     # that layer keeps its fp8 weight and its own forward, which applies them
@@ -380,9 +387,11 @@ def test_comfyuis_fp8_stored_unet_runs_its_fused_kernels_on_16_bit_copies_and_ge
     assert rel(doubled, changed) > 1e-4
     assert rel(engine(x, t, ctx, y), doubled) <= 1e-5
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.comfy_cast_weights
+    assert graphs_see_what_the_layers_hold()  # else a graph captured on the layer's copy would replay
     engine.suspend()
     del layer.weight_function
     assert rel(engine(x, t, ctx, y), changed) <= 1e-5
+    assert graphs_see_what_the_layers_hold()
     engine.release()
     assert host_left_as_it_was()
     assert torch.equal(unet(x, t, ctx, y), changed)

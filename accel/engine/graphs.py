@@ -29,22 +29,24 @@ from torch import nn
 _registrations = 0
 
 
-def _count_registration(*_args) -> None:
+def count_registration(*_args) -> None:
+    """Count one registration: the hooks below call it, and so does code that swaps a module's tensors in ways they do
+    not see (widen.py)."""
     global _registrations
     _registrations += 1
 
 
 _hooks = [
-    torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration),
-    torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration),
-    torch.nn.modules.module.register_module_module_registration_hook(_count_registration),
+    torch.nn.modules.module.register_module_parameter_registration_hook(count_registration),
+    torch.nn.modules.module.register_module_buffer_registration_hook(count_registration),
+    torch.nn.modules.module.register_module_module_registration_hook(count_registration),
 ]
 
 
 def registrations() -> int:
     """How many Parameters, buffers and submodules have been registered on any module so far (attribute assignment
-    registers them). While it stays the same, no module tree got a new submodule or tensor that way; writes into a
-    module's parameter dict, as widen.py swaps its copies in and out, are not counted."""
+    registers them). While it stays the same, no module tree got a new submodule or tensor that way, nor a swap that
+    count_registration() was told of."""
     return _registrations
 
 

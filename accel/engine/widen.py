@@ -25,7 +25,7 @@ from torch import nn
 
 from ..models.spec import FP8_DTYPES
 from .fusions.base import Undo, own_weights, version
-from .graphs import registrations
+from .graphs import count_registration, registrations
 
 log = logging.getLogger("sd-accel")
 
@@ -65,16 +65,18 @@ class Widened:
         # (registrations(), the module, its layers with unscaled fp8 weights) at the last walk of the module's tree,
         # which stays the same until something is registered in it: walking SDXL's 2,000 modules costs milliseconds
         self._walked: tuple = (-1, None, [])
+        self._held: list[int] = []  # the ids of the copies the layers held after the last swap
         self.declined: str | None = None  # why the weights widen per call, once decided
 
     def apply(self, module: nn.Module, dtype: torch.dtype, undo: Undo) -> int:
         """Give every fp8-stored cast-on-the-fly layer of module its 16-bit copies (made or brought up to date first)
         and make it a plain layer, with one undo step for all; the number of layers.
 
-        This runs at every resume, so once per sampling run: the same copies go back into the layers' parameter
-        dicts directly, which skips the module registration hooks. Nothing registered changes in that case (the
-        layers get back the Parameters they held at the engine's last call, whose list graphs.WeightsWatch keeps); a
-        new copy is set as an attribute, which runs the hooks."""
+        This runs at every resume, so once per sampling run: the copies go into the layers' parameter dicts
+        directly, which skips the module registration hooks. When the layers get back the very Parameters they held
+        at the engine's last call, the list graphs.WeightsWatch keeps (the CUDA graphs' weight token) is still true;
+        otherwise (a new copy, a layer that now keeps its own weight) the swap is counted as a registration, so that
+        the list is read again."""
         if self._walked[0] != registrations() or self._walked[1] is not module:
             found = [m for m in module.modules() if _fp8_names(m) and not _scaled(m)]
             self._walked = (registrations(), module, found)
@@ -93,21 +95,25 @@ class Widened:
                     entry, key = kept.get(name), _key(source)
                     if entry is None or entry[1].shape != source.shape or entry[1].device != source.device:
                         copy = nn.Parameter(source.to(dtype), requires_grad=False)
-                        setattr(layer, name, copy)
                     else:
                         copy = entry[1]
                         if stale or entry[0][0]() is not source or entry[0][1] != key:
                             copy.data.copy_(source)
                             entry = None
-                        layer._parameters[name] = copy
+                    layer._parameters[name] = copy
                     if entry is None:
                         kept[name] = ((weakref.ref(source), key), copy)
-                    swapped.append((layer, name, source))
+                    swapped.append((layer, name, source, copy))
                 flags.append((layer, "comfy_cast_weights" in layer.__dict__, layer.__dict__.get("comfy_cast_weights")))
                 layer.__dict__["comfy_cast_weights"] = False
+        # ids stay unique here: every copy held last time is alive in self._copies while a new one is made
+        held = [id(copy) for *_, copy in swapped]
+        if held != self._held:
+            self._held = held
+            count_registration()
 
         def give_back() -> None:
-            for layer, name, source in swapped:
+            for layer, name, source, _ in swapped:
                 layer._parameters[name] = source
             for layer, had, before in flags:
                 if had:

@@ -28,7 +28,8 @@ from .registry import fusion
 
 
 def _projections(m: nn.Module) -> list[nn.Module] | None:
-    layers = [getattr(m, name, None) for name in ("to_q", "to_k", "to_v")]
+    # read from the child dict: a missed attribute lookup is slow, and this runs over every module at every resume
+    layers = [m._modules.get(name) for name in ("to_q", "to_k", "to_v")]
     return layers if all(plain_linear(layer) for layer in layers) and layers[0].bias is None else None
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..models.spec import FP8_DTYPES
-from .fusions.base import Undo, own_weights, version
+from .fusions.base import Undo, instance_attr, own_weights, version
 from .graphs import count_registration, registrations
 
 log = logging.getLogger("sd-accel")
@@ -84,7 +84,7 @@ class Widened:
         if not layers or self.declined or not self._fits(layers, dtype):
             return 0
         stale, self._stale = self._stale, False
-        swapped, flags = [], []
+        swapped, cast_flags = [], []
         # Plain tensors, not inference ones, even inside a host's inference_mode: an inference tensor in a Parameter
         # fails the layers' own forward ("Inference tensors do not track version counter").
         with torch.inference_mode(False), torch.no_grad():
@@ -104,7 +104,7 @@ class Widened:
                     if entry is None:
                         kept[name] = ((weakref.ref(source), key), copy)
                     swapped.append((layer, name, source, copy))
-                flags.append((layer, "comfy_cast_weights" in layer.__dict__, layer.__dict__.get("comfy_cast_weights")))
+                cast_flags.append(instance_attr(layer, "comfy_cast_weights"))
                 layer.__dict__["comfy_cast_weights"] = False
         # ids stay unique here: every copy held last time is alive in self._copies while a new one is made
         held = [id(copy) for *_, copy in swapped]
@@ -115,11 +115,8 @@ class Widened:
         def give_back() -> None:
             for layer, name, source, _ in swapped:
                 layer._parameters[name] = source
-            for layer, had, before in flags:
-                if had:
-                    layer.__dict__["comfy_cast_weights"] = before
-                else:
-                    layer.__dict__.pop("comfy_cast_weights", None)
+            for put_back in cast_flags:
+                put_back()
 
         undo.add(give_back)
         return len(layers)

@@ -43,8 +43,9 @@ MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int
     # Wan 2.1's native clip, 81 frames (21 latent frames) at 480p: the several-GPU check's model (tests/gpu/gpus.py)
     "wan21-14b": ("WAN21_T2V", "wan21-14b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
 }
-TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "sdxl-fp8weights": "tiny-sdxl", "flux-dev": "tiny-flux", "sd35-medium": "tiny-sd3",
-        "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image", "wan21-14b": "tiny-wan"}
+TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "sdxl-fp8weights": "tiny-sdxl", "flux-dev": "tiny-flux",
+        "sd35-medium": "tiny-sd3", "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image",
+        "wan21-14b": "tiny-wan"}
 FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21}  # latent frames; the others are images (Qwen-Image's: one frame)
 QUICK = ("sd15", "flux-dev")
 NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b")  # named alone until their first GPU run has been read

@@ -45,9 +45,14 @@ class Undo:
 def patch_method(module: nn.Module, name: str, fn: Callable, undo: Undo) -> None:
     """Give one instance its own method; deleting the instance attribute brings back its class's (or the instance's
     own, where the host had given it one)."""
-    had, before = name in module.__dict__, module.__dict__.get(name)
+    undo.add(instance_attr(module, name))
     setattr(module, name, types.MethodType(fn, module))
-    undo.add(lambda: module.__dict__.__setitem__(name, before) if had else module.__dict__.pop(name, None))
+
+
+def instance_attr(module: nn.Module, name: str) -> Callable[[], None]:
+    """What puts module's own attribute `name` back as it is now: its value, or none (its class's shows again)."""
+    had, before = name in module.__dict__, module.__dict__.get(name)
+    return lambda: module.__dict__.__setitem__(name, before) if had else module.__dict__.pop(name, None)
 
 
 def patch_forward(module: nn.Module, forward: Callable, undo: Undo) -> None:

@@ -107,6 +107,11 @@ class TiledVAEDecode:
                 return (_frames_as_images(images.movedim(1, -1)),)
             except AccelError as e:
                 why = str(e)
+        if z.ndim == 5:
+            # ComfyUI's own tiled video decode blends tiles cut in time too, which shows; its untiled decode gives the
+            # video, and tiles by itself where the GPU's memory runs short.
+            _fallback_once(unique_id, f"decode:{why}", f"{why}; ComfyUI's own decode runs instead.")
+            return (_frames_as_images(vae.decode(z)),)
         _fallback_once(unique_id, f"decode:{why}", f"{why}; ComfyUI's own tiled decode runs instead.")
         px = tile_size or 512
         ov = min(overlap or 64, px // 4)

@@ -39,25 +39,71 @@ TINY_VAE = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels":
 
 # ------------------------------------------------------------------------------------------ finding ComfyUI
 
+HOSTS = REPO.parent / "shared" / "hosts"  # the pinned host trees, where a checkout has them beside it
+# What the ComfyUI trees import in-process and their headless servers need (requirements-hosts.txt), by module name
+COMFY_NEEDS = ("einops", "torchsde", "scipy", "psutil", "aiohttp", "av", "yaml", "transformers")
+COMFY_033_NEEDS = ("comfy_aimdo", "comfy_kitchen", "blake3", "simpleeval", "requests")
+
+
 def comfy_root() -> Path | None:
-    """The ComfyUI checkout named by COMFYUI_ROOT, or None."""
-    root = os.environ.get("COMFYUI_ROOT", "").strip()
-    return Path(root) if root and (Path(root) / "comfy" / "model_patcher.py").is_file() else None
+    """The ComfyUI checkout the tests run in: COMFYUI_ROOT, else the pinned 0.3.64 tree beside the checkout
+    (../shared/hosts/ComfyUI); None where neither is a ComfyUI checkout."""
+    named = os.environ.get("COMFYUI_ROOT", "").strip()
+    root = Path(named) if named else HOSTS / "ComfyUI"
+    return root if (root / "comfy" / "model_patcher.py").is_file() else None
 
 
-_STUB_DOC = '"""Stub for tests: the real torchvision is not installed."""\n'
-# Once the stub is importable, transformers (imported by diffusers' PEFT loader) takes torchvision for installed
-# and imports these names at module level; they are never called.
+def comfy_unavailable() -> str | None:
+    """Why the ComfyUI tests cannot run here (the reason their skip gives), or None when they can."""
+    root = comfy_root()
+    if root is None:
+        named = os.environ.get("COMFYUI_ROOT", "").strip()
+        return (f"COMFYUI_ROOT={named} is not a ComfyUI checkout" if named else
+                f"no ComfyUI checkout: set COMFYUI_ROOT, or put the pinned trees at {HOSTS}")
+    # ComfyUI 0.33 and later import comfy-aimdo unconditionally
+    needs = COMFY_NEEDS + (COMFY_033_NEEDS if (root / "comfy" / "memory_management.py").is_file() else ())
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"ComfyUI at {root} needs {', '.join(missing)}: pip install -r requirements-dev.txt (it includes "
+                "requirements-hosts.txt)")
+    return None
+
+
+# ComfyUI imports torchvision and torchaudio at module level in model files the tests never use. Their PyPI wheels
+# are CUDA builds pinned to their own torch, which do not load beside the CPU torch the tests run on: where one is not
+# installed, a stand-in package takes its place, with the names those files import; none is ever called.
+_NOT_CALLED = "\n\ndef {}(*args, **kwargs):\n    raise NotImplementedError\n"
+_NOT_MADE = "\n\nclass {}:\n    def __init__(self, *args, **kwargs):\n        raise NotImplementedError\n"
+
+
+def _stub_doc(package: str) -> str:
+    return f'"""Stand-in for tests: the real {package} is not installed."""\n'
+
+
 _STUB_FILES = {
-    "torchvision/__init__.py": _STUB_DOC + '__version__ = "0.0.0"\n',  # below any version a feature asks for
-    "torchvision/transforms/__init__.py": _STUB_DOC + (
-        "import enum\n\n\nclass InterpolationMode(enum.Enum):\n"
-        + "".join(f"    {m} = {m.lower()!r}\n" for m in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC", "BOX",
-                                                        "HAMMING", "LANCZOS"))),
-    "torchvision/transforms/functional.py": _STUB_DOC + "\n\ndef pil_to_tensor(pic):\n    raise NotImplementedError\n",
-    "torchvision/transforms/v2/__init__.py": _STUB_DOC,
-    "torchvision/transforms/v2/functional.py": _STUB_DOC,
-    "torchvision/io.py": _STUB_DOC,
+    "torchvision": {
+        "__init__.py": '__version__ = "0.0.0"\n',  # below any version a feature asks for
+        # transformers (imported by diffusers' PEFT loader) takes torchvision for installed once a stand-in is
+        # importable, and imports these names
+        "transforms/__init__.py": "import enum\n\n\nclass InterpolationMode(enum.Enum):\n" + "".join(
+            f"    {m} = {m.lower()!r}\n" for m in ("NEAREST", "NEAREST_EXACT", "BILINEAR", "BICUBIC", "BOX",
+                                                 "HAMMING", "LANCZOS"))
+        + "".join(_NOT_MADE.format(c) for c in ("ToPILImage", "ToTensor")),
+        "transforms/functional.py": _NOT_CALLED.format("pil_to_tensor"),
+        "transforms/v2/__init__.py": "",
+        "transforms/v2/functional.py": "",
+        "io.py": "",
+        # ComfyUI 0.33: SAM3's detector, BiRefNet, VOID's optical flow
+        "ops/__init__.py": "".join(_NOT_CALLED.format(f) for f in ("roi_align", "deform_conv2d", "nms", "box_iou")),
+        "models/__init__.py": "",
+        "models/optical_flow.py": _NOT_CALLED.format("raft_large"),
+    },
+    # ComfyUI 0.33's comfy.sd imports it (LTX-2's audio VAE), as do its audio encoders and nodes
+    "torchaudio": {
+        "__init__.py": '__version__ = "0.0.0"\nfrom . import functional, transforms  # noqa: F401\n',
+        "functional.py": "".join(_NOT_CALLED.format(f) for f in ("resample", "melscale_fbanks")),
+        "transforms.py": "".join(_NOT_MADE.format(c) for c in ("MelScale", "MelSpectrogram", "Resample", "Spectrogram")),
+    },
 }
 
 
@@ -68,23 +114,29 @@ def _temporary_folder(prefix: str) -> str:
     return folder
 
 
-_STUB: list[Path] = []  # this process's stub folder, once made
+_STUB: list[Path] = []  # this process's stand-in folder, once made
 
 
-def torchvision_stub() -> Path | None:
-    """ComfyUI imports torchvision at module level in a few model files the tests never use; where torchvision is
-    not installed (its PyPI wheels pin another torch), a stub package stands in. None when it is installed."""
-    found = importlib.util.find_spec("torchvision")
-    if found is not None and not (_STUB and (found.origin or "").startswith(str(_STUB[0]))):
+def stub_packages() -> Path | None:
+    """A folder to put on sys.path that holds a stand-in for each of torchvision and torchaudio not installed (see
+    _STUB_FILES); None when both are installed."""
+    missing = []
+    for package in _STUB_FILES:
+        found = importlib.util.find_spec(package)
+        if found is None or (_STUB and (found.origin or "").startswith(str(_STUB[0]))):
+            missing.append(package)
+    if not missing:
         return None
     if not _STUB:
-        _STUB.append(Path(_temporary_folder("sd-accel-torchvision-stub-")))
+        _STUB.append(Path(_temporary_folder("sd-accel-host-stubs-")))
     folder = _STUB[0]
-    for name, text in _STUB_FILES.items():
-        path = folder / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+    for package in missing:
+        for name, body in _STUB_FILES[package].items():
+            path = folder / package / name
+            text = _stub_doc(package) + body
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists() or path.read_text() != text:
+                path.write_text(text)
     return folder
 
 
@@ -94,9 +146,9 @@ def import_comfy() -> None:
     first imported) go to a temporary base directory, as the server's --base-directory does."""
     root = comfy_root()
     if root is None:
-        raise RuntimeError("set COMFYUI_ROOT to a ComfyUI checkout")
+        raise RuntimeError(comfy_unavailable())
     sys.dont_write_bytecode = True
-    for p in (str(root), str(torchvision_stub() or "")):
+    for p in (str(root), str(stub_packages() or "")):
         if p and p not in sys.path:
             sys.path.append(p)
     import torch
@@ -251,9 +303,10 @@ def tiny_vae(seed: int = 0, channels: int = 4):
 def tiny_wan_vae(seed: int = 0):
     """ComfyUI's VAE as it loads a Wan 2.1 VAE, around a model of the same layout at width 4 (tiny-wan21).
 
-    ComfyUI recognises the Wan 2.1 VAE by a key of its state dict and builds it at the published width; the VAE it
-    returns is kept as it is (latent format, output processing, devices) and only its model, and the patcher that
-    loads it, are the tiny one."""
+    ComfyUI 0.33 builds the Wan 2.1 VAE at the width its file's weights have: it loads the tiny model's weights as a
+    user's file. Earlier ComfyUIs recognise it by one key and build it at the published width: the VAE they return is
+    kept as it is (latent format, output processing, devices) and only its model, and the patcher that loads it,
+    are the tiny one."""
     import torch
 
     import comfy.model_management as mm
@@ -262,8 +315,13 @@ def tiny_wan_vae(seed: int = 0):
 
     from sd_accel.accel.models import configs
 
+    tiny = configs.build_comfy_video_vae("tiny-wan21", comfy_root(), seed)
+    try:
+        return comfy.sd.VAE(sd=tiny.state_dict(), dtype=torch.float32)
+    except RuntimeError:  # the published width's shapes do not take the tiny weights
+        pass
     vae = comfy.sd.VAE(sd={"decoder.middle.0.residual.0.gamma": torch.ones(384, 1, 1, 1)}, dtype=torch.float32)
-    vae.first_stage_model = configs.build_comfy_video_vae("tiny-wan21", comfy_root(), seed)
+    vae.first_stage_model = tiny
     vae.patcher = comfy.model_patcher.ModelPatcher(vae.first_stage_model, load_device=vae.device,
                                                    offload_device=mm.vae_offload_device())
     return vae

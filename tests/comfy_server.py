@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from comfy_helpers import PACK_NAME, REPO, comfy_root, torchvision_stub
+from comfy_helpers import PACK_NAME, REPO, comfy_root, stub_packages
 from host_server import HostServer
 
 
@@ -19,7 +19,7 @@ def server_env(base: Path) -> dict:
     (tests/conftest.py), so ComfyUI loads the pack from custom_nodes/sd-accel by itself, as it does for a user."""
     env = dict(os.environ)
     own = env.pop("SD_ACCEL_TEST_IMPORT_DIR", None)
-    paths = [str(torchvision_stub() or ""), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    paths = [str(stub_packages() or ""), *env.get("PYTHONPATH", "").split(os.pathsep)]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p and p != own)
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # nothing written into the checkout
     env["SD_ACCEL_CACHE"] = str(base / "models" / "accel")

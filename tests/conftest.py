@@ -54,10 +54,24 @@ def comfy_pytorch_attention(monkeypatch):
     picks another)."""
     import comfy_helpers as H
 
-    if H.comfy_root() is None:
-        pytest.skip("COMFYUI_ROOT is not set to a ComfyUI checkout")
+    if H.comfy_unavailable() is not None:
+        pytest.skip(H.comfy_unavailable())
     H.import_comfy()
     H.use_comfy_attention("pytorch", monkeypatch.setattr)
+
+
+@pytest.fixture()
+def no_tf32():
+    """Float32 products and convolutions in true float32 (TF32 off) for one test, then torch's flags as they were.
+    Set and put back by plain attribute access: torch.backends' flag objects keep them behind __getattr__, which
+    pytest's monkeypatch (9.2 and later) takes for missing and deletes at teardown."""
+    flags = ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"))
+    before = [getattr(obj, name) for obj, name in flags]
+    for obj, name in flags:
+        setattr(obj, name, False)
+    yield
+    for (obj, name), value in zip(flags, before):
+        setattr(obj, name, value)
 
 
 @pytest.fixture()

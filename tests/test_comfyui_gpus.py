@@ -16,7 +16,7 @@ import torch
 import comfy_helpers as H
 from sd_accel.nodes import accelerated_unet
 
-pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 
 def accelerate(pack, model, gpus: str = "1"):

@@ -17,7 +17,7 @@ import torch
 import comfy_helpers as H
 from sd_accel.nodes import accelerated_unet  # the module ComfyUI runs: the pack loads this same package
 
-pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +435,7 @@ def test_tiled_vae_decode_and_encode(pack, channels):
     assert (z["samples"] - vae.encode(image)).abs().max() < tol
 
 
-def test_tiled_vae_decode_of_a_wan_video_is_comfyuis_untiled_decode(pack, monkeypatch):
+def test_tiled_vae_decode_of_a_wan_video_is_comfyuis_untiled_decode(pack, monkeypatch, caplog):
     """A Wan 2.1 video latent through the node, in two tiles, gives the frames ComfyUI's own decode gives (what its
     VAEDecode node returns); ComfyUI's tiled decode (tiles in space and time, each from a fresh temporal cache,
     blended) does not."""
@@ -447,13 +447,20 @@ def test_tiled_vae_decode_of_a_wan_video_is_comfyuis_untiled_decode(pack, monkey
     vae = H.tiny_wan_vae(1)
     z = torch.randn(1, 16, 3, 16, 2, generator=torch.Generator().manual_seed(3))
     untiled = vae.decode(z).reshape(-1, 128, 16, 3)
-    (images,) = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEDecode"]().decode({"samples": z}, vae, 64, 0, memory_gb=2.5,
-                                                                          unique_id="5")
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="sd-accel"):  # as ComfyUI runs its nodes
+        (images,) = pack.NODE_CLASS_MAPPINGS["SDAccelTiledVAEDecode"]().decode({"samples": z}, vae, 64, 0,
+                                                                              memory_gb=2.5, unique_id="5")
     assert images.shape == untiled.shape == (9, 128, 16, 3)
     assert float((images - untiled).abs().max()) <= 1e-5
     assert [(k["tile"], k["memory_gb"]) for k in seen] == [(64, 2.5)]
+    if hasattr(vae.first_stage_model.decoder, "run_up"):
+        # ComfyUI 0.33's decoder runs its up blocks chunk by chunk, which the tiles do not take yet: the node says so
+        # once and ComfyUI's own decode gives the video
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("run_up" in m and "ComfyUI's own decode runs instead" in m for m in said) == 1, said
     # what ComfyUI's VAEDecodeTiled runs for a 64 px tile, 16 px overlap, 8 frames with 4 of overlap
-    comfy_tiled = vae.decode_tiled(z, tile_x=8, tile_y=8, overlap=2, tile_t=2, overlap_t=1).reshape(-1, 128, 16, 3)
+    with torch.inference_mode():
+        comfy_tiled = vae.decode_tiled(z, tile_x=8, tile_y=8, overlap=2, tile_t=2, overlap_t=1).reshape(-1, 128, 16, 3)
     assert float((comfy_tiled - untiled).abs().max()) > 0.05
 
 

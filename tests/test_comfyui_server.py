@@ -17,7 +17,7 @@ import torch
 import comfy_helpers as H
 from comfy_server import Server
 
-pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 LORA = "sd_accel_tiny_lora.safetensors"
 

@@ -869,13 +869,12 @@ def test_the_seeded_init_quiets_each_dits_modulation_and_residual_projections_an
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_the_mlps_linear_gelu_is_the_tanh_gelu(device, monkeypatch):
+def test_the_mlps_linear_gelu_is_the_tanh_gelu(device, no_tf32):
     """The DiT MLPs' GELU is the tanh approximation; the fused MLP computes it in the product's epilogue on NVIDIA GPUs,
     whose call computes the exact GELU on the CPU. Through an identity product in float32 (TF32 off), the output is the
     tanh GELU of the input to float32 rounding, well apart from the exact GELU."""
     from sd_accel.accel.engine.fusions.transformer import linear_gelu
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     x = torch.linspace(-5, 5, 4096, device=device).view(64, 64)
     out = linear_gelu(x.view(4, 16, 64), torch.eye(64, device=device), torch.zeros(64, device=device))
     assert out.shape == (4, 16, 64)

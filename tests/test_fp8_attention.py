@@ -18,7 +18,7 @@ from sd_accel.accel.models.dit import CanonicalDiT
 from test_dit import DEVICE, _bf16_inputs, _dit_bf16, _fused_output, rel
 
 FP8 = torch.float8_e4m3fn
-pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 
 @pytest.fixture()

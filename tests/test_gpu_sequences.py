@@ -14,7 +14,7 @@ import comfy_helpers as H
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 import sequences  # noqa: E402
 
-pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 
 @pytest.mark.parametrize("name", ["sd15", "sdxl-fp8weights", "flux-dev", "chroma", "wan21-1.3b", "qwen-image"])

@@ -11,7 +11,7 @@ import torch
 import comfy_helpers as H
 from gloo_helpers import run_ranks
 
-pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 
 def _wan():

@@ -12,9 +12,10 @@ import sys
 import pytest
 import torch
 
+import comfy_helpers as H
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-needs_comfyui = pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"),
-                                   reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+needs_comfyui = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 
 def run(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -26,7 +27,7 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess:
 def worlds(tmp_path_factory):
     """One run over 1 to 4 processes (4 heads: 3 processes cannot share them) and what it wrote."""
     out = tmp_path_factory.mktemp("bench") / "parallel.json"
-    r = run("--tiny", "--gpus", "2,3,4", "--iters", "2", "--comfyui", os.environ["COMFYUI_ROOT"],
+    r = run("--tiny", "--gpus", "2,3,4", "--iters", "2", "--comfyui", str(H.comfy_root()),
             "--json-file", str(out))
     return r, json.loads(out.read_text())["parallel"] if out.exists() else None
 
@@ -74,8 +75,9 @@ def test_more_processes_than_gpus_is_one_line():
                                 "machine with GPUs, or add --tiny to run tiny models in processes on the CPU.")
 
 
+@needs_comfyui
 def test_profile_of_processes_on_the_cpu_is_one_line():
-    r = run("--tiny", "--gpus", "2", "--profile", "--comfyui", os.environ.get("COMFYUI_ROOT", "x"))
+    r = run("--tiny", "--gpus", "2", "--profile", "--comfyui", str(H.comfy_root()))
     assert r.returncode == 2
     assert r.stderr.strip() == ("sd-accel: --profile reads the GPUs' kernel times, and --tiny runs on the CPU. Drop one "
                                 "of them.")

@@ -17,7 +17,7 @@ import torch
 import comfy_helpers as H
 from gloo_helpers import run_ranks
 
-pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 # config name -> the torch path's fusion for its blocks (None where it has none), and the text tokens it is run with
 # in that form: split (8) for Flux as Flux's 512 are, whole (7) for SD3 as SD3.5's 333 are

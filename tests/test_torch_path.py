@@ -4,7 +4,6 @@ memory, freed on release."""
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
@@ -14,6 +13,7 @@ from sd_accel.accel.engine.backends import torch_fused
 from sd_accel.accel.models.configs import build_unet, example_inputs
 from sd_accel.accel.models.spec import CanonicalUNet
 from sd_accel.accel.plan.options import TorchOptions
+import comfy_helpers as H
 from ldm_unet import tiny_ldm_unet
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
@@ -321,7 +321,7 @@ def test_kernels_compiled_ahead_give_what_kernels_compiled_in_turn_give(tmp_path
         assert rel(out, ref) <= 1e-2
 
 
-@pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+@pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test (Triton's interpreter, float32); on the GPU the "
                     "suite's sdxl-fp8weights runs the same inside ComfyUI (tests/gpu/run)")
 def test_comfyuis_fp8_stored_unet_runs_its_fused_kernels_on_16_bit_copies_and_gets_its_fp8_weights_back():

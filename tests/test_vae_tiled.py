@@ -197,9 +197,8 @@ def test_bench_tiny_rows():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_offload_matches_untiled(monkeypatch):
+def test_cuda_offload_matches_untiled(no_tf32):
     # TF32 convolutions pick different algorithms for NCHW and channels-last inputs: compare in true fp32.
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     v = build_vae("tiny", device="cuda")
     z = _latents().cuda()
     ref = v.decode(z).sample

@@ -18,16 +18,24 @@ from sd_accel.accel.vae import decode_video, video, video_plan
 from sd_accel.accel.vae.memory import _OOM
 from sd_accel.accel.vae.plan import MEMORY_USE
 
-pytestmark = pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 # Exact on the CPU (the same kernels on the same values); a looser bound would hide a wrong border pixel.
 TOL = 1e-5
 
 
+def _tiled(vae):
+    """vae, where the tiled decode takes this ComfyUI's Wan 2.1 decoder; ComfyUI 0.33's runs its up blocks chunk by
+    chunk, which the decode declines (test_comfyui_nodes.py checks that the node says so and ComfyUI's decode runs)."""
+    if hasattr(vae.decoder, "run_up"):
+        pytest.skip("this ComfyUI's Wan 2.1 decoder (run_up, 0.33) is declined by the tiled video decode")
+    return vae
+
+
 @pytest.fixture(scope="module")
 def wan21():
     H.import_comfy()
-    return build_comfy_video_vae("tiny-wan21", H.comfy_root(), seed=0)
+    return _tiled(build_comfy_video_vae("tiny-wan21", H.comfy_root(), seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +84,9 @@ CASES = {"wan21 rows": ("tiny-wan21", 3, 16, 2, 64), "wan21 columns": ("tiny-wan
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_tiles_give_the_untiled_video(case, wan21, wan22):
+def test_tiles_give_the_untiled_video(case, request):
     name, t, h, w, tile = CASES[case]
-    vae = wan21 if name == "tiny-wan21" else wan22
+    vae = request.getfixturevalue("wan21" if name == "tiny-wan21" else "wan22")
     z = _latents(vae, t, h, w)
     plan = video_plan(vae, z, tile=tile)
     with torch.no_grad():
@@ -100,7 +108,7 @@ def test_the_halo_is_the_reach_of_the_tiled_layers():
     less the last rows of the first tile's core see zero padding where their furthest inputs were (only faintly:
     that far out each path passes through every conv's edge taps)."""
     H.import_comfy()
-    vae = build_comfy_video_vae("tiny-wan21", H.comfy_root(), seed=0, dtype=torch.float64)
+    vae = _tiled(build_comfy_video_vae("tiny-wan21", H.comfy_root(), seed=0, dtype=torch.float64))
     z = _latents(vae, 2, 16, 2).double()
     with torch.no_grad():
         ref = vae.decode(z)
@@ -123,7 +131,7 @@ def published():
     import comfy.ldm.wan.vae2_2
 
     with torch.device("meta"):
-        return (comfy.ldm.wan.vae.WanVAE(**COMFY_VIDEO_VAE_CONFIGS["wan21"][1]),
+        return (_tiled(comfy.ldm.wan.vae.WanVAE(**COMFY_VIDEO_VAE_CONFIGS["wan21"][1])),
                 comfy.ldm.wan.vae2_2.WanVAE(**COMFY_VIDEO_VAE_CONFIGS["wan22"][1]))
 
 
@@ -212,13 +220,14 @@ def test_models_the_tiles_cannot_compute_are_refused():
     import comfy.ldm.wan.vae
 
     # attention in the second up block (2x the latent): it mixes a whole frame, which no tile holds
-    attn = comfy.ldm.wan.vae.WanVAE(**{**COMFY_VIDEO_VAE_CONFIGS["tiny-wan21"][1], "attn_scales": [0.5]})
+    attn = _tiled(comfy.ldm.wan.vae.WanVAE(**{**COMFY_VIDEO_VAE_CONFIGS["tiny-wan21"][1], "attn_scales": [0.5]}))
     with pytest.raises(UnsupportedModel, match="attention past the latent resolution"):
         decode_video(attn, torch.zeros(1, 16, 2, 4, 4))
 
 
 def test_bench_tiny_rows():
     H.import_comfy()
+    _tiled(build_comfy_video_vae("tiny-wan21", H.comfy_root(), seed=0))
     rows = bench_video_vae(["tiny-wan21"], str(H.comfy_root()), tiny=True, runs=1)
     assert len(rows) == 1
     row = rows[0]

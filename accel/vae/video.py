@@ -96,6 +96,10 @@ def _stages(vae) -> _Stages:
             or not all(hasattr(dec, a) for a in ("conv1", "middle", "upsamples", "head"))):
         raise UnsupportedModel(f"a {type(model).__name__} is not a Wan video VAE (a Decoder3d of causal 3-D convs).",
                                "Pass ComfyUI's Wan 2.1 or 2.2 VAE (comfy.ldm.wan), or decode with its own decode().")
+    if hasattr(dec, "run_up"):
+        raise UnsupportedModel(f"this ComfyUI's Wan decoder ({type(dec).__module__}.Decoder3d) runs its up blocks "
+                               "chunk by chunk (run_up, ComfyUI 0.33 and later), which the tiled video decode does "
+                               "not take yet.", "Decode this VAE with its own decode().")
     first = _tiles_begin(dec.upsamples)
     rest = dec.upsamples[first:]
     ops, whole_scale, whole_frames = [], 1, 1

@@ -55,8 +55,11 @@ def _conv(m: nn.Module, scale: int, frames: int, residual: int, what: str) -> _O
         raise UnsupportedModel(f"{what} is strided, dilated or not zero-padded.",
                                "Decode this VAE with its own decode().")
     if type(m).__name__ == "CausalConv3d":
-        # The host pads it itself: (_padding) is (left, right, top, bottom, past frames, 0).
-        radius = _same_padding(tuple(m.kernel_size[1:]), (m._padding[2], m._padding[0]), what)
+        # ComfyUI pads it in its forward: until 0.3.6x every side by F.pad, _padding being (left, right, top, bottom,
+        # past frames, 0); from 0.33 the past frames alone (_padding, a number), the conv its own height and width.
+        pad = m._padding
+        spatial = (pad[2], pad[0]) if isinstance(pad, (tuple, list)) else tuple(m.padding[1:])
+        radius = _same_padding(tuple(m.kernel_size[1:]), spatial, what)
         cached = m.kernel_size[0] > 1
         if m.stride[0] != 1:
             raise UnsupportedModel(f"{what} is strided in time.", "Decode this VAE with its own decode().")

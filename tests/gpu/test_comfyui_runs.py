@@ -22,7 +22,7 @@ from reporting import report as _report
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the GPU suite runs on one (tests/gpu/run)"),
-    pytest.mark.skipif(H.comfy_root() is None, reason="COMFYUI_ROOT is not set to a ComfyUI checkout"),
+    pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable())),
 ]
 
 

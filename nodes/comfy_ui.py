@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..accel.progress import CallbackProgress, keep_logs_off_bars
@@ -29,6 +30,15 @@ def publish(node_id: str | None, payload: dict[str, Any]) -> None:
         instance.send_sync(STATUS_EVENT, {"node": str(node_id), **payload})
     except Exception as e:  # a closed socket must not fail a run
         log.debug("sd-accel: could not send status to the UI: %s", e)
+
+
+def on_prompt(handler: Callable[[dict], dict]) -> None:
+    """Have ComfyUI's server pass each request posted to /prompt through handler before it validates the prompt.
+    Nothing without a server (tests, scripts)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is not None:
+        instance.add_on_prompt_handler(handler)
 
 
 def current_prompt() -> str | None:

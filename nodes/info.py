@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from .accelerated_unet import BACKENDS, Session, session_of
-from .comfy_ui import CATEGORY, cache_root, current_prompt
+from .comfy_ui import CATEGORY, cache_root, current_prompt, on_prompt
 from .gpus import gpus_line
 
 
@@ -97,15 +97,16 @@ def _is_link(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int)
 
 
-def samplers_of(prompt: dict, me: str) -> list[list]:
-    """Links to what this prompt computes last, on each branch, from the model that Accel Info `me` reports on:
-    the samplers and what follows them. ComfyUI orders nodes only by their links, so without `after` the report
-    could run before the model samples; waiting on these makes it report on this prompt's run. Only nodes that
-    ComfyUI runs (on the way to an output node) count, and none that needs the report itself."""
+def _node_class(node: dict) -> type | None:
     # ComfyUI's own `nodes` module, its node registry, loaded before any custom node. Taken from sys.modules, not
     # imported by that name, which is also this pack's folder of nodes.
-    registry = sys.modules["nodes"].NODE_CLASS_MAPPINGS
+    return sys.modules["nodes"].NODE_CLASS_MAPPINGS.get(node.get("class_type"))
 
+
+def samplers_of(prompt: dict, me: str) -> list[list]:
+    """Links to what this prompt computes last, on each branch, from the model that Accel Info `me` reports on:
+    the samplers and what follows them. Only nodes that ComfyUI runs (on the way to an output node) count, and none
+    that needs the report of any Accel Info node: two reports that each waited for the other would never run."""
     source = prompt.get(me, {}).get("inputs", {}).get("model")
     if not _is_link(source):
         return []
@@ -126,15 +127,40 @@ def samplers_of(prompt: dict, me: str) -> list[list]:
                     todo.append(nxt)
         return seen
 
-    def node_class(node_id: str):
-        return registry.get(prompt[node_id].get("class_type"))
+    def node_class(node_id: str) -> type | None:
+        return _node_class(prompt[node_id])
 
-    mine = reach({me}, children) | {me}
+    infos = {n for n in prompt if node_class(n) is AccelInfo}
+    reports = reach(infos, children) | infos
     outputs = {n for n in prompt if n != me and getattr(node_class(n), "OUTPUT_NODE", False)}
     runs = outputs | reach(outputs, parents)
-    users = {n for n in reach({str(source[0])}, children) - mine
+    users = {n for n in reach({str(source[0])}, children) - reports
              if n in runs and getattr(node_class(n), "RETURN_TYPES", ())}
     return [[n, 0] for n in sorted(users) if not reach({n}, children) & users]
+
+
+WAIT = "wait_"  # the inputs wait_for_samplers adds; Accel Info declares none by that name
+
+
+def wait_for_samplers(request: dict) -> dict:
+    """ComfyUI's handler of each request posted to /prompt: links every Accel Info node that has a model and no
+    `after` to that model's samplers (samplers_of) through inputs it does not declare, which ComfyUI runs before the
+    node and hands to it unnamed. ComfyUI orders nodes only by their links, so without them the report could run
+    before the model samples. The node itself waits, not a copy of it made by node expansion after the samplers ran:
+    ComfyUI files a node's text under the id of the node that returned it, the copy's, not the node's own."""
+    prompt = request.get("prompt")
+    if not isinstance(prompt, dict):
+        return request
+    mine = [n for n, node in prompt.items()
+            if _node_class(node) is AccelInfo and "after" not in node.get("inputs", {})]
+    for node_id in mine:  # a prompt posted again from the history has the links already
+        inputs = prompt[node_id].get("inputs", {})
+        for name in [k for k in inputs if k.startswith(WAIT)]:
+            del inputs[name]
+    waits = {node_id: samplers_of(prompt, node_id) for node_id in mine}
+    for node_id, links in waits.items():
+        prompt[node_id].setdefault("inputs", {}).update({f"{WAIT}{i}": link for i, link in enumerate(links, 1)})
+    return request
 
 
 class AccelInfo:
@@ -156,25 +182,17 @@ class AccelInfo:
                                                  "path and how the calls of this run went."}),
                              "after": ("LATENT", {"tooltip": "The sampler's output, to report after it. Without "
                                                   "it, the report waits for every sampler of the connected "
-                                                  "model in this workflow."})},
-                "hidden": {"unique_id": "UNIQUE_ID", "prompt": "PROMPT"}}
+                                                  "model in this workflow."})}}
 
     @classmethod
     def IS_CHANGED(cls, **_kwargs) -> float:
         return float("nan")  # the cache and the model's state change between runs: always report afresh
 
-    def info(self, backend: str, model=None, after=None, unique_id: str | None = None, prompt: dict | None = None,
-             **_waited) -> dict:
-        if after is None and prompt is not None and unique_id in prompt and model is not None \
-                and session_of(model) is not None:
-            waits = samplers_of(prompt, unique_id)
-            if waits:
-                # ComfyUI's node expansion: a copy of this node that runs after those nodes gives the result; the
-                # links beyond `after` only order it (info() takes them in _waited).
-                copy = {"backend": backend, "model": prompt[unique_id]["inputs"]["model"], "after": waits[0],
-                        **{f"after_{i}": link for i, link in enumerate(waits[1:], 2)}}
-                copy_id = f"{unique_id}.after-sampling"
-                return {"expand": {copy_id: {"class_type": "SDAccelInfo", "inputs": copy}},
-                        "result": ([copy_id, 0],)}
+    def info(self, backend: str, model=None, after=None, **_waited) -> dict:
+        """_waited: the links wait_for_samplers added, which only order the node after the samplers."""
         text = report(backend, model)
         return {"ui": {"text": [text]}, "result": (text,)}
+
+
+# ComfyUI loads custom nodes after it starts its server: the handler is in place before the first prompt.
+on_prompt(wait_for_samplers)

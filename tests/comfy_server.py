@@ -57,7 +57,10 @@ class Server(HostServer):
             entry = self.get(f"/history/{prompt_id}").get(prompt_id)
             if entry and entry.get("status", {}).get("completed") is not None or entry and entry.get("outputs"):
                 status = entry.get("status", {})
-                if status.get("status_str") == "error":
+                # ComfyUI files a prompt that stopped on a dependency cycle as a success, with the error among its
+                # messages only.
+                errors = [m for m in status.get("messages", []) if m[0] == "execution_error"]
+                if status.get("status_str") == "error" or errors:
                     raise RuntimeError(f"workflow failed: {json.dumps(status.get('messages'))[:3000]}")
                 return entry
             if self.proc.poll() is not None:

@@ -89,11 +89,9 @@ def test_workflow_with_all_nodes_matches_the_plain_model(server):
 
 
 def info_text(entry: dict, node: str) -> str:
-    """Accel Info's report in a history entry: the node's own, or that of the copy it made to wait for the samplers
-    (ComfyUI files it under the copy's id and shows it on the node)."""
-    (key,) = [k for k, meta in entry["meta"].items()
-              if meta["display_node"] == node and "text" in entry["outputs"][k]]
-    return "\n".join(entry["outputs"][key]["text"])
+    """Accel Info's report in a history entry, filed under the node's own id: the id the front end shows it on."""
+    assert entry["meta"][node]["node_id"] == entry["meta"][node]["display_node"] == node, entry["meta"]
+    return "\n".join(entry["outputs"][node]["text"])
 
 
 def calls_line(info: str) -> str:
@@ -126,6 +124,45 @@ def test_accel_info_counts_the_calls_of_this_run_with_and_without_after(server):
     assert again.startswith("calls this run: none: the model did not sample in this run") and "last run: 5 " in again
     # The server runs ComfyUI on the CPU (--cpu), where the torch path is the plain model: no speed-up is claimed.
     assert "the torch path runs the plain model there, so nothing is sped up and no speed-up is claimed" in info
+
+
+@pytest.mark.parametrize("afters", [(None,), (None, None), ("4", None), (None, None, None)],
+                         ids=["one", "two-without-after", "one-with-one-without", "three"])
+def test_accel_info_nodes_on_one_model_each_report_under_their_own_id(server, afters):
+    """Several Accel Info nodes on one model, with `after` on the sampler or without: each waits for the model's
+    sampler without waiting for the others (no dependency cycle) and files its report under its own node id."""
+    prompt = base_prompt(f"infos-{len(afters)}-{afters[0]}")
+    prompt["4"]["inputs"]["seed"] = 30 + 2 * len(afters) + (afters[0] is not None)  # a new run: the sampler samples
+    del prompt["13"]
+    ids = [str(50 + i) for i in range(len(afters))]
+    for node, after in zip(ids, afters):
+        prompt[node] = {"class_type": "SDAccelInfo", "inputs": {"backend": "auto", "model": ["2", 0]}}
+        if after is not None:
+            prompt[node]["inputs"]["after"] = [after, 0]
+    entry = server.run(prompt)
+    assert {k for k, meta in entry["meta"].items() if meta["display_node"] in ids} == set(ids), entry["meta"]
+    for node in ids:
+        info = info_text(entry, node)
+        assert "model: through an Accelerated UNet node, on the CPU" in info, (node, info)
+        assert calls_line(info).startswith("calls this run: 2 on the torch path"), (node, info)
+
+
+def test_accel_info_in_a_prompt_from_the_history_edited_and_posted_again(server):
+    """The history keeps the prompt with the links Accel Info was given to wait for the samplers; posted again
+    without the nodes some of them lead to, the node waits on links to the nodes that are there."""
+    prompt = base_prompt("info-again")
+    prompt["4"]["inputs"]["seed"] = 40
+    prompt["14"] = {"class_type": "KSampler", "inputs": {**prompt["4"]["inputs"], "latent_image": ["4", 0],
+                                                         "denoise": 0.5}}
+    prompt["15"] = {"class_type": "SaveImage", "inputs": {"images": ["16", 0], "filename_prefix": "info_again"}}
+    prompt["16"] = {"class_type": "VAEDecode", "inputs": {"samples": ["14", 0], "vae": ["1", 1]}}
+    stored = server.run(prompt)["prompt"][2]
+    assert ["16", 0] in stored["13"]["inputs"].values()  # the second pass's decode, the last node on its branch
+    for node in ("14", "15", "16"):
+        del stored[node]
+    stored["4"]["inputs"]["seed"] = 41
+    info = info_text(server.run(stored), "13")
+    assert calls_line(info).startswith("calls this run: 2 on the torch path"), info
 
 
 def test_lora_downstream_and_upstream_of_the_node(server):

@@ -107,7 +107,12 @@ def test_comfyuis_transformers_with_fused_kernels_match_their_own_forward(comfy_
     with torch.no_grad():
         ref = canon(**inp)
         undo, counts = fusions.apply(model)
-        assert counts == {f: blocks if f == fusion else 0 for f in fusions.DIT}
+        if fusion == "chroma" and counts["flux"]:
+            # ComfyUI 0.33's Chroma builds its blocks from Flux's classes (modulations handed in): the flux fusion
+            # takes those, the chroma fusion Chroma's own last layer
+            assert counts == {f: {"flux": blocks - 1, "chroma": 1}.get(f, 0) for f in fusions.DIT}
+        else:
+            assert counts == {f: blocks if f == fusion else 0 for f in fusions.DIT}
         out = canon(**inp)
         undo()
         back = canon(**inp)

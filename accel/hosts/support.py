@@ -229,6 +229,9 @@ class EngineSlot:
             if is_interrupt(e):
                 raise
             self._broken = True
+            # the engine's changes to the module (patched block forwards) go with it: the host's forward runs as
+            # the host wrote it
+            self.suspend()
             return self.run_plain(f"call:{type(e).__name__}", (
                 f"the {self.status.backend} path failed on a call ({type(e).__name__}: {e}); calls run on the "
                 "plain model until the next run."), plain)

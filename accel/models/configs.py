@@ -467,8 +467,21 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
     return seed_dit_parameters(model, seed).eval().requires_grad_(False)
 
 
+# What ComfyUI 0.33's model detection sets for the published Flux.1 and Chroma files, in fields its classes' params
+# added since 0.3.6x (no text position ids; Chroma has no pooled vector input)
+_COMFY_LATER_PARAMS = {"txt_ids_dims": [], "vec_in_dim": None}
+
+
 def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -> nn.Module:
     family, cfg = COMFY_DIT_CONFIGS[name]
+    if family in ("flux", "chroma"):
+        import dataclasses
+        import importlib
+
+        module = importlib.import_module(f"comfy.ldm.{family}.model")
+        params = module.FluxParams if family == "flux" else module.ChromaParams
+        fields = {f.name for f in dataclasses.fields(params)}
+        cfg = {**{k: v for k, v in _COMFY_LATER_PARAMS.items() if k in fields}, **cfg}
     if family == "flux":
         from comfy.ldm.flux.model import Flux as cls
     elif family == "wan":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
 import sys
 import types
 import weakref
@@ -18,6 +19,8 @@ from torch import nn
 from .. import host_attention
 from ..attention import StandIn, reads
 from ..host_attention import Attend
+
+log = logging.getLogger("sd-accel")
 
 
 def kernel_module(name: str) -> types.ModuleType:
@@ -136,6 +139,41 @@ def of_class(m: nn.Module, name: str, package: str, *attrs: str) -> bool:
     module = type(m).__module__
     return (type(m).__name__ == name and (module == package or module.startswith(package + "."))
             and all(hasattr(m, a) for a in attrs))
+
+
+_DECLINED: set[type] = set()  # host classes a fusion declined, said once per process
+
+
+def host_block(m: nn.Module, name: str, package: str, attrs: tuple[str, ...], params: tuple[str, ...]) -> bool:
+    """Whether m is the host's class `name` from `package` (of_class) with every attribute in `attrs` and a forward
+    taking exactly `params` (after self): what a fusion reads of the block it restates. A class of that name that
+    lacks any of it has changed in the host: it is declined, said once in one line naming the class and the host's
+    version, and the host's own forward runs for it."""
+    if not of_class(m, name, package):
+        return False
+    missing = [a for a in attrs if not hasattr(m, a)]
+    takes = _parameters(type(m).forward)[1:]
+    if not missing and takes == params:
+        return True
+    cls = type(m)
+    if cls not in _DECLINED:
+        _DECLINED.add(cls)
+        what = [f"it has no {', '.join(missing)}"] if missing else []
+        if takes != params:
+            what.append(f"its forward takes ({', '.join(takes)}), not ({', '.join(params)})")
+        log.warning("sd-accel: %s.%s of %s is not the block sd-accel's fused kernels restate (%s); ComfyUI's own "
+                    "forward runs for it.", cls.__module__, name, host_version(package), "; ".join(what))
+    return False
+
+
+def host_version(package: str) -> str:
+    """The host's version, for a message about one of its classes ("ComfyUI 0.33.0"), as far as it can be told."""
+    if package.split(".")[0] != "comfy":
+        return package
+    try:
+        return f"ComfyUI {importlib.import_module('comfyui_version').__version__}"
+    except (ImportError, AttributeError):
+        return "this ComfyUI"
 
 
 def comfy_forward(m: nn.Module) -> bool:

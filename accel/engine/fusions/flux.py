@@ -21,11 +21,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, kernel_module, of_class, patch_forward, reads_comfy_attention
+from .base import Undo, host_block, kernel_module, patch_forward, reads_comfy_attention
 from .registry import fusion
-from .transformer import EPS, FLUX_ATTENTION, covered, double_block, fused_call, linears, single_block
+from .transformer import (EPS, FLUX_ATTENTION, covered, double_block, fused_call, linears, plain_layer_norms,
+                          single_block)
 
 FLUX = "comfy.ldm.flux"  # the package: its classes are in comfy.ldm.flux.layers
+
+
+DOUBLE_PARAMS = ("img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "modulation_dims_txt",
+                 "transformer_options")
+SINGLE_PARAMS = ("x", "vec", "pe", "attn_mask", "modulation_dims", "transformer_options")
+
+
+def _modulated(block: nn.Module) -> bool:
+    # ComfyUI 0.33's blocks may take their modulations from the model (Chroma's, Flux.2's: modulation False)
+    return getattr(block, "modulation", True) is not False and getattr(block, "modulation", True) is not None
 
 
 def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
@@ -35,14 +46,20 @@ def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img
                       pe is not None and pe.dtype != torch.float32):
         return type(self).forward(self, img, txt, vec, pe, attn_mask, modulation_dims_img, modulation_dims_txt,
                                   transformer_options)
-    return double_block(self, img, txt, pe, (*self.img_mod(vec), *self.txt_mod(vec)), self.flipped_img_txt)
+    if _modulated(self):
+        mods = (*self.img_mod(vec), *self.txt_mod(vec))
+    else:
+        (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
+        mods = (img_mod1, img_mod2, txt_mod1, txt_mod2)
+    # ComfyUI 0.33 dropped flipped_img_txt: the text comes first, as it did where it was False
+    return double_block(self, img, txt, pe, mods, getattr(self, "flipped_img_txt", False))
 
 
 def _single_forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):  # noqa: B006
     if not fused_call(x, transformer_options, attn_mask is not None, modulation_dims is not None,
                       pe is not None and pe.dtype != torch.float32):
         return type(self).forward(self, x, vec, pe, attn_mask, modulation_dims, transformer_options)
-    return single_block(self, x, pe, self.modulation(vec)[0])
+    return single_block(self, x, pe, self.modulation(vec)[0] if _modulated(self) else vec)
 
 
 def _last_forward(self, x, vec, modulation_dims=None):
@@ -56,13 +73,22 @@ def _last_forward(self, x, vec, modulation_dims=None):
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if of_class(m, "DoubleStreamBlock", FLUX, "img_mod", "txt_mod", "img_mlp") \
-                and covered(m, m.img_mod.lin, m.txt_mod.lin):
+        if host_block(m, "DoubleStreamBlock", FLUX, ("num_heads", "img_attn", "txt_attn", "img_mlp", "txt_mlp",
+                                                      "img_norm1", "img_norm2", "txt_norm1", "txt_norm2"),
+                      DOUBLE_PARAMS):
+            modulation = (m.img_mod.lin, m.txt_mod.lin) if _modulated(m) else ()
+            if not covered(m, *modulation) or not plain_layer_norms(m.img_norm1, m.img_norm2, m.txt_norm1,
+                                                                    m.txt_norm2):
+                continue
             patch_forward(m, _double_forward, undo)
-        elif of_class(m, "SingleStreamBlock", FLUX, "linear1", "linear2", "modulation") \
-                and covered(m, m.modulation.lin):
+        elif host_block(m, "SingleStreamBlock", FLUX, ("num_heads", "linear1", "linear2", "norm", "pre_norm",
+                                                        "mlp_act", "mlp_hidden_dim", "hidden_size"), SINGLE_PARAMS):
+            modulation = (m.modulation.lin,) if _modulated(m) else ()
+            if not covered(m, *modulation) or not plain_layer_norms(m.pre_norm):
+                continue
             patch_forward(m, _single_forward, undo)
-        elif of_class(m, "LastLayer", FLUX, "adaLN_modulation", "norm_final") and linears(m.linear):
+        elif host_block(m, "LastLayer", FLUX, ("adaLN_modulation", "norm_final", "linear"),
+                        ("x", "vec", "modulation_dims")) and linears(m.linear):
             patch_forward(m, _last_forward, undo)
         else:
             continue

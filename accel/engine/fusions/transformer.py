@@ -192,16 +192,33 @@ def norm_weight(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
 
 # Flux's block layout: ComfyUI's Flux and Chroma classes (fusions/flux.py, fusions/chroma.py).
 
+def _gelu_mlp(mlp: nn.Module) -> bool:
+    """Linear, tanh GELU, Linear in a Sequential: Flux.1's MLP (ComfyUI 0.33 builds other MLPs in its place for Flux.2:
+    a SiLU-gated one, YakMLP)."""
+    return (isinstance(mlp, nn.Sequential) and len(mlp) == 3 and _tanh_gelu(mlp[1])
+            and all(isinstance(mlp[i], nn.Linear) for i in (0, 2)))
+
+
+def _tanh_gelu(act: nn.Module) -> bool:
+    return type(act).__name__ == "GELU" and act.approximate == "tanh"
+
+
 def covered(m: nn.Module, *modulation: nn.Module) -> bool:
     """Whether a double or single block of Flux's layout (ComfyUI's Flux or Chroma classes) takes the fused forward:
-    plain or cast-on-the-fly projections (and the block's own modulation projections), tanh GELU."""
+    plain or cast-on-the-fly projections (and the block's own modulation projections), tanh GELU MLPs, q/k RMSNorms
+    that rms_norm_of reads."""
     if hasattr(m, "img_mlp"):
+        if not (_gelu_mlp(m.img_mlp) and _gelu_mlp(m.txt_mlp)):
+            return False
         layers = (m.img_attn.qkv, m.img_attn.proj, m.txt_attn.qkv, m.txt_attn.proj, m.img_mlp[0], m.img_mlp[2],
                   m.txt_mlp[0], m.txt_mlp[2])
-        act = m.img_mlp[1]
+        norms = (m.img_attn.norm, m.txt_attn.norm)
     else:
-        layers, act = (m.linear1, m.linear2), m.mlp_act
-    return linears(*layers, *modulation) and type(act).__name__ == "GELU" and act.approximate == "tanh"
+        # the MLP's input is as wide as its output's (0.33's SiLU-gated and Yak MLPs take twice that)
+        if not _tanh_gelu(m.mlp_act) or getattr(m, "mlp_hidden_dim_first", m.mlp_hidden_dim) != m.mlp_hidden_dim:
+            return False
+        layers, norms = (m.linear1, m.linear2), (m.norm,)
+    return linears(*layers, *modulation) and flux_rms_norms(*(x for n in norms for x in (n.query_norm, n.key_norm)))
 
 
 def fused_call(x: torch.Tensor, transformer_options: dict | None, *conditions: bool) -> bool:
@@ -290,6 +307,22 @@ def joint_block(streams: Sequence[Stream], heads: int, module_name: str | None, 
     return outs
 
 
+def rms_norm_of(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+    """(weight, eps) of a q/k RMSNorm of Flux's layout for activations like x: ComfyUI's own RMSNorm until 0.3.6x
+    (weight `scale`, eps 1e-6), torch's nn.RMSNorm from 0.33 (`weight`; eps None: x's dtype's machine epsilon)."""
+    if isinstance(norm, nn.RMSNorm):
+        return norm.weight, norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    return norm.scale, EPS
+
+
+def flux_rms_norms(*norms: nn.Module) -> bool:
+    """Whether the q/k norms are RMSNorms that rms_norm_of reads: torch's (ComfyUI 0.33's) with a weight of their own
+    and no per-call weight functions, or ComfyUI's own of Flux's layout (0.3.6x)."""
+    return all((isinstance(n, nn.RMSNorm) and n.weight is not None and own_weights(n))
+               or (type(n).__name__ == "RMSNorm" and isinstance(getattr(n, "scale", None), torch.Tensor))
+               for n in norms)
+
+
 def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torch.Tensor | None, mods: tuple,
                  flipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A double-stream block of Flux's layout; mods = (img_mod1, img_mod2, txt_mod1, txt_mod2), each with shift,
@@ -297,8 +330,8 @@ def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torc
     img_mod1, img_mod2, txt_mod1, txt_mod2 = mods
 
     def stream(x, attn, mlp, mod1, mod2) -> Stream:
-        return Stream(x, mod1, mod2, attn.qkv, attn.norm.query_norm.scale, attn.norm.key_norm.scale, EPS, attn.proj,
-                      mlp[0], mlp[2])
+        (q_norm, eps), (k_norm, _) = rms_norm_of(attn.norm.query_norm, x), rms_norm_of(attn.norm.key_norm, x)
+        return Stream(x, mod1, mod2, attn.qkv, q_norm, k_norm, eps, attn.proj, mlp[0], mlp[2])
 
     streams = [stream(txt, self.txt_attn, self.txt_mlp, txt_mod1, txt_mod2),
                stream(img, self.img_attn, self.img_mlp, img_mod1, img_mod2)]
@@ -317,9 +350,10 @@ def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod)
     h = modulated_norm(x, mod.scale, mod.shift, self.linear1)
     # linear1 as two products (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
     projected, mlp_in = fp8.split_linear(self.linear1, h, (3 * C, self.mlp_hidden_dim))
-    norm = norm_weight(self.norm.query_norm.scale, x), norm_weight(self.norm.key_norm.scale, x)
+    (q_norm, eps), (k_norm, _) = rms_norm_of(self.norm.query_norm, x), rms_norm_of(self.norm.key_norm, x)
+    norm = norm_weight(q_norm, x), norm_weight(k_norm, x)
     joint = Joint(FLUX_ATTENTION, B, L, H, x, (self.linear1,), [norm], (self.linear2,))
-    joint.write(projected, 0, norm, EPS, pe)
+    joint.write(projected, 0, norm, eps, pe)
     single_output_(x, mod.gate, joint.attend(), mlp_in, self.linear2)
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)

@@ -42,7 +42,7 @@ TINY_VAE = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels":
 HOSTS = REPO.parent / "shared" / "hosts"  # the pinned host trees, where a checkout has them beside it
 # What the ComfyUI trees import in-process and their headless servers need (requirements-hosts.txt), by module name
 COMFY_NEEDS = ("einops", "torchsde", "scipy", "psutil", "aiohttp", "av", "yaml", "transformers")
-COMFY_033_NEEDS = ("comfy_aimdo", "comfy_kitchen", "blake3", "simpleeval", "requests")
+COMFY_033_NEEDS = ("comfy_aimdo", "comfy_kitchen", "blake3", "simpleeval", "requests", "sqlalchemy")
 
 
 def comfy_root() -> Path | None:

@@ -236,13 +236,11 @@ def test_vae_table_leaves_out_columns_without_figures():
 
 def test_bench_says_what_it_cannot_time(tmp_path):
     r = run("bench", "--tiny", "--models", "sd21", "--paths", "torch")
-    assert r.returncode == 2 and "no 'tiny-sd21' model to time; choose from tiny-sd15, tiny-sdxl, tiny-flux" in r.stderr
+    assert r.returncode == 2 and "no 'tiny-sd21' model to time. Choose from tiny-sd15, tiny-sdxl, tiny-flux" in r.stderr
     r = run("bench", "--tiny", "--models", "sd15", "--paths", "torch", "--comfyui", str(tmp_path))
     assert r.returncode == 2 and "is not a ComfyUI checkout" in r.stderr and "Traceback" not in r.stderr
     r = run("bench", "--vae", "--tiny", "--models", "wan21")
-    assert r.returncode == 2 and "builds ComfyUI's Wan VAEs: pass --comfyui DIR" in r.stderr
-    r = run("bench", "--tiny", "--models", "sd15", "--compile-modes", "default,max-autotune-cudagraphs")
-    assert r.returncode == 2 and "unknown --compile-modes max-autotune-cudagraphs; choose from default," in r.stderr
+    assert r.returncode == 2 and "builds ComfyUI's Wan VAEs. Pass --comfyui DIR" in r.stderr
 
 
 @pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
@@ -280,7 +278,7 @@ def test_bench_runs_comfyuis_classes_with_the_attention_its_flags_choose(tmp_pat
         eager, ours = by[(model, "eager (ComfyUI's split attention)")], by[(model, "sd-accel torch")]
         assert 0 < eager["rel_err"] <= 1e-5 and ours["rel_err"] <= 1e-5, (eager, ours)
     r = run("bench", "--tiny", "--models", "flux", "--comfy-attention", "split")
-    assert r.returncode == 2 and "pass --comfyui DIR" in r.stderr
+    assert r.returncode == 2 and "Pass --comfyui DIR" in r.stderr
     r = run("bench", "--tiny", "--gpus", "2", "--comfyui", os.environ["COMFYUI_ROOT"], "--comfy-attention", "split")
     assert r.returncode == 2 and "does not reach the --gpus ranks" in r.stderr and "Traceback" not in r.stderr
     if importlib.util.find_spec("sageattention") is None:

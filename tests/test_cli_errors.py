@@ -1,8 +1,10 @@
-"""Bad input to `python -m accel demo`: one line naming the file or setting and the fix, exit code 2, no stack
-trace, nothing written to the engine cache, and no slow work done before the input is checked."""
+"""Bad input to `python -m sd_accel`: one line naming the option, file or setting and the fix, exit code 2, no stack
+trace, nothing written to the engine cache, and no slow work done before the input is checked (the one line is all
+the command printed: no model was built, nothing was timed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,3 +98,73 @@ def test_bad_backend_setting_is_reported_before_the_slow_work(tmp_path):
 def test_bad_demo_argument_is_one_line(tmp_path, option, value, fix):
     line = one_line(run("-m", "sd_accel", "demo", option, value, cache=str(tmp_path / "cache")))
     assert f"{option} {value}" in line and fix in line
+
+
+# (arguments, words the one line holds: the option, the value and what it accepts). {tmp}: the test's folder.
+BENCH_CASES = {
+    "json-file-folder-missing": (["--tiny", "--models", "sd15", "--json-file", "{tmp}/nope/out.json"],
+                                 ["--json-file", "{tmp}/nope", "does not exist", "Create the folder"]),
+    "json-file-is-a-folder": (["--tiny", "--models", "sd15", "--json-file", "{tmp}"],
+                              ["--json-file", "is a folder", "give a file name in it"]),
+    "unknown-path": (["--tiny", "--models", "sd15", "--paths", "torch,warp"],
+                     ["--paths", "'warp' is not a path", "torch, torch-compile, torch-cudnn-search", "onnxruntime-refit"]),
+    "no-iters": (["--tiny", "--models", "sd15", "--iters", "0"], ["--iters", "'0'", "whole number of 1 or more"]),
+    "negative-vae-memory": (["--vae", "--tiny", "--vae-memory-gb", "-3"],
+                            ["--vae-memory-gb", "'-3'", "give a positive number"]),
+    "vae-side-off-the-grid": (["--vae", "--tiny", "--vae-sizes", "64,100"],
+                              ["--vae-sizes", "'100'", "multiple of 8"]),
+    "malformed-video-size": (["--tiny", "--video-sizes", "12"],
+                             ["--video-sizes", "'12'", "width x height in pixels", "832x480"]),
+    "unknown-compile-mode": (["--models", "sd15", "--compile-modes", "default,fast"],
+                             ["--compile-modes", "'fast'", "default, reduce-overhead, max-autotune"]),
+    "unknown-model": (["--tiny", "--models", "sd15,sd99"], ["--models", "'tiny-sd99'", "tiny-sd15, tiny-sdxl"]),
+    "comfyui-only-model": (["--models", "sd15,wan21-14b"], ["--models wan21-14b", "ComfyUI's form only",
+                                                            "Pass --comfyui DIR"]),
+    "unknown-video-vae": (["--vae", "--tiny", "--models", "wan12"], ["--vae --models", "'wan12'", "wan21, wan22"]),
+    "unknown-first-call-model": (["--first-call", "--tiny", "--models", "sd99"],
+                                 ["--first-call", "'tiny-sd99'", "sd15, sd21, sdxl"]),
+    "unknown-option": (["--tiny", "--itres", "2"], ["unrecognized arguments: --itres", "--help"]),
+}
+
+
+@pytest.mark.parametrize("case", BENCH_CASES)
+def test_bad_bench_option_is_one_line_before_any_work(tmp_path, case):
+    args, words = BENCH_CASES[case]
+    r = run("-m", "sd_accel", "bench", *(a.format(tmp=tmp_path) for a in args), cache=str(tmp_path / "cache"))
+    line = one_line(r)  # the only line: nothing was built or timed before it
+    assert line.startswith("sd-accel: ") and "Traceback" not in r.stderr
+    assert all(w.format(tmp=tmp_path) in line for w in words), line
+
+
+DEMO_CASES = {
+    "out-folder-missing": (["--out", "{tmp}/nope/demo.png"], ["--out", "{tmp}/nope", "does not exist"]),
+    "out-not-an-image": (["--out", "{tmp}/demo.txt"], ["--out", "demo.txt", "end it in .png"]),
+    "negative-seed": (["--seed", "-1"], ["--seed", "'-1'", "from 0 to"]),
+    "unknown-backend": (["--backend", "warp"], ["--backend", "'warp'", "auto, torch, onnxruntime, off"]),
+}
+
+
+@pytest.mark.parametrize("case", DEMO_CASES)
+def test_bad_demo_option_is_one_line_before_any_work(tmp_path, case):
+    args, words = DEMO_CASES[case]
+    r = run("-m", "sd_accel", "demo", *(a.format(tmp=tmp_path) for a in args), cache=str(tmp_path / "cache"))
+    line = one_line(r)
+    assert line.startswith("sd-accel: ") and all(w.format(tmp=tmp_path) in line for w in words), line
+    assert not list(tmp_path.glob("**/*.png"))
+
+
+def test_unknown_doctor_backend_is_one_line(tmp_path):
+    line = one_line(run("-m", "sd_accel", "doctor", "--backend", "warp", cache=str(tmp_path)))
+    assert "--backend" in line and "'warp'" in line and "auto, torch, onnxruntime, off" in line
+
+
+def test_results_the_json_file_cannot_take_go_to_stdout(tmp_path):
+    """--json-file writable when checked, and not when written (a full disk): the results come on stdout."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full to stand for a full disk")
+    r = run("-m", "sd_accel", "bench", "--vae", "--tiny", "--vae-sizes", "64", "--json-file", "/dev/full",
+            cache=str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "sd-accel: --json-file /dev/full could not be written (No space left on device); the results follow on " \
+           "stdout." in r.stderr.splitlines()
+    assert json.loads(r.stdout[r.stdout.index("{"):])["vae"][0]["size"] == 64

@@ -19,7 +19,9 @@ from typing import Callable
 
 import torch
 
-from ..models.configs import DIT_NAMES, SHAPES, build_host_unet, build_unet, example_inputs, ldm_example_inputs
+from ..errors import BadInput
+from ..models.configs import (DIFFUSERS_DIT_CONFIGS, DIT_NAMES, SHAPES, build_host_unet, build_unet, example_inputs,
+                              ldm_example_inputs)
 from ..models.spec import CanonicalUNet
 from ..progress import StageLog
 from .comfy_attention import eager_variant, exact_attention
@@ -304,20 +306,32 @@ def _second_checkpoint(name, backend, canon, args, device, iters, base_ms, log, 
     return row
 
 
+def model_names(models: list[str], tiny: bool, host: tuple[str, str] | None = None) -> list[str]:
+    """The models `run` times, as it names them ("tiny-" before each with tiny); BadInput for one it cannot build
+    with this host (None: diffusers' classes), before any is built."""
+    names = [("tiny-" + name) if tiny else name for name in models]
+    known = [n for n in (*SHAPES, *DIT_NAMES) if n.startswith("tiny-") == tiny]
+    for given, name in zip(models, names):
+        if name not in known:
+            raise BadInput(f"--models: no {name!r} model to time.",
+                           f"Choose from {', '.join(known)} (names given without 'tiny-').")
+        if name in DIT_NAMES and host and host[0] != "comfyui":
+            raise BadInput(f"--models {given}: diffusion transformers are built in diffusers' or ComfyUI's form, not "
+                           f"{host[0]}'s.", f"Leave --{host[0]} out for them, or time them with --comfyui DIR.")
+        if name in DIT_NAMES and not host and name not in DIFFUSERS_DIT_CONFIGS:
+            raise BadInput(f"--models {given}: {name} is built in ComfyUI's form only.", "Pass --comfyui DIR.")
+    return names
+
+
 def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], paths: list[str],
         log: Callable[[str], None] = print, profile: bool = False, host: tuple[str, str] | None = None) -> list[Row]:
     """Rows for each named model: UNets (sd15, sd21, sdxl) in fp16, diffusion transformers (flux-dev, flux-schnell,
     sd35-large, sd35-medium) in bf16 (dit_bench)."""
     from .dit_bench import bench_dit
 
+    names = model_names(models, tiny, host)
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    names = [("tiny-" + name) if tiny else name for name in models]
-    known = [n for n in (*SHAPES, *DIT_NAMES) if n.startswith("tiny-") == tiny]
-    for name in names:
-        if name not in known:
-            raise ValueError(f"no {name!r} model to time; choose from {', '.join(known)} (names given without "
-                             "'tiny-').")
     rows: list[Row] = []
     for name in names:
         if name in DIT_NAMES:

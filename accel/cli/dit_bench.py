@@ -41,10 +41,7 @@ def bench_dit(name: str, device: torch.device, iters: int, compile_modes: list[s
               log: Callable[[str], None] = print, profile: bool = False,
               host: tuple[str, str] | None = None) -> list[Row]:
     """Rows for one DiT: diffusers' class, or with host ("comfyui", folder) ComfyUI's own (the form the fused kernels
-    cover)."""
-    if host and host[0] != "comfyui":
-        raise ValueError(f"diffusion transformers are built in diffusers' or ComfyUI's form, not {host[0]}'s; "
-                         "leave --a1111/--forge out for them")
+    cover; bench.model_names refuses another host's)."""
     form = "comfy" if host else "diffusers"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batch = cfg_batch(name)

@@ -33,6 +33,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import BadInput
+
 DEFAULT_SHAPES = {
     "sd15": ((512, 512), (512, 768), (768, 768)),
     "sd21": ((768, 768), (768, 1024), (1024, 1024)),
@@ -90,12 +92,20 @@ def measure(name: str, shapes: list[tuple[int, int]], options: dict, iters: int)
     return out
 
 
-def bench_first_call(models: list[str], iters: int = 20, log: Callable[[str], None] = print) -> list[dict]:
-    """Rows for each model, process and shape (see the module's docstring), each process a fresh Python."""
-    rows = []
+def check_models(models: list[str]) -> None:
+    """BadInput for a model with no first-call shapes (names as bench_first_call takes them, "tiny-" included)."""
     for name in models:
         if name not in DEFAULT_SHAPES:
-            raise ValueError(f"no first-call shapes for {name!r}; choose from {', '.join(DEFAULT_SHAPES)}")
+            full = [n for n in DEFAULT_SHAPES if not n.startswith("tiny-")]
+            tiny = [n.removeprefix("tiny-") for n in DEFAULT_SHAPES if n.startswith("tiny-")]
+            raise BadInput(f"--first-call: no first-call shapes for {name!r}.",
+                           f"Choose --models from {', '.join(full)} (with --tiny: {', '.join(tiny)}).")
+
+
+def bench_first_call(models: list[str], iters: int = 20, log: Callable[[str], None] = print) -> list[dict]:
+    """Rows for each model, process and shape (see the module's docstring), each process a fresh Python."""
+    check_models(models)
+    rows = []
     for name in models:
         shapes = DEFAULT_SHAPES[name]
         with tempfile.TemporaryDirectory(prefix="sd-accel-triton-") as caches:

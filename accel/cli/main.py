@@ -9,10 +9,15 @@ import os
 import subprocess
 import sys
 
+from ..errors import AccelError, BadInput
 from ..progress import keep_logs_off_bars
+from . import checks
 
 # torch.compile's modes (its `mode` argument; "default" is None)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# --paths: a backend, or a backend and one of bench.py's VARIANTS; the fp8 ones for diffusion transformers (DIT_PATHS)
+PATHS = ("torch", "torch-compile", "torch-cudnn-search", "torch-fp8", "torch-fp8weights", "onnxruntime",
+         "onnxruntime-graph", "onnxruntime-refit")
 
 
 def _doctor_info(backend: str | None) -> dict:
@@ -83,6 +88,54 @@ def _video_vaes(args: argparse.Namespace) -> list[str]:
     return [m for m in names if m in COMFY_VIDEO_VAE_CONFIGS] if args.vae else []
 
 
+def _models(args: argparse.Namespace) -> list[str]:
+    """--models, or the bench's default: sd15,sdxl; with --gpus wan21-14b."""
+    return [m.strip() for m in (args.models or ("wan21-14b" if args.gpus else "sd15,sdxl")).split(",") if m.strip()]
+
+
+def _times_models(args: argparse.Namespace) -> bool:
+    """Whether the UNet and transformer rows (bench.run) are timed: unless another part was asked for alone."""
+    return not args.gpus and (not (args.kernels or args.vae or args.first_call) or args.unet)
+
+
+def _check_bench(args: argparse.Namespace) -> None:
+    """What one option's type cannot check alone (the options together, the names --models gives each part that
+    runs), before the first part starts: a bad name found after the baseline is timed costs minutes. BadInput."""
+    if args.comfy_attention and not args.comfyui:
+        raise BadInput("--comfy-attention chooses ComfyUI's attention.", "Pass --comfyui DIR.")
+    if args.comfy_attention and args.gpus:  # the ranks are fresh processes, which would not see the choice
+        raise BadInput("--comfy-attention does not reach the --gpus ranks.", "Leave one of them out.")
+    models = _models(args)
+    videos = _video_vaes(args)
+    if videos and not args.comfyui:
+        raise BadInput("--vae --models wan21/wan22 builds ComfyUI's Wan VAEs.", "Pass --comfyui DIR.")
+    if videos and args.video_sizes:
+        from .vae_bench import video_sizes
+
+        for name in videos:
+            video_sizes(name, args.video_sizes)
+    if args.vae and args.models and not (args.gpus or args.first_call or args.unet):
+        from ..models.configs import COMFY_VIDEO_VAE_CONFIGS
+
+        full = [n for n in COMFY_VIDEO_VAE_CONFIGS if not n.startswith("tiny-")]
+        for name in models:
+            if name not in full:  # else the image VAE's bench would run, as if --models were not given
+                raise BadInput(f"--vae --models: {name!r} is not a video VAE.",
+                               f"Choose from {', '.join(full)}, or leave --models out for SD's VAE.")
+    if args.first_call:
+        from .first_call import check_models
+
+        check_models([f"tiny-{m}" for m in models] if args.tiny else models)
+    if args.gpus:
+        from .parallel_bench import check
+
+        check(models, args.gpus, args.video_sizes, args.tiny, args.comfyui, args.profile)
+    elif _times_models(args):
+        from .bench import model_names
+
+        model_names(models, args.tiny, _host(args))
+
+
 def _host_process(args: argparse.Namespace) -> int | None:
     """With --comfyui/--a1111/--forge, the host's modules import by their own top-level names (comfy, ldm, backend),
     as the host's start-up arranges: when its folders are not on this process's import path, the bench runs again in
@@ -101,6 +154,7 @@ def _host_process(args: argparse.Namespace) -> int | None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    _check_bench(args)
     try:
         rerun = _host_process(args)
     except ValueError as e:  # a folder that is not the host's checkout
@@ -111,13 +165,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.comfy_attention:
         from .comfy_attention import use_comfy_attention
 
-        if not args.comfyui:
-            print("sd-accel bench: --comfy-attention chooses ComfyUI's attention: pass --comfyui DIR.", file=sys.stderr)
-            return 2
-        if args.gpus:  # the ranks are fresh processes, which would not see the choice
-            print("sd-accel bench: --comfy-attention does not reach the --gpus ranks; leave one of them out.",
-                  file=sys.stderr)
-            return 2
         try:
             use_comfy_attention(args.comfy_attention)
         except ValueError as e:
@@ -125,7 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
             return 2
     if args.iters is None:
         args.iters = 3 if args.gpus else 20
-    models = [m for m in (args.models or ("wan21-14b" if args.gpus else "sd15,sdxl")).split(",") if m]
+    models = _models(args)
     out: dict = {}
     # With --json, stdout is the JSON alone (for a pipe); the tables go to stderr.
     say = sys.stderr if args.json else sys.stdout
@@ -143,18 +190,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.vae and _video_vaes(args):
         from .vae_bench import bench_video_vae, video_table
 
-        if not args.comfyui:
-            print("sd-accel bench: --vae --models wan21/wan22 builds ComfyUI's Wan VAEs: pass --comfyui DIR.",
-                  file=sys.stderr)
-            return 2
         out["video_vae"] = bench_video_vae(_video_vaes(args), args.comfyui, args.video_sizes, args.tiny)
         print(video_table(out["video_vae"]), file=say)
     elif args.vae:
         from .vae_bench import bench_vae
         from .vae_bench import table as vae_table
 
-        sizes = tuple(int(v) for v in args.vae_sizes.split(",") if v) if args.vae_sizes else None
-        out["vae"] = bench_vae(tiny=args.tiny, sizes=sizes, memory_gb=args.vae_memory_gb)
+        out["vae"] = bench_vae(tiny=args.tiny, sizes=args.vae_sizes, memory_gb=args.vae_memory_gb)
         print(vae_table(out["vae"]), file=say)
     if args.first_call:
         from .first_call import bench_first_call
@@ -163,9 +205,6 @@ def _bench(args: argparse.Namespace) -> int:
         try:
             out["first_call"] = bench_first_call([f"tiny-{m}" for m in models] if args.tiny else models, args.iters,
                                                  log=(lambda s: print(s, file=sys.stderr)))
-        except ValueError as e:  # an unknown model name
-            print(f"sd-accel bench: {e}", file=sys.stderr)
-            return 2
         except RuntimeError as e:  # a measuring process failed: its own error output, no stack trace of ours
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 1
@@ -182,30 +221,27 @@ def _bench(args: argparse.Namespace) -> int:
             return 1
         out["parallel"] = as_dicts(rows)
         print(parallel_table(rows), file=say)
-    elif not (args.kernels or args.vae or args.first_call) or args.unet:
+    elif _times_models(args):
         from . import bench
 
-        modes = [m for m in args.compile_modes.split(",") if m]
-        if set(modes) - set(COMPILE_MODES):
-            print(f"sd-accel bench: unknown --compile-modes {','.join(sorted(set(modes) - set(COMPILE_MODES)))}; "
-                  f"choose from {','.join(COMPILE_MODES)}", file=sys.stderr)
-            return 2
-        modes = [] if args.no_compile or args.tiny else modes
-        paths = [p for p in args.paths.split(",") if p and not (p.endswith("-compile") and (args.no_compile or args.tiny))]
-        try:
-            rows = bench.run(models, args.tiny, args.iters, modes, paths,
-                             log=(lambda s: print(s, file=sys.stderr)), profile=args.profile, host=_host(args))
-        except ValueError as e:  # an unknown model name or a folder that is not the host's checkout
-            print(f"sd-accel bench: {e}", file=sys.stderr)
-            return 2
+        modes = [] if args.no_compile or args.tiny else args.compile_modes
+        paths = [p for p in args.paths if not (p.endswith("-compile") and (args.no_compile or args.tiny))]
+        rows = bench.run(models, args.tiny, args.iters, modes, paths,
+                         log=(lambda s: print(s, file=sys.stderr)), profile=args.profile, host=_host(args))
         out["unet"] = bench.as_dicts(rows)
         print(bench.table(rows), file=say)
+    code = 0
     if args.json_file:
-        with open(args.json_file, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+        try:
+            with open(args.json_file, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+        except OSError as e:  # writable when checked before the run, and no longer (a full disk): nothing is lost
+            print(f"sd-accel: --json-file {args.json_file} could not be written ({e.strerror}); the results follow "
+                  "on stdout.", file=sys.stderr)
+            args.json, code = True, 1
     if args.json:
         print(json.dumps(out, indent=1, default=str))
-    return 0
+    return code
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -236,12 +272,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     prog = prog_name()
-    p = argparse.ArgumentParser(prog=prog,
-                                description="sd-accel: fast diffusion models (SD UNets, Flux, SD3.5) and VAE.")
+    p = checks.Parser(prog=prog,
+                      description="sd-accel: fast diffusion models (SD UNets, Flux, SD3.5) and VAE.")
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("doctor", help="the GPU, its family, the installed backends, the chosen plan and why, the "
                                       "cache folder, the SD_ACCEL_* settings and the versions")
-    d.add_argument("--backend", default=None, help="auto|torch|onnxruntime|off (default: SD_ACCEL_BACKEND or auto)")
+    d.add_argument("--backend", type=checks.backend,
+                   help="auto|torch|onnxruntime|off (default: SD_ACCEL_BACKEND or auto)")
     d.add_argument("--json", action="store_true", help="print the same information as JSON")
     d.set_defaults(fn=_doctor)
     b = sub.add_parser("bench", help="time the baselines and each sd-accel path on SD UNets and diffusion transformers")
@@ -253,17 +290,20 @@ def _main(argv: list[str] | None) -> int:
                         "--gpus: wan21-14b); with --vae: wan21, wan22 (ComfyUI's Wan VAEs, --comfyui only): their "
                         "untiled decode against the tiled one within half its memory, at --video-sizes (default "
                         "832x480,1280x720), 81 frames (wan22: 121)")
-    b.add_argument("--paths", default="torch,torch-compile,onnxruntime",
+    b.add_argument("--paths", default="torch,torch-compile,onnxruntime", metavar="PATH,...",
+                   type=checks.names(PATHS, "a path the bench times"),
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
                         "Runtime with its CUDA graph; onnxruntime-refit: ONNX Runtime, then another checkpoint of the model "
                         "built from its cached graph (a second row); for Flux and SD3.5: torch-fp8: fp8 matrix products "
                         "(precision fp8), torch-fp8weights: the weights stored in fp8 as ComfyUI loads them, its own "
                         "forward and the torch path on them, with --comfyui)")
-    b.add_argument("--iters", type=int, help="timed runs per variant (median is reported; default 20, with --gpus 3)")
+    b.add_argument("--iters", type=checks.whole(1),
+                   help="timed runs per variant (median is reported; default 20, with --gpus 3)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--compile-modes", default="default,reduce-overhead", metavar="MODE,...",
+                   type=checks.names(COMPILE_MODES, "a mode of torch.compile"),
                    help="the torch.compile baselines' modes: " + ", ".join(COMPILE_MODES) + " (default: "
                         "default,reduce-overhead)")
     b.add_argument("--kernels", action="store_true",
@@ -271,8 +311,9 @@ def _main(argv: list[str] | None) -> int:
                         "DiTs' attention at Flux's, SD3.5's, Qwen-Image's and Wan's shapes: bf16 cuDNN, fp8 cuDNN, "
                         "FlashAttention-4, SageAttention (those installed)")
     b.add_argument("--vae", action="store_true", help="tiled against untiled VAE decode")
-    b.add_argument("--vae-sizes", metavar="PX,...", help="with --vae: image sides (default 512,1024,2048,4096,8192)")
-    b.add_argument("--vae-memory-gb", type=float, default=4.0, metavar="GB",
+    b.add_argument("--vae-sizes", metavar="PX,...", type=checks.pixel_sides(8),
+                   help="with --vae: image sides, multiples of 8 (default 512,1024,2048,4096,8192)")
+    b.add_argument("--vae-memory-gb", type=checks.above_zero, default=4.0, metavar="GB",
                    help="with --vae: also time the tiled decode limited to this much GPU memory (default 4)")
     b.add_argument("--first-call", action="store_true",
                    help="the wait for the first output at new image sizes, per stage, in fresh processes (Triton's "
@@ -285,7 +326,7 @@ def _main(argv: list[str] | None) -> int:
                         "ms per step, speed-up over 1 GPU, peak memory, distance from the 1-GPU output (and the "
                         "1-GPU output's bf16 noise, the yardstick). With --tiny: "
                         "tiny models in processes on the CPU (gloo)")
-    b.add_argument("--video-sizes", metavar="WxH,...",
+    b.add_argument("--video-sizes", metavar="WxH,...", type=checks.video_sizes,
                    help="with --gpus, or --vae --models wan21/wan22: Wan's video sizes in pixels (default 832x480; "
                         "with --vae 832x480,1280x720; frames as in the model's native clip: 81 for Wan 2.1)")
     b.add_argument("--unet", action="store_true", help="with --kernels/--vae/--first-call: time the UNets too")
@@ -311,15 +352,17 @@ def _main(argv: list[str] | None) -> int:
                         "package)")
     b.add_argument("--json", action="store_true",
                    help="print the results as JSON on stdout (the tables and progress go to stderr)")
-    b.add_argument("--json-file", metavar="FILE", help="also write the results as JSON to FILE")
+    b.add_argument("--json-file", metavar="FILE", type=checks.output_file,
+                   help="also write the results as JSON to FILE (its folder must exist)")
     b.set_defaults(fn=_bench)
     m = sub.add_parser("demo", help="detect, plan, build, sample plain and accelerated, compare, save a PNG")
     m.add_argument("--checkpoint", help="a .safetensors SD1.x/SD2.x/SDXL checkpoint (default: random weights)")
-    m.add_argument("--backend", default=None, help="auto|torch|onnxruntime|off")
+    m.add_argument("--backend", type=checks.backend, help="auto|torch|onnxruntime|off")
     m.add_argument("--steps", type=int, default=None, help="sampling steps (default 20 on a GPU, 8 on the CPU)")
     m.add_argument("--size", type=int, default=None, help="image side in pixels (default 512 on a GPU, 128 on the CPU)")
-    m.add_argument("--out", default="sd-accel-demo.png", help="where to save the image")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--out", default="sd-accel-demo.png", type=checks.image_file, help="where to save the image")
+    m.add_argument("--seed", type=checks.whole(0, 2**64 - 1), default=0, help="seed of the weights, the "
+                   "conditioning and the noise")
     m.set_defaults(fn=_demo)
     sub.add_parser("cache", help="the engine cache: ls | info KEY | clear | prune [--root DIR]")
     argv = sys.argv[1:] if argv is None else argv
@@ -331,8 +374,6 @@ def _main(argv: list[str] | None) -> int:
     args.argv = list(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     keep_logs_off_bars(logging.getLogger("sd-accel"))
-    from ..errors import AccelError
-
     try:
         return args.fn(args)
     except AccelError as e:  # the user's input: say what is wrong and what to do, no stack trace

@@ -125,15 +125,12 @@ def layouts(world: int, batch: int, spread: dict[str, Layout]) -> list[tuple[str
     return [(names[key], key) for key in sorted(candidates(batch, spread), key=lambda key: key != "sequence")]
 
 
-def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters: int, tiny: bool,
-                   comfyui: str | None, log: Callable[[str], None] = print, profile: bool = False) -> list[Result]:
-    """Rows for every model, size, world size and layout (see the module's docstring); with profile, each row's GPU
-    time by operator class (collectives apart). BadInput for what the user can fix; RuntimeError with a rank's own
-    message when a process failed."""
+def check(models: list[str], gpus: str, video_sizes: str | None, tiny: bool, comfyui: str | None,
+          profile: bool = False) -> tuple[list[int], list[str], dict[str, tuple[tuple[str, tuple[int, int]], ...]]]:
+    """The world sizes, the models and each model's sizes (labels and latents) bench_parallel runs; BadInput for what
+    the user can fix, before any process starts."""
     worlds = parse_gpus(gpus)
     names = model_names(models, tiny)
-    if iters < 1:
-        raise BadInput(f"--iters {iters}: nothing would be timed.", "Give --iters 1 or more.")
     if profile and tiny:
         raise BadInput("--profile reads the GPUs' kernel times, and --tiny runs on the CPU.", "Drop one of them.")
     if not tiny:
@@ -145,7 +142,15 @@ def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters:
     if not comfyui:
         raise BadInput("the multi-GPU bench builds ComfyUI's own model classes, and no ComfyUI was given.",
                        "Pass --comfyui DIR (a ComfyUI checkout).")
-    sizes = {name: model_sizes(name, video_sizes or ("64x64" if tiny else "832x480")) for name in names}
+    return worlds, names, {name: model_sizes(name, video_sizes or ("64x64" if tiny else "832x480")) for name in names}
+
+
+def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters: int, tiny: bool,
+                   comfyui: str | None, log: Callable[[str], None] = print, profile: bool = False) -> list[Result]:
+    """Rows for every model, size, world size and layout (see the module's docstring); with profile, each row's GPU
+    time by operator class (collectives apart). BadInput for what the user can fix (check); RuntimeError with a
+    rank's own message when a process failed."""
+    worlds, names, sizes = check(models, gpus, video_sizes, tiny, comfyui, profile)
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
     rows: list[Result] = []

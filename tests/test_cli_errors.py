@@ -168,3 +168,30 @@ def test_results_the_json_file_cannot_take_go_to_stdout(tmp_path):
     assert "sd-accel: --json-file /dev/full could not be written (No space left on device); the results follow on " \
            "stdout." in r.stderr.splitlines()
     assert json.loads(r.stdout[r.stdout.index("{"):])["vae"][0]["size"] == 64
+
+
+@pytest.mark.parametrize("action", ["ls", "clear", "prune", "info abc"])
+def test_cache_root_that_does_not_exist_is_one_line(tmp_path, action):
+    missing = tmp_path / "nope"
+    line = one_line(run("-m", "sd_accel", "cache", *action.split(), "--root", str(missing), cache=str(tmp_path)))
+    assert line == (f"sd-accel: the cache folder {missing} (--root) does not exist. Give --root the folder engines are "
+                    "built in (`python -m sd_accel doctor` shows it; a build makes it).")
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("action", ["ls", "clear"])
+def test_cache_setting_that_names_a_file_is_one_line(tmp_path, action):
+    file = tmp_path / "cache"
+    file.write_text("not a folder\n")
+    line = one_line(run("-m", "sd_accel", "cache", action, cache=str(file)))
+    assert line == (f"sd-accel: the cache folder {file} (SD_ACCEL_CACHE) is a file, not a folder. Set SD_ACCEL_CACHE "
+                    "to a folder (a build makes it).")
+    assert file.read_text() == "not a folder\n"
+
+
+def test_default_cache_folder_not_made_yet_is_no_error(tmp_path):
+    """Nothing named a folder, and a fresh install has built nothing: `ls` says so, exit code 0."""
+    r = run("-m", "sd_accel", "cache", "ls", cache="", XDG_CACHE_HOME=str(tmp_path))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout == (f"cache: {tmp_path / 'sd-accel'} does not exist yet: nothing has been built, so there is "
+                        "nothing to list.\n")

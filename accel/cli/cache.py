@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from ..build.cache import EngineCache, EntryInfo, default_root, human_bytes
 from ..errors import BadInput
+from .checks import Parser
 
 
 def _when(t: float | None) -> str:
@@ -79,12 +82,39 @@ def _prune(cache: EngineCache, verify: bool) -> int:
     return 0
 
 
+def _root(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """The cache folder and what named it: --root, SD_ACCEL_CACHE, or None for the default."""
+    if getattr(args, "root", None):
+        return Path(args.root).expanduser(), "--root"
+    return default_root(), ("SD_ACCEL_CACHE" if os.environ.get("SD_ACCEL_CACHE", "").strip() else None)
+
+
+def _check_root(root: Path, source: str | None, action: str) -> bool:
+    """Whether there is a cache folder to look at. BadInput when the folder named is not one this user can use for
+    `action`: the listing of a mistyped path would read "0 entries", as if the cache were empty. The default folder
+    not there yet is no error for ls, clear and prune (False): a fresh install has built nothing."""
+    named = f"the cache folder {root}" + (f" ({source})" if source else "")
+    fix = {"--root": "Give --root", "SD_ACCEL_CACHE": "Set SD_ACCEL_CACHE to"}.get(source, "Set SD_ACCEL_CACHE to")
+    if root.exists() and not root.is_dir():
+        raise BadInput(f"{named} is a file, not a folder.", f"{fix} a folder (a build makes it).")
+    if not root.exists():
+        if source is None and action != "info":
+            return False
+        raise BadInput(f"{named} does not exist.",
+                       f"{fix} the folder engines are built in (`python -m sd_accel doctor` shows it; a build makes it).")
+    need = os.R_OK | os.X_OK | (os.W_OK if action in ("clear", "prune") else 0)
+    if not os.access(root, need):
+        raise BadInput(f"{named} cannot be {'changed' if need & os.W_OK else 'read'} by this user.",
+                       "Run as its owner, or name another folder.")
+    return True
+
+
 def main(argv: list[str], prog: str = "sd-accel cache") -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--root", default=argparse.SUPPRESS,
                         help="cache folder (default: SD_ACCEL_CACHE, else ~/.cache/sd-accel)")
-    p = argparse.ArgumentParser(prog=prog, parents=[common],
-                                description="The engine cache: built engines, their keys, sizes and last use.")
+    p = Parser(prog=prog, parents=[common],
+               description="The engine cache: built engines, their keys, sizes and last use.")
     sub = p.add_subparsers(dest="action", required=True)
     sub.add_parser("ls", parents=[common], help="list the entries, most recently used first")
     i = sub.add_parser("info", parents=[common], help="one entry's files, checksums and key parts")
@@ -94,8 +124,13 @@ def main(argv: list[str], prog: str = "sd-accel cache") -> int:
                         help="remove incomplete or corrupt entries and leftovers, then enforce the size cap")
     pr.add_argument("--no-verify", action="store_true", help="check sizes only, not checksums (faster)")
     args = p.parse_args(argv)
-    cache = EngineCache(getattr(args, "root", None) or default_root())
+    root, source = _root(args)
     try:
+        if not _check_root(root, source, args.action):
+            print(f"cache: {root} does not exist yet: nothing has been built, so there is nothing to "
+                  f"{'list' if args.action == 'ls' else 'remove'}.")
+            return 0
+        cache = EngineCache(root)
         if args.action == "ls":
             return _ls(cache)
         if args.action == "info":

@@ -45,6 +45,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _speedup(base_ms: float, ms: float, device: torch.device) -> float | None:
+    """base_ms / ms on a GPU. None on the CPU, where no speed-up is claimed (CPU_NOTE)."""
+    return base_ms / ms if device.type == "cuda" else None
+
+
+def _x(ratio: float | None) -> str:
+    """A progress line's ratio, where there is one."""
+    return "" if ratio is None else f", x{ratio:.2f}"
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
     """Median milliseconds per call, after warm-up (CUDA events on the GPU)."""
     for _ in range(warmup):
@@ -155,9 +165,9 @@ def time_variants(name: str, canon: torch.nn.Module, args: tuple, ref: torch.Ten
             out = fn()
             ms = time_ms(fn, device, iters)
         err = rel_l2(out, ref)
-        base = rows[0].ms if rows else ms
-        rows.append(Row(name, variant, ms, base / ms, _peak_gb(device), err, setup_s, note, extra))
-        log(f"[{name}] {variant}: {ms:.2f} ms/step, x{base / ms:.2f}, err {err:.2e}")
+        ratio = _speedup(rows[0].ms if rows else ms, ms, device)
+        rows.append(Row(name, variant, ms, ratio, _peak_gb(device), err, setup_s, note, extra))
+        log(f"[{name}] {variant}: {ms:.2f} ms/step{_x(ratio)}, err {err:.2e}")
 
     add(eager, lambda: canon(*args))
     if profile and device.type == "cuda":
@@ -252,9 +262,10 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
     if acc.fallback_calls:  # the figures are then not the path's own
         note = f"{acc.fallback_calls} calls fell back to the torch path: {acc.fallback_reason}"
         log(f"[{name}] sd-accel {path}: {note}")
-    row = Row(name, f"sd-accel {backend}{label}", ms, base_ms / ms, _peak_gb(device), err, first_s,
+    ratio = _speedup(base_ms, ms, device)
+    row = Row(name, f"sd-accel {backend}{label}", ms, ratio, _peak_gb(device), err, first_s,
               note, {"seen_shape_s": seen_s, "new_shape_s": new_shape_s, "reasons": acc.plan.reasons})
-    log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step, x{base_ms / ms:.2f}, err {err:.2e}, "
+    log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step{_x(ratio)}, err {err:.2e}, "
         f"first call {first_s:.1f}s, new shape {new_shape_s:.2f}s, seen shape {seen_s * 1e3:.0f} ms")
     if profile and device.type == "cuda":
         _profile(row, lambda: acc(*args), log)
@@ -300,8 +311,8 @@ def _second_checkpoint(name, backend, canon, args, device, iters, base_ms, log, 
     how = result.describe() if result is not None else "built"
     log(f"[{name}] sd-accel {backend} second checkpoint: {how}; setup {setup_s:.1f} s, {ms:.2f} ms/step, "
         f"err {err:.2e}")
-    row = Row(name, f"sd-accel {backend}, 2nd checkpoint", ms, base_ms / ms, _peak_gb(device), err, setup_s,
-              f"setup = build ({how}) + first call", {"reasons": acc.plan.reasons})
+    row = Row(name, f"sd-accel {backend}, 2nd checkpoint", ms, _speedup(base_ms, ms, device), _peak_gb(device), err,
+              setup_s, f"setup = build ({how}) + first call", {"reasons": acc.plan.reasons})
     acc.release()
     return row
 
@@ -347,16 +358,27 @@ LEGEND = ("setup s = build + first call at a new shape; new shape (progress line
           "shape already captured, made after a call at another shape (nothing rebuilt).")
 
 
+# Said where the table has no speedup column (the CPU), in the demo's words.
+CPU_NOTE = ("speedup: none on the CPU, so no speed-up is claimed: the torch path runs the plain model there (its "
+            "kernels and graphs need a GPU), and a ratio of CPU times would show how busy the machine was; the times "
+            "are for reference.")
+
+
 def table(rows: list[Row]) -> str:
-    head = f"{'model':<20} {'variant':<36} {'ms/step':>8} {'speedup':>8} {'peak GB':>8} {'rel err':>9} {'setup s':>8}"
+    ratios = any(r.speedup is not None for r in rows)
+    head = f"{'model':<20} {'variant':<36} {'ms/step':>8} " + (f"{'speedup':>8} " if ratios else "") + \
+        f"{'peak GB':>8} {'rel err':>9} {'setup s':>8}"
     lines = [head, "-" * len(head)]
-    fmt = lambda v, f: "-" if v is None else format(v, f)
+    fmt = lambda v, f: format("-", ">" + f.partition(".")[0]) if v is None else format(v, f)
     for r in rows:
-        lines.append(f"{r.model:<20} {r.variant:<36} {fmt(r.ms, '8.2f')} {fmt(r.speedup, '8.2f')} "
-                     f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
+        lines.append(f"{r.model:<20} {r.variant:<36} {fmt(r.ms, '8.2f')} "
+                     + (f"{fmt(r.speedup, '8.2f')} " if ratios else "")
+                     + f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
         if r.note.startswith("not available") or "fell back" in r.note:
             lines.append(f"{'':<20} {r.note}")
     lines.append(LEGEND)
+    if not ratios and rows:
+        lines.append(CPU_NOTE)
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ while this model samples. Two wrappers:
 from __future__ import annotations
 
 import importlib
+import weakref
 from typing import Any
 
 from ..accel.errors import AccelError, BadInput
@@ -99,7 +100,11 @@ class AcceleratedUNetNode:
         problem = unsupported(model)
         if problem:
             return _result(model, [say(unique_id, problem)])
-        notes = []
+        resident, why = resident_model(model)
+        if resident is None:
+            return _result(model, [say(unique_id, why)])
+        notes = [say(unique_id, why)] if why else []
+        model = resident
         try:
             profile = shape_profile((min_batch, opt_batch, max_batch), (min_height, opt_height, max_height),
                                     (min_width, opt_width, max_width))
@@ -195,6 +200,43 @@ def unsupported(model) -> str | None:
     if family not in FAMILIES:
         return (f"{what} has a {family} layout (not SD1.x, SD2.x or SDXL); it passes through unaccelerated.")
     return None
+
+
+# Under DynamicVRAM, the resident copy of each dynamic model (ComfyUI's own clone override: its BaseModel and backups),
+# kept while the dynamic model lives, so that a LoRA or widget change upstream does not load the file again
+_RESIDENT: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+RESIDENT_SHARE = 0.75  # of the GPU's memory, at most, for the weights (the rest for activations and graphs)
+
+
+def resident_model(model) -> tuple[Any, str | None]:
+    """The ModelPatcher the node accelerates: (model, None) for ComfyUI's ModelPatcher; under DynamicVRAM (ComfyUI
+    0.33 and later, its default on NVIDIA) (a resident copy, what the node says), or (None, why) where the model
+    cannot be resident and ComfyUI's own path runs.
+
+    A ModelPatcherDynamic keeps the weights in host memory and faults them into a VRAM arena block by block as they
+    run, through cast-on-the-fly layers that fused kernels and CUDA graphs cannot read. ComfyUI's own way out for code
+    that needs resident weights is a clone with disable_dynamic (its sampler's get_non_dynamic_delegate, for conds
+    with hooks): the same model as a legacy ModelPatcher, loaded once more from its file, with this patcher's patches
+    (LoRA) applied to it as ModelPatcher applies them."""
+    is_dynamic = getattr(model, "is_dynamic", None)
+    if not callable(is_dynamic) or not is_dynamic():
+        return model, None
+    import comfy.model_management as mm
+
+    size, total = model.model_size(), mm.get_total_memory(model.load_device)
+    if size > RESIDENT_SHARE * total:
+        return None, (f"ComfyUI runs this model under DynamicVRAM, streaming its {size / 2**30:.1f} GB of weights "
+                      f"through the GPU ({total / 2**30:.0f} GB); sd-accel needs them resident with a quarter of the "
+                      "GPU's memory to spare, so ComfyUI's own path runs.")
+    try:
+        resident = model.clone(disable_dynamic=True, model_override=_RESIDENT.get(model.model))
+    except RuntimeError as e:  # a custom loader that registered no way to load the model again
+        return None, (f"ComfyUI runs this model under DynamicVRAM and cannot load a resident copy of it ({e}); "
+                      "ComfyUI's own path runs.")
+    _RESIDENT[model.model] = resident.get_clone_model_override()
+    return resident, ("ComfyUI runs this model under DynamicVRAM; the node accelerates a resident copy of it "
+                      f"(ComfyUI's non-dynamic clone: {size / 2**30:.1f} GB of weights kept on the GPU, loaded from "
+                      "its file once), with the same patches and LoRAs.")
 
 
 def attach(model, session: "Session") -> None:

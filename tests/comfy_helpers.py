@@ -107,7 +107,7 @@ _STUB_FILES = {
 }
 
 
-def _temporary_folder(prefix: str) -> str:
+def temporary_folder(prefix: str) -> str:
     """A folder of this process's own, removed when it exits (the servers started with it are stopped by then)."""
     folder = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
@@ -128,7 +128,7 @@ def stub_packages() -> Path | None:
     if not missing:
         return None
     if not _STUB:
-        _STUB.append(Path(_temporary_folder("sd-accel-host-stubs-")))
+        _STUB.append(Path(temporary_folder("sd-accel-host-stubs-")))
     folder = _STUB[0]
     for package in missing:
         for name, body in _STUB_FILES[package].items():
@@ -157,7 +157,60 @@ def import_comfy() -> None:
 
     comfy.cli_args.args.cpu = not torch.cuda.is_available()
     if not comfy.cli_args.args.base_directory and "folder_paths" not in sys.modules:
-        comfy.cli_args.args.base_directory = _temporary_folder("sd-accel-comfyui-base-")
+        comfy.cli_args.args.base_directory = temporary_folder("sd-accel-comfyui-base-")
+
+
+def comfy_version() -> str:
+    """The version of the ComfyUI tree the tests run in (its comfyui_version.py)."""
+    try:
+        return importlib.import_module("comfyui_version").__version__
+    except (ImportError, AttributeError):
+        return "of unknown version"
+
+
+def set_up_like_main() -> str:
+    """What ComfyUI's main.py sets up in its process before it loads a model, for in-process runs on a GPU: from 0.33,
+    on an NVIDIA GPU with torch 2.8 or later, comfy-aimdo initialised and ModelPatcherDynamic made the loaders'
+    patcher (DynamicVRAM, its default), unless SD_ACCEL_DISABLE_DYNAMIC_VRAM=1 stands for its --disable-dynamic-vram.
+    Call it after import_comfy and before anything is put on the GPU. Returns which patcher the loaders build."""
+    import comfy.cli_args
+
+    args = comfy.cli_args.args
+    if os.environ.get("SD_ACCEL_DISABLE_DYNAMIC_VRAM") == "1":
+        args.disable_dynamic_vram = True
+    enables = getattr(comfy.cli_args, "enables_dynamic_vram", None)
+    if enables is None or not enables():  # before 0.33, or --cpu, --disable-dynamic-vram, ...
+        return "ModelPatcher"
+    import comfy_aimdo.control
+
+    headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024 ** 3)
+    comfy_aimdo.control.init(simple_vram_headroom=headroom, nvml_pressure=not args.disable_nvml_pressure)
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    if not mm.is_nvidia() or mm.torch_version_numeric < (2, 8):
+        return "ModelPatcher"
+    if not comfy_aimdo.control.init_devices((d.index, int(args.vram_headroom * 1024 ** 3))
+                                            for d in mm.get_all_torch_devices()):
+        return "ModelPatcher (comfy-aimdo did not start)"
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    return "ModelPatcherDynamic (DynamicVRAM)"
+
+
+def load_diffusion_model_file(module, folder: Path, dtype=None):
+    """module's weights written as a diffusion-model file (what UNETLoader lists) and loaded by ComfyUI's own loader,
+    comfy.sd.load_diffusion_model, as a workflow does: the patcher ComfyUI builds (ModelPatcherDynamic under
+    DynamicVRAM), with the weight dtype `dtype` where given (its weight_dtype widget)."""
+    import safetensors.torch
+
+    import comfy.sd
+
+    path = folder / "diffusion_model.safetensors"
+    safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()},
+                                str(path))
+    return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype} if dtype is not None else {})
 
 
 def load_pack():

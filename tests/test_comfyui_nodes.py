@@ -478,3 +478,59 @@ def test_tiled_vae_nodes_pass_the_memory_limit_on(pack, monkeypatch):
     (image,) = decode.decode({"samples": latent}, vae, 64, 16, memory_gb=2.5, unique_id="5")
     encode.encode(image, vae, 64, 16, memory_gb=0.0, unique_id="6")
     assert seen == [2.5, None]  # 0 on the node: what is free
+
+
+def _loaded_tiny(calls: list):
+    """The tiny model as a loader returns it under ComfyUI 0.33: a patcher with cached_patcher_init, the factory by
+    which ComfyUI loads the model again (a custom loader registers its own; the core loaders re-read the file)."""
+    def load(seed: int, disable_dynamic: bool = False):
+        calls.append(disable_dynamic)
+        return H.tiny_model(seed)
+
+    model = load(0)
+    model.cached_patcher_init = (load, (0,))
+    return model
+
+
+def test_under_dynamic_vram_the_node_accelerates_comfyuis_resident_copy(pack, caplog, monkeypatch):
+    """ComfyUI 0.33's DynamicVRAM streams the weights through the GPU (ModelPatcherDynamic, which on a CPU load device
+    ComfyUI itself turns into a ModelPatcher: here a ModelPatcher says it is dynamic in its place). The node
+    accelerates ComfyUI's non-dynamic clone of it, with the LoRA patched before the node, loaded once however often
+    the node runs; the input model is untouched; a model too large to keep on the GPU, or one ComfyUI cannot load
+    again, passes through with one message."""
+    H.import_comfy()
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.sd
+
+    if not hasattr(comfy.model_patcher.ModelPatcher, "is_dynamic"):
+        pytest.skip("a ComfyUI before DynamicVRAM (0.33) has no dynamic patcher")
+    calls = []
+    loaded = _loaded_tiny(calls)
+    model = comfy.sd.load_lora_for_models(loaded, None, H.lora_patches(loaded), 0.7, 0.0)[0]
+    monkeypatch.setattr(model, "is_dynamic", lambda: True)
+    pos, neg = H.tiny_conditioning(2)
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        out, _ = accelerate(pack, model)
+        again, _ = accelerate(pack, model)
+    assert calls == [False, True]  # loaded by the workflow, then once more, resident
+    assert out.model is again.model is not model.model and not out.is_dynamic()
+    assert accelerated_unet.session_of(out) is not None and accelerated_unet.session_of(model) is None
+    said = [r.getMessage() for r in caplog.records if "DynamicVRAM" in r.getMessage()]
+    assert len(said) == 2 and "resident copy" in said[0]  # once per node run
+    plain = model.clone()
+    plain.is_dynamic = lambda: False
+    assert torch.equal(sample(out, pos, neg), sample(plain, pos, neg))  # the LoRA came along
+    assert accelerated_unet.session_of(out).slot.status.engine_calls > 0
+
+    caplog.clear()
+    monkeypatch.setattr(mm, "get_total_memory", lambda *a, **k: model.model_size())  # no quarter to spare
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        assert accelerate(pack, model)[0] is model
+    assert "ComfyUI's own path runs" in caplog.records[-1].getMessage()
+    monkeypatch.undo()
+    unloadable = H.tiny_model(0)
+    unloadable.is_dynamic = lambda: True
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        assert accelerate(pack, unloadable)[0] is unloadable
+    assert "cannot load a resident copy" in caplog.records[-1].getMessage()

@@ -21,6 +21,7 @@ import gc
 import hashlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -168,6 +169,11 @@ class Harness:
         model = config.get_model({}, device=self.device)
         # no gradients, as a loaded checkpoint's (ComfyUI's fp8 LoRA patching writes its rounding into out= tensors)
         configs.seed_dit_parameters(model.diffusion_model, 0).requires_grad_(False)
+        if self.size == "full" and dtype != torch.float32:
+            # the model a user runs: its file loaded by ComfyUI's own loader (the float32 yardstick is a reference)
+            # kept while the process runs: ComfyUI loads it again for a resident copy under DynamicVRAM
+            folder = Path(H.temporary_folder("sd-accel-gpu-model-"))
+            return H.load_diffusion_model_file(model.diffusion_model, folder, stored or dtype)
         return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                                 offload_device=mm.unet_offload_device())
 
@@ -357,7 +363,9 @@ class Harness:
 
 def run_model(name: str, size: str = "full", device: str = "cuda", quick: bool = False, only: str = "") -> Report:
     H.import_comfy()
+    patcher = H.set_up_like_main() if torch.device(device).type == "cuda" else "ModelPatcher"
     harness = Harness(name, size, device)
+    harness.report.notes.append(f"ComfyUI {H.comfy_version()}, its loaders building {patcher}")
     report = harness.run_all(quick, only)
     harness.model = None
     gc.collect()

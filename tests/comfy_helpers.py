@@ -40,9 +40,12 @@ TINY_VAE = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels":
 # ------------------------------------------------------------------------------------------ finding ComfyUI
 
 HOSTS = REPO.parent / "shared" / "hosts"  # the pinned host trees, where a checkout has them beside it
-# What the ComfyUI trees import in-process and their headless servers need (requirements-hosts.txt), by module name
-COMFY_NEEDS = ("einops", "torchsde", "scipy", "psutil", "aiohttp", "av", "yaml", "transformers")
-COMFY_033_NEEDS = ("comfy_aimdo", "comfy_kitchen", "blake3", "simpleeval", "requests", "sqlalchemy")
+# What the ComfyUI trees import in-process, and what their headless servers need besides (requirements-hosts.txt),
+# by module name; 0.33 and later import comfy-aimdo and comfy-kitchen unconditionally
+COMFY_NEEDS = ("einops", "torchsde", "scipy", "psutil", "yaml", "transformers")
+COMFY_033_NEEDS = ("comfy_aimdo", "comfy_kitchen")
+SERVER_NEEDS = ("aiohttp", "av")
+SERVER_033_NEEDS = ("blake3", "simpleeval", "requests", "sqlalchemy")
 
 
 def comfy_root() -> Path | None:
@@ -53,15 +56,18 @@ def comfy_root() -> Path | None:
     return root if (root / "comfy" / "model_patcher.py").is_file() else None
 
 
-def comfy_unavailable() -> str | None:
-    """Why the ComfyUI tests cannot run here (the reason their skip gives), or None when they can."""
+def comfy_unavailable(server: bool = False) -> str | None:
+    """Why the ComfyUI tests cannot run here (the reason their skip gives), or None when they can; server: the tests
+    of its headless server, which needs more."""
     root = comfy_root()
     if root is None:
         named = os.environ.get("COMFYUI_ROOT", "").strip()
         return (f"COMFYUI_ROOT={named} is not a ComfyUI checkout" if named else
                 f"no ComfyUI checkout: set COMFYUI_ROOT, or put the pinned trees at {HOSTS}")
-    # ComfyUI 0.33 and later import comfy-aimdo unconditionally
-    needs = COMFY_NEEDS + (COMFY_033_NEEDS if (root / "comfy" / "memory_management.py").is_file() else ())
+    later = (root / "comfy" / "memory_management.py").is_file()  # 0.33 and later
+    needs = COMFY_NEEDS + (COMFY_033_NEEDS if later else ())
+    if server:
+        needs += SERVER_NEEDS + (SERVER_033_NEEDS if later else ())
     missing = [m for m in needs if importlib.util.find_spec(m) is None]
     if missing:
         return (f"ComfyUI at {root} needs {', '.join(missing)}: pip install -r requirements-dev.txt (it includes "

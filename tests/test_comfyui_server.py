@@ -17,7 +17,8 @@ import torch
 import comfy_helpers as H
 from comfy_server import Server
 
-pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
+pytestmark = pytest.mark.skipif(H.comfy_unavailable(server=True) is not None,
+                                reason=str(H.comfy_unavailable(server=True)))
 
 LORA = "sd_accel_tiny_lora.safetensors"
 

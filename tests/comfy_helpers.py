@@ -9,6 +9,7 @@ patch. So it imports comfy only inside functions, and pytest not at all.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -203,6 +204,21 @@ def set_up_like_main() -> str:
     comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
     comfy.memory_management.aimdo_enabled = True
     return "ModelPatcherDynamic (DynamicVRAM)"
+
+
+@contextlib.contextmanager
+def layers_with_weights():
+    """Within: ComfyUI's layers are built with their weights, to be seeded in place. Under DynamicVRAM (0.33's
+    comfy.memory_management.aimdo_enabled) they are built without, for its loader to fill from a file."""
+    memory = sys.modules.get("comfy.memory_management")
+    before = getattr(memory, "aimdo_enabled", False)
+    if memory is not None:
+        memory.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        if memory is not None:
+            memory.aimdo_enabled = before
 
 
 def load_diffusion_model_file(module, folder: Path, dtype=None):

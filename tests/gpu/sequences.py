@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +147,7 @@ class Harness:
         self._plain: dict[Run, tuple[torch.Tensor, float]] = {}
         self._conditioning = self._make_conditioning()
         self.model = None
+        self._files: list[Path] = []  # the files full-size models were loaded from, while in use
 
     # ------------------------------------------------------------------ models and runs
 
@@ -166,13 +168,18 @@ class Harness:
         config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
         stored = WEIGHTS.get(self.name)
         config.set_inference_dtype(stored or dtype, dtype if stored else None)
-        model = config.get_model({}, device=self.device)
+        # Full size: the weights of the file ComfyUI loads, made on the CPU (under DynamicVRAM nothing but ComfyUI's
+        # loaders may put a model on the GPU: direct allocations there beside comfy-aimdo's arena crashed the process)
+        with H.layers_with_weights():
+            model = config.get_model({}, device="cpu" if self.size == "full" else self.device)
         # no gradients, as a loaded checkpoint's (ComfyUI's fp8 LoRA patching writes its rounding into out= tensors)
         configs.seed_dit_parameters(model.diffusion_model, 0).requires_grad_(False)
-        if self.size == "full" and dtype != torch.float32:
-            # the model a user runs: its file loaded by ComfyUI's own loader (the float32 yardstick is a reference)
-            # kept while the process runs: ComfyUI loads it again for a resident copy under DynamicVRAM
+        if self.size == "full":
+            # as a user runs it: its file loaded by ComfyUI's own loader (under DynamicVRAM, the patcher it builds
+            # is the only kind ComfyUI runs). The file stays while the model is in use: ComfyUI loads it again for a
+            # resident copy.
             folder = Path(H.temporary_folder("sd-accel-gpu-model-"))
+            self._files.append(folder)
             return H.load_diffusion_model_file(model.diffusion_model, folder, stored or dtype)
         return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                                 offload_device=mm.unet_offload_device())
@@ -312,6 +319,8 @@ class Harness:
         del model32  # ComfyUI holds loaded models by weak reference: this frees it, with no copy to the CPU
         gc.collect()
         mm.cleanup_models()
+        while self._files:  # the float32 file goes before the 16-bit one is written (Flux's: 48 GB)
+            shutil.rmtree(self._files.pop(), ignore_errors=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.model = self.build(self.dtype)

@@ -472,7 +472,9 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
 _COMFY_LATER_PARAMS = {"txt_ids_dims": [], "vec_in_dim": None}
 
 
-def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -> nn.Module:
+def comfy_dit_config(name: str) -> tuple[str, dict]:
+    """(family, config) of COMFY_DIT_CONFIGS[name] for the ComfyUI that is imported: with the fields its classes'
+    params added since 0.3.6x, as its model detection sets them for the published files. Needs comfy importable."""
     family, cfg = COMFY_DIT_CONFIGS[name]
     if family in ("flux", "chroma"):
         import dataclasses
@@ -482,6 +484,11 @@ def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -
         params = module.FluxParams if family == "flux" else module.ChromaParams
         fields = {f.name for f in dataclasses.fields(params)}
         cfg = {**{k: v for k, v in _COMFY_LATER_PARAMS.items() if k in fields}, **cfg}
+    return family, cfg
+
+
+def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -> nn.Module:
+    family, cfg = comfy_dit_config(name)
     if family == "flux":
         from comfy.ldm.flux.model import Flux as cls
     elif family == "wan":

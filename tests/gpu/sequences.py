@@ -163,7 +163,7 @@ class Harness:
         if self.unet:
             unet_config = dict(configs.LDM_UNET_CONFIGS[self.config])
         else:
-            unet_config = dict(configs.COMFY_DIT_CONFIGS[self.config][1])
+            unet_config = dict(configs.comfy_dit_config(self.config)[1])
         config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
         config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
         stored = WEIGHTS.get(self.name)

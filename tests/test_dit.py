@@ -291,45 +291,110 @@ def test_fused_wan_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comf
     undo()
 
 
-def _qwen_image_sampled(model, x, cond, uncond, ref_latents=None) -> torch.Tensor:
+def _qwen_image_sampled(model, x, cond, uncond, ref_latents=None, **kwargs) -> torch.Tensor:
     """Four Euler steps of flow matching with CFG (scale 4) on ComfyUI's Qwen-Image: the conditional and unconditional
     halves in one batch of 2, as ComfyUI's sampler runs them."""
     sigmas = (1.0, 0.75, 0.45, 0.2, 0.0)
     context = torch.cat((cond, uncond))
     refs = None if ref_latents is None else [torch.cat((r, r)) for r in ref_latents]
     for now, then in zip(sigmas, sigmas[1:]):
-        c, u = model(torch.cat((x, x)), torch.full((2,), now, device=DEVICE), context, ref_latents=refs).chunk(2)
+        c, u = model(torch.cat((x, x)), torch.full((2,), now, device=DEVICE), context, ref_latents=refs,
+                     **kwargs).chunk(2)
         x = x + (then - now) * (u + 4.0 * (c - u))
     return x
 
 
-@pytest.mark.parametrize("case", ["text to image", "edit (reference latents)"])
-def test_comfyuis_qwen_image_with_fused_kernels_matches_its_own_sampling(comfy_pytorch_attention, case):
+def _qwen_block_takes_timestep_zero(model) -> bool:
+    """Whether the model's blocks are ComfyUI 0.33's: their forward takes timestep_zero_index, and the model hands them
+    its rotary table in Flux's layout (0.3.6x's: heads and tokens axes swapped)."""
+    import inspect
+
+    return "timestep_zero_index" in inspect.signature(type(model.transformer_blocks[0]).forward).parameters
+
+
+def _qwen_table(model, ids: torch.Tensor) -> torch.Tensor:
+    """The rotary table for positions `ids` as the model's forward hands it to its blocks."""
+    pe = model.pe_embedder(ids)
+    return pe if _qwen_block_takes_timestep_zero(model) else pe.squeeze(1).unsqueeze(2)
+
+
+@pytest.mark.parametrize("case", ["text to image", "edit (reference latents)", "edit, references at timestep zero"])
+def test_comfyuis_qwen_image_with_fused_kernels_matches_its_own_sampling(comfy_pytorch_attention, monkeypatch, case):
     """A sampling run of Qwen-Image, CFG batch 2 at each step's timestep, and Qwen-Image-Edit's reference latents
-    (their tokens join the image stream, with rows of the rotary table of their own): every block and the output norm
-    fused, the sample within float32 rounding of ComfyUI's own. The modulation and output projections are drawn at
-    full scale (not quieted), so that every block's part shows in the sample."""
+    (their tokens join the image stream, with rows of the rotary table of their own), in ComfyUI 0.33 also modulated at
+    timestep zero (Qwen-Image-Edit-2511's "index_timestep_zero": the blocks get timestep_zero_index): every block and
+    the output norm fused, no call left to ComfyUI's forward, the sample within float32 rounding of ComfyUI's own. The
+    modulation and output projections are drawn at full scale (not quieted), so that every block's part shows in the
+    sample."""
+    import functools
+
     pytest.importorskip("triton")
     from sd_accel.accel.engine import fusions
 
     model = configs.build_dit("tiny-qwen-image", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    zero = case.endswith("timestep zero")
+    if zero and not _qwen_block_takes_timestep_zero(model):
+        pytest.skip("ComfyUI 0.3.6x has no index_timestep_zero reference method")
     configs.seed_dit_parameters(model, 0, quiet=1.0)
+    cls = type(model.transformer_blocks[0])
+    hosts = []
+    # wraps: the fusion reads the forward's signature through it
+    monkeypatch.setattr(cls, "forward", functools.wraps(cls.forward)(
+        lambda *a, f=cls.forward, **k: hosts.append(1) or f(*a, **k)))
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, 16, 1, 8, 10, generator=g).to(DEVICE)
     cond, uncond = (torch.randn(1, 7, 32, generator=g).to(DEVICE) for _ in range(2))
     refs = [torch.randn(1, 16, 1, 6, 6, generator=g).to(DEVICE)] if case.startswith("edit") else None
+    method = {"ref_latents_method": "index_timestep_zero"} if zero else {}
     with torch.no_grad():
-        ref = _qwen_image_sampled(model, x, cond, uncond, refs)
+        ref = _qwen_image_sampled(model, x, cond, uncond, refs, **method)
+        assert len(hosts) == 4 * 2
         undo, counts = fusions.apply(model, ["qwen_image"])
-        out = _qwen_image_sampled(model, x, cond, uncond, refs)
+        out = _qwen_image_sampled(model, x, cond, uncond, refs, **method)
         undo()
-    assert counts["qwen_image"] == 3 and rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)
+    assert counts["qwen_image"] == 3 and len(hosts) == 4 * 2
+    assert rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("index", [8, 0, 12])
+def test_fused_qwen_image_blocks_modulate_tokens_from_timestep_zero_index_as_comfyuis_forward_does(
+        comfy_pytorch_attention, monkeypatch, index):
+    """ComfyUI 0.33's block with timestep_zero_index (temb's rows: the timestep's, then timestep zero's; the image
+    tokens from the index on take the second half's image modulation): the fused forward runs the kernels, within
+    float32 rounding of ComfyUI's forward; also where every image token is on one side of the index, as a
+    sequence-parallel rank may hold them."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.engine import fusions
+
+    model = configs.build_dit("tiny-qwen-image", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    if not _qwen_block_takes_timestep_zero(model):
+        pytest.skip("ComfyUI 0.3.6x's block has no timestep_zero_index")
+    configs.seed_dit_parameters(model, 0, quiet=1.0)
+    block = model.transformer_blocks[0]
+    kernels = _counted_adaln(monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    img, txt, temb = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((2, 12, 64), (2, 5, 64), (4, 64)))
+    pe = _qwen_table(model, torch.randint(0, 9, (2, 17, 3), generator=g).float().to(DEVICE))
+
+    def run():
+        return block(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=None, temb=temb,
+                     image_rotary_emb=pe, timestep_zero_index=index)
+
+    with torch.no_grad():
+        undo, _ = fusions.apply(model, ["qwen_image"])
+        fused = run()
+        undo()
+        plain = run()
+    # text, then the image on each side of the index that holds tokens: a stream each, two adaLN passes a stream
+    assert len(kernels) == 2 * (2 + (0 < index < 12))
+    assert all(H.rel(a, b) <= FUSED_TOL for a, b in zip(fused, plain))
 
 
 def test_fused_qwen_image_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention,
                                                                                    monkeypatch):
-    """A text mask and an attention override in transformer_options: the block's own forward serves the call (the
-    override called by it, no kernel run); a block whose q norm has a per-call weight function (lowvram) keeps its
+    """A text mask and an attention override in transformer_options, and in ComfyUI 0.33 an attn1 patch (its attention
+    calls it on the joint q, k, v and rotary table): the block's own forward serves the call (the override and the
+    patch called by it, no kernel run); a block whose q norm has a per-call weight function (lowvram) keeps its
     forward."""
     pytest.importorskip("triton")
     from sd_accel.accel.engine import fusions
@@ -339,10 +404,18 @@ def test_fused_qwen_image_blocks_leave_calls_they_do_not_cover_to_comfyuis_forwa
     kernels = _counted_adaln(monkeypatch)
     g = torch.Generator().manual_seed(6)
     img, txt, temb = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((1, 12, 64), (1, 5, 64), (1, 64)))
-    pe = model.pe_embedder(torch.randint(0, 9, (1, 17, 3), generator=g).float().to(DEVICE)).squeeze(1).unsqueeze(2)
+    pe = _qwen_table(model, torch.randint(0, 9, (1, 17, 3), generator=g).float().to(DEVICE))
     override, overrides = H.attention_override()
-    calls = ({"encoder_hidden_states_mask": torch.ones(1, 5, device=DEVICE)},
-             {"transformer_options": {"optimized_attention_override": override}})
+    patched = []
+
+    def attn1_patch(q, k, v, pe, attn_mask, extra_options):
+        patched.append(extra_options["img_slice"])
+        return {"q": q * 0.5}
+
+    calls = [{"encoder_hidden_states_mask": torch.ones(1, 5, device=DEVICE)},
+             {"transformer_options": {"optimized_attention_override": override}}]
+    if _qwen_block_takes_timestep_zero(model):
+        calls.append({"transformer_options": {"patches": {"attn1_patch": [attn1_patch]}}})
 
     def run(**kwargs):
         return block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=pe,
@@ -351,13 +424,14 @@ def test_fused_qwen_image_blocks_leave_calls_they_do_not_cover_to_comfyuis_forwa
     with torch.no_grad():
         undo, _ = fusions.apply(model, ["qwen_image"])
         outs = [run(**c) for c in calls]
-        assert not kernels and len(overrides) == 1
+        assert not kernels and len(overrides) == 1 and len(patched) == (len(calls) > 2)
         fused = run()
         assert kernels
         undo()
         refs = [run(**c) for c in calls]
         plain = run()
-    assert len(overrides) == 2 and all(torch.equal(a, b) for o, r in zip(outs, refs) for a, b in zip(o, r))
+    assert len(overrides) == 2 and len(patched) == 2 * (len(calls) > 2)
+    assert all(torch.equal(a, b) for o, r in zip(outs, refs) for a, b in zip(o, r))
     assert all(H.rel(a, b) <= FUSED_TOL for a, b in zip(fused, plain))
     block.attn.norm_q.weight_function = [lambda w: w]
     undo, counts = fusions.apply(model, ["qwen_image"])

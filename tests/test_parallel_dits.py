@@ -58,13 +58,30 @@ def _inputs(name: str, latent: int, text: int = 7) -> dict:
     return inp
 
 
+def _qwen_zero(model) -> bool:
+    """Whether Qwen-Image's blocks are ComfyUI 0.33's, whose forward takes timestep_zero_index."""
+    import inspect
+
+    return "timestep_zero_index" in inspect.signature(type(model.transformer_blocks[0]).forward).parameters
+
+
+def _qwen_edit(model, inp: dict):
+    """A Qwen-Image-Edit call: a reference latent's 2 x 2 tokens after the image's 16 (20, which 2 and 4 processes
+    split), in ComfyUI 0.33 modulated at timestep zero ("index_timestep_zero": ranks hold tokens on one side of the
+    blocks' timestep_zero_index or on both)."""
+    ref = torch.randn(2, 16, 1, 4, 4, generator=torch.Generator().manual_seed(3))
+    method = {"ref_latents_method": "index_timestep_zero"} if _qwen_zero(model) else {}
+    return lambda: model(inp["x"], inp["timesteps"], inp["context"], ref_latents=[ref], **method)
+
+
 def _hooked(model) -> bool:
     return any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
 def _plain(name: str, g) -> dict:
     """ComfyUI's own blocks: the parallel output against one process's (text split and whole; Flux with an
-    attention mask), refusals, and the model after the context."""
+    attention mask; Qwen-Image-Edit with a reference latent), refusals (in ComfyUI 0.33 Qwen-Image's text mask too),
+    and the model after the context."""
     import importlib
 
     from sd_accel.accel.errors import BadInput
@@ -80,10 +97,13 @@ def _plain(name: str, g) -> dict:
     module, attr = ATTENTION[name]
     host = getattr(importlib.import_module(module), attr)
     refused = []
+    calls = [lambda inp=inp: canon(**inp) for inp in inputs]
+    if name == "tiny-qwen-image":
+        calls.append(_qwen_edit(model, inputs[0]))
     with torch.no_grad():
-        refs = [canon(**inp) for inp in inputs]
+        refs = [call() for call in calls]
         with sequence_parallel(model, g):
-            outs = [canon(**inp) for inp in inputs]
+            outs = [call() for call in calls]
             inp = inputs[0]
             try:  # 3 x 3 = 9 image tokens: neither 2 nor 4 processes split them
                 canon(**_inputs(name, 6))
@@ -93,8 +113,15 @@ def _plain(name: str, g) -> dict:
                 model(inp["x"], inp["timesteps"], inp["context"], control={"input": [], "output": []})
             except BadInput as e:
                 refused.append(str(e))
+            if name == "tiny-qwen-image" and _qwen_zero(model):
+                try:  # a text mask (a batch of prompts of different lengths), which ComfyUI 0.33's attention applies
+                    model(inp["x"], inp["timesteps"], inp["context"],
+                          attention_mask=torch.ones(2, inp["context"].shape[1], dtype=torch.long))
+                except BadInput as e:
+                    refused.append(str(e))
         again = canon(**inp)
     return {"rel": max(map(H.rel, outs, refs)), "refused": refused,
+            "masks": int(name == "tiny-qwen-image" and _qwen_zero(model)),
             "restored": torch.equal(again, refs[0]) and not _hooked(model)
             and getattr(importlib.import_module(module), attr) is host}
 
@@ -146,6 +173,9 @@ def test_transformers_over_several_processes_equal_one_process(tmp_path, world):
             assert plain["rel"] <= 1e-5 and plain["restored"], (name, plain)
             assert [f"do not split over {world} processes" in plain["refused"][0],
                     "ControlNet" in plain["refused"][1]] == [True, True], (name, plain)
+            # ComfyUI 0.33's Qwen-Image: a text mask refused as well
+            assert len(plain["refused"]) == 2 + plain["masks"], (name, plain)
+            assert all("text attention mask" in r for r in plain["refused"][2:]), (name, plain)
         for name in [f"{n} fused" for n, (fusion, _) in MODELS.items() if fusion] + list(EXTRA):
             fused = r[name]
             # every attention of the one-process call ran in a fused block, under the exchange as well

@@ -19,8 +19,11 @@ def recipe(patcher):
 
     from ..accel.parallel.workers import Recipe
 
+    config = patcher.model.model_config
+    # the config's class and state, not the object: ComfyUI 0.33's configs answer any attribute they lack with None
+    # (__getattr__), which unpickling takes for their __setstate__
     return Recipe(functools.partial(apply_settings, dict(vars(comfy.cli_args.args))),
-                  pickle.dumps((diffusion_model, (patcher.model.model_config,))))
+                  pickle.dumps((diffusion_model, (type(config), dict(vars(config))))))
 
 
 def apply_settings(settings: dict[str, Any]) -> None:
@@ -30,8 +33,11 @@ def apply_settings(settings: dict[str, Any]) -> None:
     vars(comfy.cli_args.args).update(settings)
 
 
-def diffusion_model(model_config, device):
-    """ComfyUI's diffusion model of this config, its tensors on device and uninitialised (the host sends them)."""
+def diffusion_model(config_class: type, state: dict[str, Any], device):
+    """ComfyUI's diffusion model of the config with this class and state (as the host's process holds it), its tensors
+    on device and uninitialised (the host sends them)."""
+    model_config = object.__new__(config_class)
+    vars(model_config).update(state)
     return model_config.get_model({}, "", device=device).diffusion_model
 
 

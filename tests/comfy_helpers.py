@@ -295,7 +295,7 @@ def tiny_dit(family: str = "flux", seed: int = 0):
 
     from sd_accel.accel.models import configs
 
-    _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
+    _, cfg = configs.comfy_dit_config(f"tiny-{family}")
     config = {"flux": comfy.supported_models.Flux, "chroma": comfy.supported_models.Chroma,
               "sd3": comfy.supported_models.SD3, "wan": comfy.supported_models.WAN21_T2V,
               "qwen-image": comfy.supported_models.QwenImage}[family](dict(cfg))
@@ -351,7 +351,7 @@ def tiny_flux_controlnet(seed: int = 0):
 
     from sd_accel.accel.models import configs
 
-    _, cfg = configs.COMFY_DIT_CONFIGS["tiny-flux"]
+    _, cfg = configs.comfy_dit_config("tiny-flux")
     control = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init,
                                                        **{**cfg, "depth_single_blocks": 0})
     configs.seed_dit_parameters(control, seed)

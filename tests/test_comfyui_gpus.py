@@ -225,12 +225,12 @@ def test_four_processes_split_cfg_and_tokens_and_go_with_the_session(pack):
     assert pool() is None and gone(pids)
 
 
-def failing_in_a_call(model_config, device):
+def failing_in_a_call(config_class, state, device):
     """A worker's build (pickled by reference; this module is on the workers' path too): ComfyUI's diffusion model
     whose output head fails, after the call's first collectives."""
     from sd_accel.nodes.gpus import diffusion_model
 
-    module = diffusion_model(model_config, device)
+    module = diffusion_model(config_class, state, device)
     module.head.register_forward_pre_hook(_fail)
     return module
 
@@ -249,8 +249,9 @@ def test_a_worker_that_fails_in_a_call_leaves_the_run_to_one_process(pack):
     acc = spread(pack, model, 2)
     spread_ = accelerated_unet.session_of(acc).slot.spread
     host = spread_.recipe
+    config = model.model.model_config
     spread_.recipe = lambda: dataclasses.replace(host(), model=pickle.dumps((failing_in_a_call,
-                                                                             (model.model.model_config,))))
+                                                                             (type(config), dict(vars(config))))))
     assert H.rel(sample(acc, pos, neg), plain) <= 1e-5
     s = status(acc)
     assert s.spread_calls == 0 and s.engine_calls == 2 and s.plain_calls == 0 and pool() is None

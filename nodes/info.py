@@ -48,10 +48,26 @@ def report(backend: str = "auto", model=None) -> str:
         except AccelError as e:
             lines.append(f"plan for backend={backend}: {e}")
     lines.append(cache_state(cache_root()))
+    lines += settings_lines()
     if model is not None:
         lines.append("model: not accelerated (connect it through an Accelerated UNet node)" if session is None
                      else model_state(session, on_cpu=_runs_on_cpu(model)))
     return "\n".join(lines)
+
+
+def settings_lines() -> list[str]:
+    """The SD_ACCEL_* settings in force and the versions, as `doctor` shows them, with the ComfyUI version."""
+    import os
+
+    import torch
+
+    from ..accel import __version__
+
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")}
+    comfyui = getattr(sys.modules.get("comfyui_version"), "__version__", "unknown")
+    return ["settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings
+                            else "no SD_ACCEL_* variable set; defaults in force"),
+            f"versions: sd-accel {__version__}, torch {torch.__version__}, ComfyUI {comfyui}"]
 
 
 def _runs_on_cpu(model) -> bool:

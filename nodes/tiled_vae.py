@@ -29,12 +29,14 @@ def _tile_inputs() -> dict:
     }
 
 
-def _memory_input() -> dict:
+def _memory_input(what: str) -> dict:
+    """The memory_gb input of the node that runs `what` ("decode" or "encode")."""
+    video = (" A Wan video is decoded in as many spatial tiles as this needs (each recomputes a border: slower)."
+             if what == "decode" else "")
     # Optional, so that workflows saved before it existed still run.
     return {"memory_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5, "tooltip": (
-        "GPU memory the decode may use, in GB; 0 uses what is free. Below what the whole image needs, its "
-        "activations wait in page-locked CPU memory and the GPU works through them in bands (slower). A Wan video "
-        "is decoded in as many spatial tiles as this needs (each recomputes a border: slower).")})}
+        f"GPU memory the {what} may use, in GB; 0 uses what is free. Below what the whole image needs, its "
+        "activations wait in page-locked CPU memory and the GPU works through them in bands (slower)." + video)})}
 
 
 def _limit(memory_gb: float) -> float | None:
@@ -85,7 +87,7 @@ class TiledVAEDecode:
     @classmethod
     def INPUT_TYPES(cls) -> dict:
         return {"required": {"samples": ("LATENT",), "vae": ("VAE",), **_tile_inputs()},
-                "optional": _memory_input(), "hidden": {"unique_id": "UNIQUE_ID"}}
+                "optional": _memory_input("decode"), "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def decode(self, samples: dict, vae, tile_size: int, overlap: int, memory_gb: float = 0.0,
                unique_id: str | None = None):
@@ -130,7 +132,7 @@ class TiledVAEEncode:
     @classmethod
     def INPUT_TYPES(cls) -> dict:
         return {"required": {"pixels": ("IMAGE",), "vae": ("VAE",), **_tile_inputs()},
-                "optional": _memory_input(), "hidden": {"unique_id": "UNIQUE_ID"}}
+                "optional": _memory_input("encode"), "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def encode(self, pixels, vae, tile_size: int, overlap: int, memory_gb: float = 0.0,
                unique_id: str | None = None):

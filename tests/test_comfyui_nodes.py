@@ -381,6 +381,8 @@ def test_accel_info_reports_gpu_plan_cache_and_model(pack, tiny, tmp_path, monke
     assert text.startswith("GPU: ") and "plan for backend" not in text  # the model's own plan, once
     assert text.count("\nbackend: torch") == 1
     assert f"engine cache: {tmp_path / 'cache'} (empty" in text
+    # what doctor shows besides: the settings in force and the versions, with ComfyUI's
+    assert f"\nsettings: SD_ACCEL_CACHE={tmp_path / 'cache'}" in text and f"torch {torch.__version__}, ComfyUI " in text
     if torch.cuda.is_available():
         assert "model: accelerated\npath: torch" in text
         assert "calls this run: 2 accelerated, 0 on the plain model" in text

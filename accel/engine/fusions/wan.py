@@ -29,13 +29,19 @@ import torch
 from torch import nn
 
 from .. import fp8
-from .base import (Undo, comfy_attention, forward_takes, kernel_module, of_class, own_weights, patch_forward,
-                   reads_comfy_attention)
+from .base import Undo, comfy_attention, host_block, kernel_module, own_weights, patch_forward, reads_comfy_attention
 from .registry import fusion
 from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
                           norm_weight, part, plain_layer_norms)
 
 WAN = "comfy.ldm.wan.model"  # its blocks' attention function is this module's optimized_attention
+
+# what the fused forwards read of each class, and the forms of forward they restate
+BLOCK_ATTRS = ("self_attn", "cross_attn", "norm1", "norm2", "norm3", "ffn", "modulation")
+BLOCK_PARAMS = ("x", "e", "freqs", "context", "context_img_len", "transformer_options")
+SELF_ATTRS = ("num_heads", "head_dim", "q", "k", "v", "o", "norm_q", "norm_k")
+SELF_PARAMS = ("x", "freqs", "transformer_options")
+HEAD_ATTRS = ("modulation", "norm", "head")
 
 
 def _modulations(self: nn.Module, e: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -108,10 +114,8 @@ def _qk_norms_covered(sa: nn.Module) -> bool:
 
 def _block_covered(m: nn.Module) -> bool:
     sa, ffn, norm3 = m.self_attn, m.ffn, m.norm3
-    return (forward_takes(m, "x", "e", "freqs", "context", "context_img_len", "transformer_options")
-            and of_class(sa, "WanSelfAttention", WAN, "norm_q", "norm_k") and forward_takes(sa, "x", "freqs",
-                                                                                            "transformer_options")
-            and sa.head_dim % 2 == 0 and _qk_norms_covered(sa) and linears(sa.q, sa.k, sa.v, sa.o, ffn[0], ffn[2])
+    return (host_block(sa, "WanSelfAttention", WAN, SELF_ATTRS, SELF_PARAMS) and sa.head_dim % 2 == 0
+            and _qk_norms_covered(sa) and linears(sa.q, sa.k, sa.v, sa.o, ffn[0], ffn[2])
             and isinstance(ffn[1], nn.GELU) and ffn[1].approximate == "tanh" and plain_layer_norms(m.norm1, m.norm2)
             and (type(norm3) is nn.Identity or (isinstance(norm3, nn.LayerNorm) and norm3.eps == EPS
                                                 and norm3.weight is not None and norm3.bias is not None
@@ -122,11 +126,12 @@ def _block_covered(m: nn.Module) -> bool:
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if of_class(m, "WanAttentionBlock", WAN, "self_attn", "cross_attn", "norm3", "ffn", "modulation") \
-                and _block_covered(m):
+        if host_block(m, "WanAttentionBlock", WAN, BLOCK_ATTRS, BLOCK_PARAMS):
+            if not _block_covered(m):
+                continue
             patch_forward(m, _block_forward, undo)
             patch_forward(m.self_attn, _self_attention, undo)
-        elif of_class(m, "Head", WAN, "modulation", "norm", "head") and linears(m.head) and plain_layer_norms(m.norm):
+        elif host_block(m, "Head", WAN, HEAD_ATTRS, ("x", "e")) and linears(m.head) and plain_layer_norms(m.norm):
             patch_forward(m, _head_forward, undo)
         else:
             continue

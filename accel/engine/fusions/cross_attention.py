@@ -15,14 +15,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from .base import Undo, mark_short_keys, projections
+from . import qkv
+from .base import COMFY_ATTENTION, Undo, changed_host_block, mark_short_keys, projections
 from .registry import fusion
 
 
 def _covered(m: nn.Module) -> bool:
     name = type(m).__name__
     return (name == "Attention" and type(getattr(m, "processor", None)).__name__ == "PlainSDPAProcessor") or \
-        (name == "CrossAttention" and "forward" in m.__dict__ and projections(m) is not None)
+        (name == "CrossAttention" and "forward" in m.__dict__ and projections(m) is not None
+         and not changed_host_block(m, "CrossAttention", COMFY_ATTENTION, qkv.COMFY_ATTRS, qkv.COMFY_PARAMS))
 
 
 # A module is marked only where the forward another fusion gave it calls `attend`: sdpa_processor's processor, or

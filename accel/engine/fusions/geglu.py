@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Undo, kernel_module, patch_forward, plain_linear
+from .base import COMFY_ATTENTION, Undo, changed_host_block, kernel_module, patch_forward, plain_linear
 from .registry import fusion
 
 
@@ -38,7 +38,8 @@ def _forward(self: nn.Module, x, *args, **kwargs):
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if type(m).__name__ == "GEGLU" and plain_linear(getattr(m, "proj", None)) \
+        if type(m).__name__ == "GEGLU" and not changed_host_block(m, "GEGLU", COMFY_ATTENTION, ("proj",), ("x",)) \
+                and plain_linear(getattr(m, "proj", None)) \
                 and getattr(m, "approximate", "none") == "none":
             patch_forward(m, _forward, undo)
             n += 1

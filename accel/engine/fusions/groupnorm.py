@@ -11,8 +11,12 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from .base import SiLUForEmbeddings, Undo, kernel_module, patch_forward, replace_child
+from .base import COMFY_UNET, SiLUForEmbeddings, Undo, changed_host_block, kernel_module, patch_forward, replace_child
 from .registry import fusion
+
+# ComfyUI's ResBlock gives up the SiLUs of in_layers and out_layers, which its forward applies in turn
+COMFY_ATTRS = ("in_layers", "out_layers")
+COMFY_PARAMS = ("x", "emb")
 
 
 def _fused_forward(silu: bool):
@@ -41,7 +45,8 @@ def apply(model: nn.Module, undo: Undo) -> int:
                 patch_forward(norm, _fused_forward(silu=True), undo)
                 fused.add(id(norm))
             replace_child(m, "nonlinearity", SiLUForEmbeddings(), undo)
-        elif name == "ResBlock" and hasattr(m, "in_layers") and hasattr(m, "out_layers"):
+        elif name == "ResBlock" and not changed_host_block(m, "ResBlock", COMFY_UNET, COMFY_ATTRS, COMFY_PARAMS) \
+                and hasattr(m, "in_layers") and hasattr(m, "out_layers"):
             for seq in (m.in_layers, m.out_layers):
                 if isinstance(seq[0], nn.GroupNorm) and _is_silu(seq[1]):
                     patch_forward(seq[0], _fused_forward(silu=True), undo)

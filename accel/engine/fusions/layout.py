@@ -18,8 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Undo, comfy_forward, conv_add, patch_forward, patch_method, plain_conv
+from .base import (COMFY_ATTENTION, Undo, changed_host_block, comfy_forward, conv_add, patch_forward, patch_method,
+                   plain_conv)
 from .registry import fusion
+
+# what _tokens, _image and the restated forward read of a SpatialTransformer; ComfyUI's forward
+ATTRS = ("norm", "proj_in", "transformer_blocks", "proj_out", "use_linear")
+COMFY_PARAMS = ("x", "context", "transformer_options")
 
 
 def _gemm_proj_in(self, x: torch.Tensor) -> bool:
@@ -110,8 +115,9 @@ def _ldm_spatial_transformer_channels_last(self, x, context=None):
 
 def _comfy_spatial_transformer(m: nn.Module) -> bool:
     """ComfyUI's SpatialTransformer as restated above: the same parts and forward(x, context, transformer_options)."""
-    if type(m).__name__ != "SpatialTransformer" or not all(
-            hasattr(m, a) for a in ("norm", "proj_in", "transformer_blocks", "proj_out", "use_linear")):
+    if type(m).__name__ != "SpatialTransformer" \
+            or changed_host_block(m, "SpatialTransformer", COMFY_ATTENTION, ATTRS, COMFY_PARAMS) \
+            or not all(hasattr(m, a) for a in ATTRS):
         return False
     return comfy_forward(m)
 
@@ -119,7 +125,7 @@ def _comfy_spatial_transformer(m: nn.Module) -> bool:
 def _ldm_spatial_transformer(m: nn.Module) -> bool:
     """ldm's or sgm's SpatialTransformer (the repositories A1111 runs): the same parts, forward(x, context)."""
     return (type(m).__name__ == "SpatialTransformer" and type(m).__module__.startswith(("ldm.", "sgm."))
-            and all(hasattr(m, a) for a in ("norm", "proj_in", "transformer_blocks", "proj_out", "use_linear")))
+            and all(hasattr(m, a) for a in ATTRS))
 
 
 @fusion("layout")

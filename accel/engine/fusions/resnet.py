@@ -21,9 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import packing
-from .base import (SiLUForEmbeddings, Undo, add_bias_residual_nchw, conv_without_bias, kernel_module, patch_forward,
-                   plain_conv, plain_linear)
+from .base import (COMFY_UNET, SiLUForEmbeddings, Undo, add_bias_residual_nchw, changed_host_block, conv_without_bias,
+                   kernel_module, patch_forward, plain_conv, plain_linear)
 from .registry import fusion
+
+# what _ldm_parts and the fused forward read of ComfyUI's ResBlock, and the forward that forward restates
+COMFY_ATTRS = ("updown", "use_scale_shift_norm", "exchange_temb_dims", "skip_t_emb", "in_layers", "emb_layers",
+               "out_layers", "skip_connection")
+COMFY_PARAMS = ("x", "emb")
 
 
 def _runs(x: torch.Tensor, convs: list[nn.Module]) -> bool:
@@ -148,7 +153,9 @@ def _time_projection(m: nn.Module) -> nn.Module | None:
 def apply(model: nn.Module, undo: Undo) -> int:
     blocks = [m for m in model.modules()
               if (type(m).__name__ == "ResnetBlock2D" and _diffusers_covered(m))
-              or (type(m).__name__ == "ResBlock" and hasattr(m, "in_layers") and _ldm_parts(m) is not None)]
+              or (type(m).__name__ == "ResBlock"
+                  and not changed_host_block(m, "ResBlock", COMFY_UNET, COMFY_ATTRS, COMFY_PARAMS)
+                  and hasattr(m, "in_layers") and _ldm_parts(m) is not None)]
     layers = [p for p in map(_time_projection, blocks) if p is not None and plain_linear(p)]
     shared, index = None, {}
     if packing.packable(layers):

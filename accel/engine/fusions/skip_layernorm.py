@@ -19,8 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, comfy_forward, kernel_module, patch_forward, plain_linear, plain_weights
+from .base import (COMFY_ATTENTION, Undo, changed_host_block, comfy_forward, kernel_module, patch_forward, plain_linear,
+                   plain_weights)
 from .registry import fusion
+
+# what _comfy_covered and _body read of ComfyUI's block, and the forward _comfy_forward restates
+COMFY_ATTRS = ("ff_in", "disable_self_attn", "switch_temporal_ca_to_sa", "is_res", "attn1", "attn2", "norm1", "norm2",
+               "norm3", "ff")
+COMFY_PARAMS = ("x", "context", "transformer_options")
 
 
 def _plain_norms(*norms: nn.Module) -> bool:
@@ -126,7 +132,8 @@ def _is_comfy_block(m: nn.Module) -> bool:
 def apply(model: nn.Module, undo: Undo) -> int:
     n = 0
     for m in model.modules():
-        if type(m).__name__ != "BasicTransformerBlock":
+        if type(m).__name__ != "BasicTransformerBlock" \
+                or changed_host_block(m, "BasicTransformerBlock", COMFY_ATTENTION, COMFY_ATTRS, COMFY_PARAMS):
             continue
         if hasattr(m, "norm_type") and _covered(m):
             patch_forward(m, _forward, undo)

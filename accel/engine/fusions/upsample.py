@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Undo, forward_takes, kernel_module, own_conv, patch_forward
+from .base import COMFY_UNET, Undo, changed_host_block, forward_takes, kernel_module, own_conv, patch_forward
 from .registry import fusion
+
+COMFY_PARAMS = ("x", "output_shape")  # ComfyUI's Upsample.forward, which _ldm_forward restates
 
 
 def _upsample_conv(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
@@ -53,6 +55,12 @@ def _ldm_forward(self, x, output_shape=None):
     return _upsample_conv(x, self.conv) if self.use_conv else upsample.upsample_nearest2x(x)
 
 
+def _changed_comfy(m: nn.Module) -> bool:
+    """ComfyUI's Upsample without what _ldm_forward reads of it (its conv only where it convolves) or its forward."""
+    attrs = ("channels", "use_conv", "dims") + (("conv",) if getattr(m, "use_conv", False) else ())
+    return changed_host_block(m, "Upsample", COMFY_UNET, attrs, COMFY_PARAMS)
+
+
 def _is_ldm(m: nn.Module) -> bool:
     """ldm/ComfyUI's Upsample(channels, use_conv, dims, ...) with forward(x, output_shape)."""
     return (all(hasattr(m, a) for a in ("channels", "use_conv", "dims"))
@@ -67,7 +75,7 @@ def apply(model: nn.Module, undo: Undo) -> int:
         if name == "Upsample2D" and hasattr(m, "use_conv_transpose") and _diffusers_covered(m):
             patch_forward(m, _diffusers_forward, undo)
             n += 1
-        elif name == "Upsample" and _is_ldm(m):
+        elif name == "Upsample" and not _changed_comfy(m) and _is_ldm(m):
             patch_forward(m, _ldm_forward, undo)
             n += 1
     return n

@@ -43,7 +43,9 @@ def _chosen() -> tuple[str, ...]:
 
 @pytest.mark.parametrize("name", [n for n in _chosen() if n in sequences.MODELS])
 def test_node_matches_plain_comfyui_run_after_run(name):
-    report = sequences.run_model(name, quick=os.environ.get("SD_ACCEL_GPU_MODELS", "quick") == "quick",
+    # SD_ACCEL_GPU_QUICK: tests/gpu/run's quick mode, one model per process
+    quick = os.environ.get("SD_ACCEL_GPU_MODELS", "quick") == "quick" or os.environ.get("SD_ACCEL_GPU_QUICK") == "1"
+    report = sequences.run_model(name, quick=quick,
                                  only=os.environ.get("SD_ACCEL_GPU_SETTINGS", ""))
     table = report.table()
     _report(name, table, {"yardstick": report.yardstick, "rows": [dataclasses.asdict(r) for r in report.rows],

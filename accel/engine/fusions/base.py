@@ -144,6 +144,10 @@ def of_class(m: nn.Module, name: str, package: str, *attrs: str) -> bool:
 # the modules of ComfyUI's SD UNet classes, which the UNet fusions restate
 COMFY_ATTENTION = "comfy.ldm.modules.attention"
 COMFY_UNET = "comfy.ldm.modules.diffusionmodules.openaimodel"
+# what the qkv fusion's forward reads of ComfyUI's CrossAttention (packing.project: its projections) and the forward it
+# restates; the cross_attention fusion marks the modules that forward serves
+CROSS_ATTENTION_ATTRS = ("heads", "attn_precision", "to_q", "to_k", "to_v", "to_out")
+CROSS_ATTENTION_PARAMS = ("x", "context", "value", "mask", "transformer_options")
 
 _DECLINED: set[type] = set()  # host classes a fusion declined, said once per process
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import qkv
-from .base import COMFY_ATTENTION, Undo, changed_host_block, mark_short_keys, projections
+from .base import (COMFY_ATTENTION, CROSS_ATTENTION_ATTRS, CROSS_ATTENTION_PARAMS, Undo, changed_host_block,
+                   mark_short_keys, projections)
 from .registry import fusion
 
 
@@ -24,7 +24,8 @@ def _covered(m: nn.Module) -> bool:
     name = type(m).__name__
     return (name == "Attention" and type(getattr(m, "processor", None)).__name__ == "PlainSDPAProcessor") or \
         (name == "CrossAttention" and "forward" in m.__dict__ and projections(m) is not None
-         and not changed_host_block(m, "CrossAttention", COMFY_ATTENTION, qkv.COMFY_ATTRS, qkv.COMFY_PARAMS))
+         and not changed_host_block(m, "CrossAttention", COMFY_ATTENTION, CROSS_ATTENTION_ATTRS,
+                                    CROSS_ATTENTION_PARAMS))
 
 
 # A module is marked only where the forward another fusion gave it calls `attend`: sdpa_processor's processor, or

@@ -22,13 +22,10 @@ import sys
 from torch import nn
 
 from . import packing
-from .base import (COMFY_ATTENTION, Undo, attend, changed_host_block, comfy_attend, comfy_attention, forward_takes,
-                   patch_forward, plain_linear, projections, reads_comfy_attention, set_projections)
+from .base import (COMFY_ATTENTION, CROSS_ATTENTION_ATTRS, CROSS_ATTENTION_PARAMS, Undo, attend, changed_host_block,
+                   comfy_attend, comfy_attention, forward_takes, patch_forward, plain_linear, projections,
+                   reads_comfy_attention, set_projections)
 from .registry import fusion
-
-# what _comfy_forward reads of ComfyUI's CrossAttention (packing.project: its projections), and the forward it restates
-COMFY_ATTRS = ("heads", "attn_precision", "to_q", "to_k", "to_v", "to_out")
-COMFY_PARAMS = ("x", "context", "value", "mask", "transformer_options")
 
 
 def _projections(m: nn.Module) -> list[nn.Module] | None:
@@ -98,7 +95,7 @@ def _comfy_attention(m: nn.Module) -> bool:
 def apply(model: nn.Module, undo: Undo) -> int:
     homes = set()
     for m in model.modules():
-        if not changed_host_block(m, "CrossAttention", COMFY_ATTENTION, COMFY_ATTRS, COMFY_PARAMS) \
+        if not changed_host_block(m, "CrossAttention", COMFY_ATTENTION, CROSS_ATTENTION_ATTRS, CROSS_ATTENTION_PARAMS) \
                 and _comfy_attention(m):
             patch_forward(m, _comfy_forward, undo)
             homes.add(type(m).__module__)

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+import comfy_helpers as H
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -249,17 +251,17 @@ def test_bench_says_what_it_cannot_time(tmp_path):
     assert r.returncode == 2 and "builds ComfyUI's Wan VAEs. Pass --comfyui DIR" in r.stderr
 
 
-@pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+@pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 def test_bench_wan_vae_checks_the_video_sizes():
-    r = run("bench", "--vae", "--models", "wan22", "--video-sizes", "1280x712", "--comfyui", os.environ["COMFYUI_ROOT"])
+    r = run("bench", "--vae", "--models", "wan22", "--video-sizes", "1280x712", "--comfyui", str(H.comfy_root()))
     assert r.returncode == 2 and "'1280x712' is not a video size wan22 decodes" in r.stderr
     assert "multiple of 16" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+@pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 def test_bench_times_comfyuis_own_unet(tmp_path):
     out = tmp_path / "bench.json"
-    r = run("bench", "--tiny", "--iters", "2", "--paths", "torch", "--comfyui", os.environ["COMFYUI_ROOT"],
+    r = run("bench", "--tiny", "--iters", "2", "--paths", "torch", "--comfyui", str(H.comfy_root()),
             "--json-file", str(out))
     assert "speedup" in r.stdout
     assert r.returncode == 0, r.stderr
@@ -268,7 +270,7 @@ def test_bench_times_comfyuis_own_unet(tmp_path):
     assert all(row["rel_err"] <= 1e-5 for row in rows if row["variant"] == "sd-accel torch")
 
 
-@pytest.mark.skipif(not os.environ.get("COMFYUI_ROOT"), reason="COMFYUI_ROOT is not set to a ComfyUI checkout")
+@pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 def test_bench_runs_comfyuis_classes_with_the_attention_its_flags_choose(tmp_path):
     """--comfy-attention split starts ComfyUI as --use-split-cross-attention does (sage and flash need their packages
     and a GPU): the eager rows run it and say so; every row's error is against exact attention."""
@@ -276,7 +278,7 @@ def test_bench_runs_comfyuis_classes_with_the_attention_its_flags_choose(tmp_pat
 
     out = tmp_path / "bench.json"
     r = run("bench", "--tiny", "--models", "flux,sd15", "--iters", "1", "--paths", "torch", "--comfyui",
-            os.environ["COMFYUI_ROOT"], "--comfy-attention", "split", "--json-file", str(out))
+            str(H.comfy_root()), "--comfy-attention", "split", "--json-file", str(out))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["unet"]
     by = {(row["model"], row["variant"]): row for row in rows}
@@ -285,10 +287,10 @@ def test_bench_runs_comfyuis_classes_with_the_attention_its_flags_choose(tmp_pat
         assert 0 < eager["rel_err"] <= 1e-5 and ours["rel_err"] <= 1e-5, (eager, ours)
     r = run("bench", "--tiny", "--models", "flux", "--comfy-attention", "split")
     assert r.returncode == 2 and "Pass --comfyui DIR" in r.stderr
-    r = run("bench", "--tiny", "--gpus", "2", "--comfyui", os.environ["COMFYUI_ROOT"], "--comfy-attention", "split")
+    r = run("bench", "--tiny", "--gpus", "2", "--comfyui", str(H.comfy_root()), "--comfy-attention", "split")
     assert r.returncode == 2 and "does not reach the --gpus ranks" in r.stderr and "Traceback" not in r.stderr
     if importlib.util.find_spec("sageattention") is None:
-        r = run("bench", "--tiny", "--models", "flux", "--comfyui", os.environ["COMFYUI_ROOT"], "--comfy-attention",
+        r = run("bench", "--tiny", "--models", "flux", "--comfyui", str(H.comfy_root()), "--comfy-attention",
                 "sage")
         assert r.returncode == 2 and "needs the sageattention package" in r.stderr and "Traceback" not in r.stderr
 

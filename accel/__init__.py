@@ -7,3 +7,12 @@ the command line. Importing it is cheap and never fails because an optional back
 """
 
 __version__ = "0.1.0"
+
+
+def settings_line() -> str:
+    """The SD_ACCEL_* settings in force, in one line (doctor, Accel Info)."""
+    import os
+
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")}
+    return "settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings
+                           else "no SD_ACCEL_* variable set; defaults in force")

@@ -57,17 +57,12 @@ def report(backend: str = "auto", model=None) -> str:
 
 def settings_lines() -> list[str]:
     """The SD_ACCEL_* settings in force and the versions, as `doctor` shows them, with the ComfyUI version."""
-    import os
-
     import torch
 
-    from ..accel import __version__
+    from ..accel import __version__, settings_line
 
-    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")}
     comfyui = getattr(sys.modules.get("comfyui_version"), "__version__", "unknown")
-    return ["settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings
-                            else "no SD_ACCEL_* variable set; defaults in force"),
-            f"versions: sd-accel {__version__}, torch {torch.__version__}, ComfyUI {comfyui}"]
+    return [settings_line(), f"versions: sd-accel {__version__}, torch {torch.__version__}, ComfyUI {comfyui}"]
 
 
 def _runs_on_cpu(model) -> bool:

@@ -52,6 +52,8 @@ def _doctor_info(backend: str | None) -> dict:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from .. import settings_line
+
     info = _doctor_info(args.backend)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
@@ -68,9 +70,7 @@ def _doctor(args: argparse.Namespace) -> int:
     print("transformers' 16-bit attention: " + (f"FlashAttention-4, {fa4['why']}" if fa4["available"] else
                                                 f"PyTorch's SDPA; FlashAttention-4: no, {fa4['why']}"))
     print(f"cache: {info['cache']}")
-    settings = info["settings"]
-    print("settings: " + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings
-                          else "no SD_ACCEL_* variable set; defaults in force"))
+    print(settings_line())
     print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     return 0
 

@@ -36,7 +36,7 @@ SINGLE_PARAMS = ("x", "vec", "pe", "attn_mask", "modulation_dims", "transformer_
 
 def _modulated(block: nn.Module) -> bool:
     # ComfyUI 0.33's blocks may take their modulations from the model (Chroma's, Flux.2's: modulation False)
-    return getattr(block, "modulation", True) is not False and getattr(block, "modulation", True) is not None
+    return getattr(block, "modulation", True) not in (False, None)
 
 
 def _double_forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,

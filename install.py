@@ -16,13 +16,17 @@ What it installs:
 - only when asked (--with flash-attn-4), on Hopper and Blackwell GPUs under Linux: flash-attn-4, FlashAttention-4's
   kernels for the transformers' 16-bit attention (1.16-1.27x cuDNN's at SD3.5's, Qwen-Image's and Wan's shapes on an
   H200, even at Flux's), with the CuTe DSL for torch's CUDA (hundreds of MB of libraries, so not by default).
+- only when asked (--with fa3-fwd), on Hopper GPUs under Linux with torch 2.10 or later built for CUDA 13: fa3-fwd,
+  FlashAttention-3's forward kernels (bf16 and fp8), chosen where timed faster than cuDNN's fp8 attention and the
+  16-bit kernels (4-12% over cuDNN's fp8 at Wan's, Qwen-Image's and SD3.5's shapes on an H200). It links libtorch and
+  CUDA 13, so with another torch it is refused, saying which torch it needs.
 
 No installed package is ever changed: every pip call is constrained to the version of every distribution installed
 in this Python (the host's pins: A1111's transformers 4.30.2 and its huggingface_hub, ComfyUI's torch, ...), so pip
 either adds what is missing beside them or refuses, and a package it refuses is skipped with pip's reason. --dry-run
 asks pip the same question without installing.
 
-    python install.py [--dry-run] [--with onnxruntime]
+    python install.py [--dry-run] [--with onnxruntime,flash-attn-4,fa3-fwd]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import argparse
 import importlib.util
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-EXTRAS = ("onnxruntime", "flash-attn-4")
+EXTRAS = ("onnxruntime", "flash-attn-4", "fa3-fwd")
 ENV_EXTRAS = "SD_ACCEL_INSTALL"
 ENV_SKIP = "SD_ACCEL_SKIP_INSTALL"
 
@@ -74,11 +79,11 @@ def core_requirements() -> list[str]:
 
 
 def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: set[str],
-                  requirements: list[str], family: str = "", cuda: int = 0) -> InstallPlan:
+                  requirements: list[str], family: str = "", cuda: int = 0, torch_version: str = "") -> InstallPlan:
     """What to install for a GPU of `vendor` (nvidia, amd, intel, apple, cpu, unknown) and `family` (plan/device.py:
-    hopper, blackwell, ...) on `system` (Linux, Windows, Darwin) with torch built for CUDA `cuda` (major version, 0:
-    none), given which import names are installed (and cudnn_frontend, flash_attn_4: policy.probe_packages). Pure,
-    for tests and --dry-run."""
+    hopper, blackwell, ...) on `system` (Linux, Windows, Darwin) with torch `torch_version` built for CUDA `cuda`
+    (major version, 0: none), given which import names are installed (and cudnn_frontend, flash_attn_4, fa3_fwd:
+    policy.probe_packages). Pure, for tests and --dry-run."""
     plan = InstallPlan()
     missing = [r for r in requirements if not installed.get(_module_of(r), False)]
     if missing:
@@ -104,6 +109,13 @@ def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: 
                                    "FlashAttention-4 for the transformers' 16-bit attention (asked for)"))
         else:
             plan.notes.append("flash-attn-4 runs on NVIDIA Hopper and Blackwell GPUs under Linux; not installed.")
+    if "fa3-fwd" in extras and not installed.get("fa3_fwd"):
+        refusal = _fa3_refusal(vendor, system, family, cuda, torch_version)
+        if refusal:
+            plan.notes.append(refusal)
+        else:
+            plan.steps.append(Step(["fa3-fwd"], "FlashAttention-3 for the transformers' attention (asked for)",
+                                   ["--no-deps"]))
     if "onnxruntime" in extras:
         ort = {"nvidia": ["onnx", "onnxruntime-gpu"], "cpu": ["onnx", "onnxruntime"]}.get(vendor)
         if vendor == "intel" and system == "Windows":
@@ -117,6 +129,18 @@ def plan_installs(vendor: str, system: str, installed: dict[str, bool], extras: 
         elif not installed.get("onnxruntime"):
             plan.steps.append(Step(ort, "ONNX Runtime path (asked for)"))
     return plan
+
+
+def _fa3_refusal(vendor: str, system: str, family: str, cuda: int, torch_version: str) -> str:
+    """Why fa3-fwd is not installed here, in one line; "" where it is. Its library links libtorch (2.10 or later) and
+    CUDA 13's runtime and has Hopper kernels only: with another torch it would not import."""
+    if vendor != "nvidia" or family != "hopper" or system != "Linux":
+        return "fa3-fwd runs on NVIDIA Hopper GPUs (H100, H200) under Linux only; not installed."
+    release = tuple(int(p) for p in re.findall(r"\d+", torch_version.split("+")[0])[:2])
+    if cuda != 13 or release < (2, 10):
+        return (f"fa3-fwd needs torch 2.10 or later built for CUDA 13 (its library links them); this torch is "
+                f"{torch_version or 'unknown'} built for {f'CUDA {cuda}' if cuda else 'no CUDA'}; not installed.")
+    return ""
 
 
 def _extras(asked: str | None) -> set[str]:
@@ -190,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"GPU: {describe(gpu)}")
     cuda = int((torch.version.cuda or "0").split(".")[0])
     plan = plan_installs(gpu.vendor, platform.system(), _installed(), _extras(args.extras), core_requirements(),
-                         gpu.family, cuda)
+                         gpu.family, cuda, torch.__version__)
     for note in plan.notes:
         say(note)
     if not plan.steps:

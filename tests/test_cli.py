@@ -56,10 +56,11 @@ def test_doctor_json_has_what_the_text_shows(tmp_path):
     assert info["settings"]["SD_ACCEL_BACKEND"] == "torch" and info["settings"]["SD_ACCEL_CACHE"] == str(tmp_path)
     assert info["versions"] == {"sd-accel": sd_accel.accel.__version__, "torch": torch.__version__}
     assert info["packages"]["cudnn_frontend"] in (True, False)
-    assert info["packages"]["flash_attn_4"] in (True, False)
+    assert info["packages"]["flash_attn_4"] in (True, False) and info["packages"]["fa3_fwd"] in (True, False)
     if not torch.cuda.is_available():
         assert info["fp8_attention"] == {"available": False, "why": "it runs on NVIDIA GPUs only (cuDNN)"}
         assert info["flash_attention_4"] == {"available": False, "why": "it runs on NVIDIA GPUs only"}
+        assert info["flash_attention_3"] == {"available": False, "why": "it runs on NVIDIA GPUs only"}
 
 
 def test_doctor_plan_wording_on_the_cpu():

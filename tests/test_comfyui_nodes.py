@@ -158,7 +158,7 @@ def test_qkv_fusion_under_another_attention_comfyui_chose_runs_the_faster_and_le
     if host_faster:
         monkeypatch.setattr(host_attention, "_may_time", lambda q: True)
         turns = iter([2.0, 1.0] * 8)  # ours is timed first, then ComfyUI's, per shape
-        monkeypatch.setattr(host_attention, "_ms", lambda fn, q, k, v: next(turns))
+        monkeypatch.setattr(host_attention, "call_ms", lambda fn, q, k, v: next(turns))
     unet = tiny.model.diffusion_model
     g = torch.Generator().manual_seed(5)
     x, t, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10.0, 500.0]), torch.randn(2, 77, 768, generator=g)

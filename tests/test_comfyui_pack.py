@@ -311,5 +311,5 @@ def test_install_dry_run_installs_nothing_and_never_fails():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "[sd-accel] GPU: " in out.stdout and "ignoring unknown extra 'bogus'" in out.stdout
-    assert "ignoring unknown extra 'tensorrt'; the extras are: onnxruntime, flash-attn-4." in out.stdout  # not offered yet
+    assert "ignoring unknown extra 'tensorrt'; the extras are: onnxruntime, flash-attn-4, fa3-fwd." in out.stdout  # not offered yet
     assert "running: pip" not in out.stdout

@@ -558,7 +558,7 @@ def test_where_comfyuis_choice_is_timed_faster_the_fused_blocks_run_it_and_time_
     canon = CanonicalDiT(model)
     timed = []
     monkeypatch.setattr(host_attention, "_may_time", lambda q: True)
-    monkeypatch.setattr(host_attention, "_ms", lambda fn, q, k, v: timed.append(q.shape) or (1.0 if timed[1:] else 2.0))
+    monkeypatch.setattr(host_attention, "call_ms", lambda fn, q, k, v: timed.append(q.shape) or (1.0 if timed[1:] else 2.0))
     with torch.no_grad():
         ref = canon(**inp)
         split = H.use_comfy_attention("split", monkeypatch.setattr)

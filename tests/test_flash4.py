@@ -63,6 +63,8 @@ def test_fused_blocks_run_their_attention_through_flash_attention_4(request, sta
     pytest.importorskip("triton")
     if form == "comfy":
         request.getfixturevalue("comfy_pytorch_attention")
+    else:
+        pytest.importorskip("diffusers")
     model = configs.build_dit(name, form, comfyui_root=H.comfy_root(), device=DEVICE)
     inp = configs.dit_example_inputs(name, batch=2, latent=(8, 10), device=DEVICE)
     canon = CanonicalDiT(model)

@@ -21,6 +21,13 @@ FP8 = torch.float8_e4m3fn
 pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 
+@pytest.fixture(autouse=True)
+def cudnn_only(monkeypatch):
+    """cuDNN's kernel the only fp8 attention, as without the fa3-fwd package (tests/test_flash3.py has the choice
+    between them)."""
+    monkeypatch.setattr(fp8_attention.flash3, "takes", lambda device, head_dim: False)
+
+
 @pytest.fixture()
 def emulated(monkeypatch):
     """cuDNN's fp8 attention emulated in torch wherever it is asked for; returns the shapes it was called with."""

@@ -31,13 +31,16 @@ def _doctor_info(backend: str | None) -> dict:
     from ..plan.device import describe, detect
     from ..plan.policy import choose, probe_packages
 
-    from ..engine import flash4, fp8_attention
+    from ..engine import flash3, flash4, fp8_attention
 
     gpu = detect()
     installed = probe_packages()
     plan = choose(gpu, backend, installed)
     fp8_ok, fp8_why = fp8_attention.available(torch.device(gpu.device))
     fa4_ok, fa4_why = flash4.available(torch.device(gpu.device))
+    fa3_ok, fa3_why = flash3.available(torch.device(gpu.device))
+    if fa3_ok:
+        fa3_ok, fa3_why = flash3.runs(torch.device(gpu.device))
     return {
         "gpu": {"description": describe(gpu), **asdict(gpu)},
         "family": gpu.family,
@@ -45,6 +48,7 @@ def _doctor_info(backend: str | None) -> dict:
         "plan": {**asdict(plan), "summary": plan.summary()},
         "fp8_attention": {"available": fp8_ok, "why": fp8_why},
         "flash_attention_4": {"available": fa4_ok, "why": fa4_why},
+        "flash_attention_3": {"available": fa3_ok, "why": fa3_why},
         "cache": str(default_root()),
         "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SD_ACCEL_")},
         "versions": {"sd-accel": __version__, "torch": torch.__version__},
@@ -69,6 +73,9 @@ def _doctor(args: argparse.Namespace) -> int:
     fa4 = info["flash_attention_4"]
     print("transformers' 16-bit attention: " + (f"FlashAttention-4, {fa4['why']}" if fa4["available"] else
                                                 f"PyTorch's SDPA; FlashAttention-4: no, {fa4['why']}"))
+    fa3 = info["flash_attention_3"]
+    print("FlashAttention-3 (16-bit and fp8 attention, where timed faster): " + (
+        f"yes, {fa3['why']}" if fa3["available"] else f"no, {fa3['why']}"))
     print(f"cache: {info['cache']}")
     print(settings_line())
     print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))

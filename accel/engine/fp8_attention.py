@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import flash4, fp8
+from . import flash3, flash4, fp8, host_attention
 from .fusions.base import comfy_function, comfy_pytorch, kernel_module
 
 log = logging.getLogger("sd-accel")
@@ -159,10 +159,11 @@ def _build(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
     return run
 
 
-def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype) -> Kernel | None:
-    """The fp8 attention for (B, L, heads, head_dim) inputs on `device` with output in out_dtype (e4m3, or 16 bits
-    where `sixteen_bit_output`), built at its shape's first call; None where it cannot run (said once per reason) or
-    would first be built inside a CUDA graph capture."""
+def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype,
+           quiet: bool = False) -> Kernel | None:
+    """cuDNN's fp8 attention for (B, L, heads, head_dim) inputs on `device` with output in out_dtype (e4m3, or 16 bits
+    where `sixteen_bit_output`), built at its shape's first call; None where it cannot run (said once per reason,
+    unless `quiet`: another kernel runs) or would first be built inside a CUDA graph capture."""
     key = (shape, device, out_dtype)
     found = _KERNELS.get(key)
     if found is None:
@@ -181,9 +182,68 @@ def kernel(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
             found = why
         _KERNELS[key] = found
     if isinstance(found, str):
-        _say(f"fp8 attention cannot run: {found}; the attention runs in 16 bits", logging.WARNING)
+        if not quiet:
+            _say(f"fp8 attention cannot run: {found}; the attention runs in 16 bits", logging.WARNING)
         return None
     return found
+
+
+# (shape, device, cuDNN's output dtype, the blocks' 16-bit dtype) -> (kernel, its output dtype), where FlashAttention-3
+# takes the shape: which of it and cuDNN was timed faster at the shape's first call
+_CHOSEN: dict[tuple, tuple[Kernel | None, torch.dtype]] = {}
+
+
+def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype, dtype16: torch.dtype,
+           three: bool, fp8_consumers: bool) -> tuple[Kernel | None, torch.dtype]:
+    """The fp8 attention for (B, L, heads, head_dim) inputs on `device`, and the dtype it writes: cuDNN's (`kernel`,
+    writing out_dtype), or where `three` (FlashAttention-3 takes the head size) whichever of it and FlashAttention-3's
+    (writing dtype16, the blocks' 16-bit dtype) was timed faster at the shape's first call, FlashAttention-3 with the
+    quantization of its output that the output projections then make where they make fp8 products
+    (`fp8_consumers`). (None, _) where neither runs, or the choice would first be made inside a CUDA graph capture."""
+    if not three:
+        return kernel(shape, device, out_dtype), out_dtype
+    key = (shape, device, out_dtype, dtype16)
+    found = _CHOSEN.get(key)
+    if found is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None, out_dtype
+        _ONE.setdefault(device, torch.ones(1, device=device, dtype=torch.float32))
+        cudnn = kernel(shape, device, out_dtype, quiet=True)
+        found = (_flash3, dtype16)
+        if cudnn is not None:
+            ms_cudnn = _ms(cudnn, shape, device, out_dtype, False)
+            ms_three = _ms(_flash3, shape, device, dtype16, fp8_consumers)
+            _say(f"fp8 attention over {shape[2]} heads of {shape[3]} at {shape[1]} tokens runs "
+                 f"{'FlashAttention-3' if ms_three < ms_cudnn else 'cuDNN'}: {min(ms_three, ms_cudnn):.2f} ms against "
+                 f"{max(ms_three, ms_cudnn):.2f} ms for {'cuDNN' if ms_three < ms_cudnn else 'FlashAttention-3'}",
+                 logging.INFO)
+            if ms_cudnn <= ms_three:
+                found = (cudnn, out_dtype)
+        _CHOSEN[key] = found
+    if found[0] is _flash3:
+        flash3.said_fp8()
+    return found
+
+
+def _flash3(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out) -> None:
+    """FlashAttention-3's fp8 attention as a Kernel: its output is 16-bit and needs no scale_o."""
+    flash3.fp8_attention(q8, k8, v8, descale_q, descale_k, descale_v, out)
+
+
+def _ms(run: Kernel, shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype,
+        quantize_output: bool) -> float:
+    """Milliseconds per call of `run` on random e4m3 inputs of `shape` (the time does not depend on the values), with
+    fp8.quantized of its 16-bit output where `quantize_output`."""
+    q8, k8, v8 = (torch.randn(shape, device=device).to(fp8.FP8) for _ in range(3))
+    scalars = [torch.ones(1, device=device) for _ in range(4)]  # each its own allocation: cuDNN takes them aligned
+    out = torch.empty(shape, device=device, dtype=out_dtype)
+
+    def call() -> None:
+        run(q8, k8, v8, *scalars, out)
+        if quantize_output:
+            fp8.quantized(out.view(shape[0], shape[1], -1))
+
+    return host_attention.call_ms(lambda *_: call(), q8, k8, v8)
 
 
 def _say(what: str, level: int) -> None:
@@ -266,14 +326,16 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
     products or the GPU writes no 16-bit output, else 16-bit."""
     if not wanted(module_name, name, like, *projections) or any(w is None for pair in norms for w in pair):
         return None
-    # cuDNN's availability first: where it is missing, that is what to say
-    if head_dim not in AHEAD_OF_FLASH4 and available(like.device)[0] and flash4.takes(like.device, head_dim):
+    three = flash3.takes(like.device, head_dim)
+    if not three and head_dim not in AHEAD_OF_FLASH4 and available(like.device)[0] \
+            and flash4.takes(like.device, head_dim):
         _say(f"at head size {head_dim} the attention stays 16-bit under fp8: FlashAttention-4 is installed, and its "
              "16-bit kernel was measured faster there than cuDNN's fp8 one", logging.INFO)
         return None
     sixteen_bit = not all(fp8.marked(c) for c in consumers) and sixteen_bit_output(like.device)
-    out_dtype = like.dtype if sixteen_bit else fp8.FP8
-    run = kernel((batch, tokens, heads, head_dim), like.device, out_dtype)
+    shape = (batch, tokens, heads, head_dim)
+    run, out_dtype = choose(shape, like.device, like.dtype if sixteen_bit else fp8.FP8, like.dtype, three,
+                            all(fp8.marked(c) for c in consumers))
     if run is None:
         return None
     rope = kernel_module("qk_rope")

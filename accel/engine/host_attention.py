@@ -93,11 +93,12 @@ def _may_time(q: torch.Tensor) -> bool:
 
 
 def _timed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ours: Attend, theirs: Attend) -> Choice:
-    ours_ms, host_ms = _ms(ours, q, k, v), _ms(theirs, q, k, v)
+    ours_ms, host_ms = call_ms(ours, q, k, v), call_ms(theirs, q, k, v)
     return Choice(host_ms < MARGIN * ours_ms, ours_ms, host_ms)
 
 
-def _ms(fn: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+def call_ms(fn: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    """Milliseconds per call of fn(q, k, v) on the GPU, after WARM calls untimed."""
     for _ in range(WARM):
         fn(q, k, v)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -76,6 +76,7 @@ def probe_packages() -> dict[str, bool]:
     found = {name: has_package(name) for name in ("onnxruntime", "triton", "flash_attn")}
     found["cudnn_frontend"] = has_package("cudnn")  # nvidia-cudnn-frontend: fp8 attention (engine/fp8_attention.py)
     found["flash_attn_4"] = has_subpackage("flash_attn", "cute")  # flash-attn-4: the DiTs' attention (engine/flash4.py)
+    found["fa3_fwd"] = has_package("fa3_fwd_interface")  # fa3-fwd: the DiTs' attention (engine/flash3.py)
     providers: list[str] = []
     if found["onnxruntime"]:
         try:

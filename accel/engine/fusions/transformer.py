@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import flash4, fp8, fp8_attention
+from .. import flash3, flash4, fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
 from . import packing
 from .base import comfy_attend, comfy_attention, comfy_function, kernel_module, own_weights, plain_linear
@@ -31,11 +31,22 @@ def kernels_run_on(x: torch.Tensor) -> bool:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention over (B, L, heads, head_dim) q, k and v, as (B, L, heads * head_dim): FlashAttention-4 where it
-    serves the call (accel/engine/flash4.py), else PyTorch's SDPA with the engine's backend order."""
+    """Attention over (B, L, heads, head_dim) q, k and v, as (B, L, heads * head_dim): the fastest at the first call
+    at the shape of PyTorch's SDPA with the engine's backend order, FlashAttention-4 (accel/engine/flash4.py) and
+    FlashAttention-3 (accel/engine/flash3.py), those installed and covering the call."""
     B, L, H, D = q.shape
-    out = flash4.attention(q, k, v) if flash4.serves(q, k, v, _sdpa) else _sdpa(q, k, v)
-    return out.reshape(B, L, H * D)
+    return _sixteen_bit(q, k, v)[0](q, k, v).reshape(B, L, H * D)
+
+
+def _sixteen_bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, str]:
+    """(attend, its name): each optional kernel timed against the best of those before it (host_attention keeps each
+    choice per shape)."""
+    attend, name = _sdpa, ""
+    if flash4.serves(q, k, v, attend):
+        attend, name = flash4.attention, f"FlashAttention-4 ({flash4.PACKAGE})"
+    if flash3.serves(q, k, v, attend):
+        attend, name = flash3.attention, f"FlashAttention-3 ({flash3.PACKAGE})"
+    return attend, name
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -44,9 +55,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def sdpa_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """What sdpa runs for these q, k and v, in words, for a message."""
-    if flash4.serves(q, k, v, _sdpa):
-        return f"FlashAttention-4 ({flash4.PACKAGE})"
-    return sdpa_name(*(t.transpose(1, 2) for t in (q, k, v)))
+    return _sixteen_bit(q, k, v)[1] or sdpa_name(*(t.transpose(1, 2) for t in (q, k, v)))
 
 
 def comfy_sdpa(module_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -3,6 +3,7 @@ each side is its median with its range, the ratio is of the medians, and a profi
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -89,6 +90,25 @@ def test_cpu_model_and_figures():
     assert timing.host_cpu().endswith(" cores)")
     assert [timing.figure(v) for v in (0.7, 0.717, 3.264, 12.34, 123.4, 0.01234)] == \
         ["0.700", "0.717", "3.26", "12.3", "123", "0.0123"]
+
+
+def test_the_tables_show_the_medians_and_the_timed_lines():
+    """The suite's tables (sequences.Report, gpus.GpuReport) carry the timed lines and the host's CPU and load."""
+    import gpus
+    import sequences
+
+    times = itertools.cycle([0.7, 3.0])
+    t = timing.measure(lambda: next(times), lambda: next(times), gpu=False)
+    row = sequences.Row("sdxl", "auto, graphs on", sequences.TIMED, 1e-4, 1e-3, True, t.node.median,
+                        t.plain.median, 20, 0, t)
+    report = sequences.Report("sdxl", "Some CPU (16 cores)", 1.5, rows=[row])
+    table = report.table().splitlines()
+    assert table[0].endswith("; CPU Some CPU (16 cores), load 1.50")
+    assert "  0.700   3.000" in table[2] and table[2].endswith("ok")
+    assert table[3].startswith("   timed: node median 0.700 s (0.700-0.700), plain 3.00 s") and "4.29x" in table[3]
+    assert table[4].startswith("   plain: GPU busy not measured")
+    check = gpus.GpuReport("wan21-14b-gpus", 1e-3, t)
+    assert check.table().splitlines()[1].startswith("   timed: node median")
 
 
 def test_gpu_busy_reads_the_busiest_gpus_events():

@@ -137,6 +137,10 @@ def gpu_busy(run: Callable[[], object]) -> float:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto finalizes CUPTI when a profile ends only with this set (before its later default for CUDA 12.6+): a CUPTI
+    # left attached has slowed programs by 10-20% after their profile ended (pytorch/pytorch#144455), which would fall
+    # on the suite's later timed runs
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()

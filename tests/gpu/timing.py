@@ -1,8 +1,8 @@
 """How the GPU suite times the node against plain ComfyUI (issue 58).
 
 Plain ComfyUI's eager run is bound by kernel launches on the CPU, and its time moves from run to run and from machine
-to machine (SDXL 1024, 20 steps: 1.17-1.88 s on one H200, 2.30-2.69 s on another, the node 0.62 s on both), so a
-single sample of it can put the ratio anywhere between. Both sides therefore run warm and alternately (node, plain,
+to machine (SDXL 1024, 20 steps: 1.17-1.88 s over 12 runs on one H200, where the node took 0.62 s every time, and
+2.30-2.69 s on another), so a single sample of it can put the ratio anywhere between. Both sides therefore run warm and alternately (node, plain,
 node, plain, ...: a drift of the clocks or of other tenants' load falls on both alike), RUNS times each, and each side
 is its median with its range, beside the host's CPU and load. One more run of each under torch's profiler says how
 long the GPU was busy within it: how much of a speed-up is GPU work and how much is the launch overhead that CUDA

@@ -13,6 +13,7 @@ import comfy_helpers as H
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 import sequences  # noqa: E402
+import timing
 
 pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
@@ -25,6 +26,9 @@ def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     assert {"widget: back", "two nodes: B"} <= settings
     assert report.yardstick == 0.0 and not report.failures(), report.table()
     assert report.lora_effect > 1e-3  # the LoRA runs compare images the LoRA changed
+    timed = [r for r in report.rows if r.run == sequences.TIMED]
+    assert timed and all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.RUNS for r in timed)
+    assert all(r.seconds == r.timed.node.median and r.plain_seconds == r.timed.plain.median for r in timed)
     print(report.table())
 
 
@@ -41,6 +45,7 @@ def test_the_several_gpu_check_on_cpu_processes():
         assert spread.devices == 2 and spread.spread_calls == spread.engine_calls == gpus.STEPS
         assert 0 < spread.distance
     assert report.rows[2].start > 0 and report.rows[3].start == 0
+    assert len(report.timed.node.samples) == len(report.timed.plain.samples) == timing.RUNS
     assert not report.failures(), report.table()
 
 

@@ -3,8 +3,10 @@ wan21-14b-gpus`, for a machine with 4 GPUs; with fewer the node runs on what the
 text-to-video run at 832x480, 81 frames (21 latent frames), CFG 5, bf16, seeded well-conditioned weights, with the
 Accelerated UNet node on 1 GPU and then with gpus 2 and 4, each spread run twice (the second: its workers up, its
 graphs captured); each run's seconds (a spread run's first start of its workers, with the weights sent, shown apart)
-and its relative distance from the 1-GPU latents. Plain ComfyUI is timed beside them over 5 steps only (its seconds
-per step), to keep the check within 600 s.
+and its relative distance from the 1-GPU latents. The node on 1 GPU and plain ComfyUI are timed against each other as
+tests/gpu/timing.py says (interleaved warm runs, medians, GPU busy) in seconds per step, over runs of TIMED_STEPS
+steps: Wan 2.1 14B's over 1 step (a step takes seconds, so a run's own overhead is small beside it, and 5 runs of each
+side at 5 steps would take 5 of the check's 10 minutes).
 
 The limit is bf16 noise measured on this very run: how far the 1-GPU run moves when its starting noise changes by one
 bf16 rounding (each value times 1 + 2^-8 r, r ~ N(0, 1)); a spread run may lie 3 times that from the 1-GPU run. That
@@ -27,10 +29,12 @@ import torch
 
 import comfy_helpers as H
 import sequences
+import timing
 
 # a check's name: the model (sequences.MODELS) it runs; the 1.3B one (its 17-frame clip) is the short first look
 CHECKS = {"wan21-14b-gpus": "wan21-14b", "wan21-1.3b-gpus": "wan21-1.3b", "flux-dev-gpus": "flux-dev"}
-STEPS, PLAIN_STEPS = 20, 5
+STEPS = 20
+TIMED_STEPS = {"wan21-14b": 1}  # steps of each timed run, by model; 5 for the others
 
 
 @dataclass
@@ -61,7 +65,7 @@ class GpuRow:
 class GpuReport:
     name: str
     yardstick: float = 0.0
-    plain_step: float = 0.0  # plain ComfyUI's seconds per step
+    timed: timing.Timed | None = None  # the node on 1 GPU against plain ComfyUI, seconds per step
     rows: list[GpuRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -70,10 +74,12 @@ class GpuReport:
 
     def table(self) -> str:
         head = (f"== {self.name}: {STEPS} steps; yardstick (1 GPU, noise moved by one bf16 rounding) "
-                f"{self.yardstick:.2e}; plain ComfyUI {self.plain_step:.2f} s/step (over {PLAIN_STEPS} steps)")
+                f"{self.yardstick:.2e}")
+        timed = [f"   {line}" for line in self.timed.lines()] if self.timed else []
         columns = (f"{'setting':<24} {'gpus':>4} {'run s':>8} {'start':>7} {'s/step':>8} {'vs 1 GPU':>9} "
                    f"{'limit':>9} {'calls/spread':>7}  ok")
-        return "\n".join([head, columns] + [r.line() for r in self.rows] + [f"   note: {n}" for n in self.notes])
+        return "\n".join([head, *timed, columns] + [r.line() for r in self.rows]
+                         + [f"   note: {n}" for n in self.notes])
 
 
 def _node(h: sequences.Harness, gpus: str):
@@ -86,6 +92,12 @@ def _node(h: sequences.Harness, gpus: str):
     return out
 
 
+def _timed(h: sequences.Harness, node, run: sequences.Run) -> timing.Timed:
+    """The node's output `node` against plain ComfyUI, both warm, in seconds per step of `run`."""
+    return timing.measure(lambda: h.sample(node, run)[1], lambda: h.sample(h.model, run)[1],
+                          gpu=h.device.type == "cuda", per=run.steps, unit="s/step")
+
+
 def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[str, ...] = ("2", "4")) -> GpuReport:
     """The 1-GPU run, its yardstick, then one run per entry of gpus, each against the 1-GPU latents."""
     H.import_comfy()
@@ -95,8 +107,8 @@ def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[s
     h.model = h.build(h.dtype)
     report = GpuReport(name)
     run = sequences.Run(f"{STEPS} steps", STEPS)
-    report.plain_step = h.sample(h.model, sequences.Run("plain", PLAIN_STEPS))[1] / PLAIN_STEPS
-    print(f"{name}: plain ComfyUI {report.plain_step:.2f} s/step over {PLAIN_STEPS} steps", flush=True)
+    short = sequences.Run("timed", TIMED_STEPS.get(CHECKS[name], 5))
+    h.sample(h.model, short)  # plain's first run loads the model: not one of its timed runs
 
     def served(acc) -> tuple[int, int, int, float]:
         """(devices, engine calls, spread calls, workers' start seconds) of acc's last run."""
@@ -122,6 +134,8 @@ def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[s
     print(f"{name}: yardstick {report.yardstick:.2e}", flush=True)
     row("gpus 1", ref, seconds, ref, first)
     row("gpus 1, warm (moved noise)", moved, warm, ref, served(one))
+    report.timed = _timed(h, one, short)
+    print("\n".join(f"{name}: {line}" for line in report.timed.lines()), flush=True)
     del one
     gc.collect()
     for asked in gpus:

@@ -7,6 +7,11 @@ ModelPatcher.add_patches at strength 1 and 0.4 and removed, the model unloaded a
 model, a node widget changed between runs (a new node output on the same model, as ComfyUI makes when a widget
 changes) and two nodes on one model, alternately.
 
+The timed run ("20 steps again") runs again, the node's and plain ComfyUI's alternately, timing.RUNS times each, warm:
+its row shows each side's median, and the lines below it the range, the ratio of the medians, the host's CPU and
+load, and how long the GPU was busy within one more (profiled) run of each (tests/gpu/timing.py). Its latents are
+compared once, as every run's are.
+
 The yardstick is how far plain ComfyUI's own 16-bit run lies from its fp32 run of the same model (1 step and 20
 steps; the larger): an accelerated run may differ from plain's by 1.5 times that in 16 bits, 3 times with fp8
 products, and never hold a NaN or inf.
@@ -28,6 +33,7 @@ from typing import Any
 import torch
 
 import comfy_helpers as H
+import timing
 
 # name: (ComfyUI's supported_models class, config name in accel/models/configs.py, 16-bit dtype, cfg, base size W x H,
 # another size W x H, text tokens)
@@ -56,6 +62,7 @@ UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
 # weight per call to the dtype the model runs in (the 16-bit one, or float32 for the yardstick's reference, which so
 # keeps the same fp8 weights and measures the 16-bit computation's noise alone).
 WEIGHTS = {"sdxl-fp8weights": torch.float8_e4m3fn}
+TIMED = "20 steps again"  # the run of each sequence that times the node against plain ComfyUI
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class Run:
 
 def sequence(unet: bool) -> list[Run]:
     second = ("dpmpp_2m", "karras") if unet else ("dpmpp_2m", "beta")
-    return [Run("20 steps", 20), Run("1 step", 1), Run("3 steps", 3), Run("7 steps", 7), Run("20 steps again", 20),
+    return [Run("20 steps", 20), Run("1 step", 1), Run("3 steps", 3), Run("7 steps", 7), Run(TIMED, 20),
             Run(f"{second[0]}/{second[1]}", 7, *second), Run("other size", 7, size="other"),
             Run("batch 2", 7, batch=2), Run("back to batch 1", 3), Run("LoRA 1.0", 7, lora=1.0),
             Run("LoRA 0.4", 7, lora=0.4), Run("LoRA removed", 7), Run("after unload", 7)]
@@ -89,10 +96,11 @@ class Row:
     error: float  # relative L2 of the node's latents from plain ComfyUI's
     limit: float
     finite: bool
-    seconds: float = 0.0  # the node's run, wall clock
-    plain_seconds: float = 0.0
+    seconds: float = 0.0  # the node's run, wall clock (the timed run: the median of its timed runs)
+    plain_seconds: float = 0.0  # plain's first run of this configuration (the timed run: its median warm run)
     engine_calls: int = 0  # the run's calls the node's engine served
     plain_calls: int = 0  # and those it left to the plain model (a comparison with plain then proves nothing)
+    timed: timing.Timed | None = None  # the timed run's interleaved runs
 
     @property
     def ok(self) -> bool:
@@ -103,10 +111,16 @@ class Row:
                 f"{self.plain_seconds:>7.3f} {self.engine_calls:>3}/{self.plain_calls:<3}  "
                 f"{'ok' if self.ok else 'FAIL' + ('' if self.finite else ' (NaN/inf)')}")
 
+    def lines(self) -> list[str]:
+        """The row, and under it its timed runs where it has them."""
+        return [self.line()] + [f"   {t}" for t in (self.timed.lines() if self.timed else [])]
+
 
 @dataclass
 class Report:
     model: str
+    cpu: str = ""  # the host's CPU model and cores (timing.host_cpu)
+    load: float | None = None  # its 1-minute load average when the model's runs began
     yardstick: float = 0.0
     lora_effect: float = 0.0  # how far plain's LoRA run lies from its run without: a LoRA must change the image
     rows: list[Row] = field(default_factory=list)
@@ -118,10 +132,13 @@ class Report:
 
     def table(self) -> str:
         lines = [f"== {self.model}: yardstick (plain 16-bit vs fp32) {self.yardstick:.2e}; LoRA's effect on plain "
-                 f"{self.lora_effect:.2e}",
+                 f"{self.lora_effect:.2e}; CPU {self.cpu}, load {timing.load_text(self.load)}",
                  f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "
                  f"{'calls':>7}  ok"]
-        return "\n".join(lines + [r.line() for r in self.rows] + [f"   note: {n}" for n in self.notes])
+        legend = (f"   node s, plain s: one run each (plain's: its first of that run's configuration); {TIMED}: the "
+                  f"medians of {timing.RUNS} interleaved warm runs each, as the lines under it say")
+        return "\n".join(lines + [line for r in self.rows for line in r.lines()] + [legend]
+                         + [f"   note: {n}" for n in self.notes])
 
 
 def _seed(*parts: Any) -> int:
@@ -142,7 +159,7 @@ class Harness:
         self.cls, self.config = cls, config
         self.unet = name in UNETS
         self.xl = MODELS[name][1] == "sdxl"
-        self.report = Report(name)
+        self.report = Report(name, timing.host_cpu(), timing.load())
         self.pack = H.load_pack()
         self._plain: dict[Run, tuple[torch.Tensor, float]] = {}
         self._conditioning = self._make_conditioning()
@@ -281,17 +298,23 @@ class Harness:
         status = self._status(model)
         before = (status.engine_calls, status.plain_calls)
         out, seconds = self.sample(self._with_lora(model, run), run)
+        calls = (status.engine_calls - before[0], status.plain_calls - before[1])  # of the compared run alone
         ref, plain_seconds = self.plain(run)
-        if run.label == "20 steps again":  # the timed pair: plain warm too, not its first (cached) run
-            plain_seconds = self.sample(self.model, run)[1]
+        timed = self.timed(model, run) if run.label == TIMED else None
+        if timed:
+            seconds, plain_seconds = timed.node.median, timed.plain.median
         limit = self.report.yardstick * (3.0 if fp8 else 1.5)
         self.report.rows.append(Row(self.name, setting, run.label, H.rel(out, ref), limit,
-                                    bool(torch.isfinite(out).all()), seconds, plain_seconds,
-                                    status.engine_calls - before[0], status.plain_calls - before[1]))
-        print(self.report.rows[-1].line(), flush=True)  # as it goes: a run that hangs or dies shows where
+                                    bool(torch.isfinite(out).all()), seconds, plain_seconds, *calls, timed))
+        print("\n".join(self.report.rows[-1].lines()), flush=True)  # as it goes: a run that hangs or dies shows where
         for message in status.messages:
             if message not in self.report.notes:
                 self.report.notes.append(message)
+
+    def timed(self, model, run: Run) -> timing.Timed:
+        """The node's runs (`model`) and plain ComfyUI's of `run`, interleaved and warm (both have run it before)."""
+        return timing.measure(lambda: self.sample(model, run)[1], lambda: self.sample(self.model, run)[1],
+                              gpu=self.device.type == "cuda")
 
     @staticmethod
     def _status(model):

@@ -48,8 +48,8 @@ def test_node_matches_plain_comfyui_run_after_run(name):
     report = sequences.run_model(name, quick=quick,
                                  only=os.environ.get("SD_ACCEL_GPU_SETTINGS", ""))
     table = report.table()
-    _report(name, table, {"yardstick": report.yardstick, "rows": [dataclasses.asdict(r) for r in report.rows],
-                          "notes": report.notes})
+    _report(name, table, {"cpu": report.cpu, "load": report.load, "yardstick": report.yardstick,
+                          "rows": [dataclasses.asdict(r) for r in report.rows], "notes": report.notes})
     failures = report.failures()
     assert not failures, f"off plain ComfyUI's: {'; '.join(failures)}\n{table}"
 
@@ -59,7 +59,8 @@ def test_node_over_several_gpus_matches_one_gpu(name):
     present = torch.cuda.device_count()  # a count the machine lacks would only repeat a smaller one
     report = gpus.run_check(name, gpus=tuple(g for g in ("2", "4") if int(g) <= present) or ("2",))
     table = report.table()
-    _report(name, table, {"yardstick": report.yardstick, "plain_step": report.plain_step,
+    _report(name, table, {"yardstick": report.yardstick,
+                          "timed": dataclasses.asdict(report.timed) if report.timed else None,
                           "gpus": torch.cuda.device_count(), "rows": [dataclasses.asdict(r) for r in report.rows],
                           "notes": report.notes})
     failures = report.failures()

@@ -1,0 +1,200 @@
+"""How the GPU suite times the node against plain ComfyUI (issue 58).
+
+Plain ComfyUI's eager run is bound by kernel launches on the CPU, and its time moves from run to run and from machine
+to machine (SDXL 1024, 20 steps: 1.17-1.88 s over 12 runs on one H200, where the node took 0.62 s every time, and
+2.30-2.69 s on another), so a single sample of it can put the ratio anywhere between. Both sides therefore run warm and alternately (node, plain,
+node, plain, ...: a drift of the clocks or of other tenants' load falls on both alike), RUNS times each, and each side
+is its median with its range, beside the host's CPU and load. One more run of each under torch's profiler says how
+long the GPU was busy within it: how much of a speed-up is GPU work and how much is the launch overhead that CUDA
+graphs remove.
+
+The statistics and the lines are plain functions of the timers' samples, which tests/test_gpu_timing.py checks on
+the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+RUNS = 5  # timed runs of each side
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One side's timed runs: the median, the fastest and slowest, and every sample in the order run."""
+
+    median: float
+    low: float
+    high: float
+    samples: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples: Iterable[float]) -> Spread:
+        values = tuple(samples)
+        if not values:
+            raise ValueError("no timed runs")
+        return cls(statistics.median(values), min(values), max(values), values)
+
+    def text(self, unit: str) -> str:
+        return f"{figure(self.median)} {unit} ({figure(self.low)}-{figure(self.high)})"
+
+
+@dataclass(frozen=True)
+class Busy:
+    """How long the GPU was busy during one profiled run, against the side's median wall time."""
+
+    wall: float
+    seconds: float | None = None  # None: not measured, `why` says why
+    why: str = ""
+
+    def text(self, side: str, unit: str) -> str:
+        if self.seconds is None:
+            return f"{side}: GPU busy not measured ({self.why})"
+        share = f" ({100 * self.seconds / self.wall:.0f}%)" if self.wall > 0 else ""
+        return f"{side}: GPU busy {figure(self.seconds)} {unit} of {figure(self.wall)} {unit} wall{share}"
+
+
+@dataclass(frozen=True)
+class Timed:
+    """The timed pair: the node's runs and plain ComfyUI's, interleaved, and where each one's time went."""
+
+    node: Spread
+    plain: Spread
+    ratio: float  # plain's median over the node's
+    cpu: str
+    load: float | None  # the host's 1-minute load average right after the timed runs
+    node_busy: Busy
+    plain_busy: Busy
+    unit: str = "s"
+
+    def lines(self) -> list[str]:
+        timed = (f"timed: node median {self.node.text(self.unit)}, plain {self.plain.text(self.unit)} over "
+                 f"{len(self.node.samples)} interleaved warm runs each: {self.ratio:.2f}x; CPU {self.cpu}, "
+                 f"load {load_text(self.load)}")
+        return [timed,
+                f"{self.plain_busy.text('plain', self.unit)}; {self.node_busy.text('node', self.unit)}"]
+
+
+def figure(value: float) -> str:
+    """Three significant digits, trailing zeros kept (0.700, 3.26, 12.3, 123): a run of the tiny models on the CPU
+    takes milliseconds, one of Wan 14B tens of seconds."""
+    if value <= 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, 2 - math.floor(math.log10(value)))
+    return f"{value:.{decimals}f}"
+
+
+def load_text(load: float | None) -> str:
+    return "unknown" if load is None else f"{load:.2f}"
+
+
+def interleaved(node: Callable[[], float], plain: Callable[[], float],
+                runs: int = RUNS) -> tuple[list[float], list[float]]:
+    """The seconds of `runs` calls of each, made node, plain, node, plain, ...; each call returns its own seconds."""
+    node_s: list[float] = []
+    plain_s: list[float] = []
+    for _ in range(runs):
+        node_s.append(node())
+        plain_s.append(plain())
+    return node_s, plain_s
+
+
+def union_length(spans: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) spans: kernels and copies on several streams overlap, and time with
+    two of them running is busy once."""
+    total, end = 0.0, -math.inf
+    for start, stop in sorted(spans):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def device_busy(events: Iterable[Any]) -> float:
+    """Seconds the busiest GPU was busy (a kernel, copy or memset running) among torch profiler's events (its
+    FunctionEvents; those of the CPU, such as the launch calls, are not GPU work); RuntimeError where none ran on a
+    GPU."""
+    from torch.autograd import DeviceType
+
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for event in events:
+        if event.device_type == DeviceType.CUDA:
+            spans.setdefault(event.device_index, []).append((event.time_range.start, event.time_range.end))
+    if not spans:
+        raise RuntimeError("the profiler recorded no GPU activity")
+    return max(union_length(s) for s in spans.values()) / 1e6  # the profiler's times are microseconds
+
+
+def gpu_busy(run: Callable[[], object]) -> float:
+    """device_busy of one call of `run`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    # Kineto finalizes CUPTI when a profile ends only with this set (before its later default for CUDA 12.6+): a CUPTI
+    # left attached has slowed programs by 10-20% after their profile ended (pytorch/pytorch#144455), which would fall
+    # on the suite's later timed runs
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return device_busy(prof.events())
+
+
+def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
+    """gpu_busy of one more call of `run` (divided by `per`), or why it could not be measured: a profiler that fails
+    is said in the table, never a failed suite."""
+    try:
+        return Busy(wall, gpu_busy(run) / per)
+    except Exception as e:  # noqa: BLE001 (CUPTI missing, a profiler error of this torch: the timing stands)
+        text = str(e).strip().splitlines()
+        return Busy(wall, None, f"{type(e).__name__}{': ' + text[0] if text else ''}")
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """/proc/cpuinfo's first "model name" ("" where there is none, as on some ARM kernels)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return " ".join(value.split())
+    return ""
+
+
+def host_cpu() -> str:
+    """The host's CPU model and the cores this process may use: plain ComfyUI's run waits on one of them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = cpu_model(f.read())
+    except OSError:
+        model = ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model or platform.processor() or 'unknown'} ({cores} cores)"
+
+
+def load() -> float | None:
+    """The host's 1-minute load average (None where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def measure(node: Callable[[], float], plain: Callable[[], float], gpu: bool, runs: int = RUNS, per: int = 1,
+            unit: str = "s") -> Timed:
+    """Interleaved warm runs of node and plain (each call returns its wall seconds, its GPU work synchronised), then
+    one more run of each under the profiler where `gpu`; every figure divided by `per` (steps, for seconds a step)."""
+    node_s, plain_s = interleaved(node, plain, runs)
+    host_load = load()  # before the profiled runs, which are no part of the timed ones
+    node_t, plain_t = Spread.of(s / per for s in node_s), Spread.of(s / per for s in plain_s)
+    if gpu:
+        node_busy, plain_busy = busy(node, node_t.median, per), busy(plain, plain_t.median, per)
+    else:
+        node_busy, plain_busy = (Busy(side.median, None, "no CUDA device") for side in (node_t, plain_t))
+    return Timed(node_t, plain_t, plain_t.median / node_t.median, host_cpu(), host_load, node_busy, plain_busy, unit)

@@ -1,0 +1,127 @@
+"""How the GPU suite times the node against plain ComfyUI (tests/gpu/timing.py), with fake timers: the runs alternate,
+each side is its median with its range, the ratio is of the medians, and a profiler that fails is said, not raised."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+import timing
+
+
+def fake(name: str, times: list[float], calls: list[str]):
+    """A side whose runs take `times` in turn, noting each call in `calls`."""
+    it = iter(times)
+
+    def run() -> float:
+        calls.append(name)
+        return next(it)
+    return run
+
+
+def test_the_sides_alternate_node_first():
+    calls: list[str] = []
+    node_s, plain_s = timing.interleaved(fake("node", [1, 2, 3], calls), fake("plain", [4, 5, 6], calls), runs=3)
+    assert calls == ["node", "plain"] * 3
+    assert (node_s, plain_s) == ([1, 2, 3], [4, 5, 6])
+
+
+def test_median_range_and_ratio_of_the_medians():
+    calls: list[str] = []
+    # plain's samples are noisy and skewed: its mean (3.0) would give another ratio than its median (2.6)
+    node = fake("node", [0.72, 0.70, 0.73, 0.71, 0.72], calls)
+    plain = fake("plain", [2.9, 2.6, 4.6, 2.5, 2.4], calls)
+    t = timing.measure(node, plain, gpu=False)
+    assert calls == ["node", "plain"] * timing.RUNS  # no extra (profiled) run without a GPU
+    assert (t.node.median, t.node.low, t.node.high) == (0.72, 0.70, 0.73)
+    assert (t.plain.median, t.plain.low, t.plain.high) == (2.6, 2.4, 4.6)
+    assert t.plain.samples == (2.9, 2.6, 4.6, 2.5, 2.4)  # as run, for the JSON record
+    assert t.ratio == pytest.approx(2.6 / 0.72)
+    timed, busy = t.lines()
+    assert timed.startswith("timed: node median 0.720 s (0.700-0.730), plain 2.60 s (2.40-4.60) over 5 interleaved "
+                            "warm runs each: 3.61x; CPU ")
+    assert ", load " in timed
+    assert busy == "plain: GPU busy not measured (no CUDA device); node: GPU busy not measured (no CUDA device)"
+
+
+def test_an_even_count_takes_the_middle_two():
+    assert timing.Spread.of([4.0, 1.0, 3.0, 2.0]).median == 2.5
+    with pytest.raises(ValueError):
+        timing.Spread.of([])
+
+
+def test_seconds_a_step_and_gpu_busy(monkeypatch):
+    calls: list[str] = []
+    monkeypatch.setattr(timing, "gpu_busy", lambda run: {"node": 9.0, "plain": 6.0}[run.__name__])
+    node, plain = fake("node", [10.0] * 5, calls), fake("plain", [30.0] * 5, calls)
+    node.__name__, plain.__name__ = "node", "plain"
+    t = timing.measure(node, plain, gpu=True, per=5, unit="s/step")
+    assert (t.node.median, t.plain.median, t.ratio) == (2.0, 6.0, 3.0)
+    assert t.lines()[0].startswith("timed: node median 2.00 s/step (2.00-2.00), plain 6.00 s/step (6.00-6.00)")
+    assert t.lines()[1] == ("plain: GPU busy 1.20 s/step of 6.00 s/step wall (20%); "
+                            "node: GPU busy 1.80 s/step of 2.00 s/step wall (90%)")
+
+
+def test_a_profiler_that_fails_is_said_not_raised(monkeypatch):
+    def broken(run):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED\nmore")
+
+    monkeypatch.setattr(timing, "gpu_busy", broken)
+    calls: list[str] = []
+    t = timing.measure(fake("node", [1.0] * 5, calls), fake("plain", [2.0] * 5, calls), gpu=True)
+    assert t.node_busy.seconds is None and t.ratio == 2.0
+    assert t.lines()[1] == ("plain: GPU busy not measured (RuntimeError: CUPTI_ERROR_NOT_INITIALIZED); node: GPU busy "
+                            "not measured (RuntimeError: CUPTI_ERROR_NOT_INITIALIZED)")
+
+
+def test_overlapping_kernels_count_once():
+    assert timing.union_length([(0, 10), (5, 15), (20, 25), (21, 22), (30, 30)]) == 20
+    assert timing.union_length([]) == 0
+
+
+def test_cpu_model_and_figures():
+    info = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)  Platinum 8480+\nprocessor\t: 1\n"
+    assert timing.cpu_model(info) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert timing.cpu_model("processor\t: 0\nCPU part\t: 0xd4f\n") == ""
+    assert timing.host_cpu().endswith(" cores)")
+    assert [timing.figure(v) for v in (0.7, 0.717, 3.264, 12.34, 123.4, 0.01234)] == \
+        ["0.700", "0.717", "3.26", "12.3", "123", "0.0123"]
+
+
+def test_the_tables_show_the_medians_and_the_timed_lines():
+    """The suite's tables (sequences.Report, gpus.GpuReport) carry the timed lines and the host's CPU and load."""
+    import gpus
+    import sequences
+
+    times = itertools.cycle([0.7, 3.0])
+    t = timing.measure(lambda: next(times), lambda: next(times), gpu=False)
+    row = sequences.Row("sdxl", "auto, graphs on", sequences.TIMED, 1e-4, 1e-3, True, t.node.median,
+                        t.plain.median, 20, 0, t)
+    report = sequences.Report("sdxl", "Some CPU (16 cores)", 1.5, rows=[row])
+    table = report.table().splitlines()
+    assert table[0].endswith("; CPU Some CPU (16 cores), load 1.50")
+    assert "  0.700   3.000" in table[2] and table[2].endswith("ok")
+    assert table[3].startswith("   timed: node median 0.700 s (0.700-0.700), plain 3.00 s") and "4.29x" in table[3]
+    assert table[4].startswith("   plain: GPU busy not measured")
+    check = gpus.GpuReport("wan21-14b-gpus", 1e-3, t)
+    assert check.table().splitlines()[1].startswith("   timed: node median")
+
+
+def test_gpu_busy_reads_the_busiest_gpus_events():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(device, index, start, end):
+        return SimpleNamespace(device_type=device, device_index=index, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event(DeviceType.CPU, 7, 0, 1e6),  # a launch call on the CPU: no GPU work
+              event(DeviceType.CUDA, 0, 0, 2e5), event(DeviceType.CUDA, 0, 1e5, 3e5),  # two streams overlapping
+              event(DeviceType.CUDA, 1, 0, 1e5)]
+    assert timing.device_busy(events) == pytest.approx(0.3)
+    with pytest.raises(RuntimeError, match="no GPU activity"):
+        timing.device_busy(events[:1])

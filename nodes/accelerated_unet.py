@@ -193,7 +193,7 @@ def unsupported(model) -> str | None:
             return f"{e} It passes through unaccelerated."
         return None
     if type(unet) is not UNetModel:
-        return (f"{what} is not accelerated (yet): sd-accel takes SD1.x, SD2.x and SDXL UNets and the Flux.1, "
+        return (f"{what} is not accelerated (yet): sd-accel takes SD1.x, SD2.x and SDXL UNets and the Flux.1, Flux.2, "
                 "Chroma, SD3, Wan 2.1/2.2 and Qwen-Image transformers; it passes through to ComfyUI's own forward.")
     try:
         family = inspect_unet(unet).family

@@ -181,7 +181,9 @@ def unsupported(model) -> str | None:
             pass
     base = getattr(model, "model", None)
     unet = getattr(base, "diffusion_model", None)
-    what = f"{type(base).__name__} ({type(unet).__name__})"
+    # ComfyUI's name for the model (supported_models: ZImage), which its BaseModel class (Lumina2) may not say
+    config = getattr(base, "model_config", None)
+    what = f"{type(base if config is None else config).__name__} ({type(unet).__name__})"
     # Subclasses (SVD's VideoUNet, Chroma Radiance's Chroma, VACE's and the camera models' Wan) take other inputs or
     # have other blocks.
     if type(unet) in transformers:
@@ -191,8 +193,8 @@ def unsupported(model) -> str | None:
             return f"{e} It passes through unaccelerated."
         return None
     if type(unet) is not UNetModel:
-        return (f"{what} is not an SD1.x, SD2.x or SDXL UNet or a Flux.1, Chroma, SD3, Wan 2.1/2.2 or Qwen-Image "
-                "transformer; it passes through unaccelerated.")
+        return (f"{what} is not accelerated (yet): sd-accel takes SD1.x, SD2.x and SDXL UNets and the Flux.1, Flux.2, "
+                "Chroma, SD3, Wan 2.1/2.2 and Qwen-Image transformers; it passes through to ComfyUI's own forward.")
     try:
         family = inspect_unet(unet).family
     except AccelError as e:

@@ -207,7 +207,7 @@ def test_other_transformers_pass_through_with_a_reason(pack):
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
     out = node.apply(model, "auto", True, False, **H.PROFILE, unique_id="8")
     text = out["ui"]["text"][0]
-    assert out["result"][0] is model and "Flux.1, Chroma, SD3, Wan 2.1/2.2 or Qwen-Image transformer" in text
+    assert out["result"][0] is model and "FluxVariant) is not accelerated (yet)" in text
 
 
 @pytest.mark.parametrize("family,frames", [("wan", 3), ("qwen-image", 1)])

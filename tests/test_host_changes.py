@@ -81,6 +81,14 @@ def _dit(name: str) -> Callable[[], tuple[nn.Module, Callable[[], torch.Tensor]]
     return build
 
 
+def _flux2() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    import comfy.ldm.flux.model
+
+    if "global_modulation" not in comfy.ldm.flux.model.FluxParams.__dataclass_fields__:
+        pytest.skip(f"ComfyUI {H.comfy_version()}'s Flux class has no Flux.2 form")
+    return _dit("tiny-flux2")()
+
+
 # Per family: the model, the fusions applied (None: all of the model's kind), and per host class the attribute its
 # fusion reads that the changed host renames. A class a fusion reaches through another (Wan's self-attention, through
 # its block) is a family of its own, so that the block that holds it is not declined first.
@@ -94,6 +102,8 @@ FAMILIES = {
     "qkv+cross_attention": (_unet, ["qkv", "cross_attention"], {"CrossAttention": "to_out"}),
     "flux": (_dit("tiny-flux"), None, {"DoubleStreamBlock": "img_attn", "SingleStreamBlock": "linear1",
                                        "LastLayer": "adaLN_modulation"}),
+    # Flux.2's blocks are Flux's; what is its own is the SiLU-gated MLP's activation, which the fused blocks restate
+    "flux2": (_flux2, None, {"SiLUActivation": "gate_fn", "LastLayer": "adaLN_modulation"}),
     "chroma": (_dit("tiny-chroma"), None, {"DoubleStreamBlock": "img_mlp", "SingleStreamBlock": "pre_norm",
                                            "LastLayer": "norm_final"}),
     "mmdit": (_dit("tiny-sd3"), None, {"JointBlock": "context_block", "FinalLayer": "linear"}),

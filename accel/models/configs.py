@@ -305,6 +305,15 @@ _COMFY_CHROMA = dict(in_channels=64, out_channels=64, context_in_dim=4096, hidde
                      qkv_bias=True, in_dim=64, out_dim=3072, hidden_dim=5120, n_layers=5)
 
 
+# Flux.2-dev (ComfyUI 0.33's model detection for its file): Flux's classes with one modulation for all double blocks
+# and one for all single blocks, SiLU-gated MLPs, no biases, 128 latent channels in 1x1 patches, no pooled input.
+_COMFY_FLUX2_DEV = dict(image_model="flux2", in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=15360,
+                        hidden_size=6144, mlp_ratio=3.0, num_heads=48, depth=8, depth_single_blocks=48,
+                        axes_dim=[32, 32, 32, 32], theta=2000, patch_size=1, qkv_bias=False, guidance_embed=True,
+                        txt_ids_dims=[3], global_modulation=True, mlp_silu_act=True, ops_bias=False,
+                        default_ref_method="index", ref_index_scale=10.0, yak_mlp=False, txt_norm=False)
+
+
 def _comfy_mmdit(depth: int, pos_max: int, x_attn_layers: list[int], context: int = 4096, adm: int = 2048) -> dict:
     # MMDiT's width is 64 x depth and its heads are as many as its blocks
     return dict(in_channels=16, out_channels=16, patch_size=2, depth=depth, adm_in_channels=adm, input_size=None,
@@ -331,6 +340,10 @@ COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     "tiny-flux": ("flux", {**_COMFY_FLUX_DEV, "vec_in_dim": 24, "context_in_dim": 32, "hidden_size": 64,
                            "num_heads": 4, "depth": 2, "depth_single_blocks": 2, "axes_dim": [4, 6, 6]}),
     "tiny-sd3": ("sd3", _comfy_mmdit(2, 16, [0], context=32, adm=24)),
+    "flux2-dev": ("flux", _COMFY_FLUX2_DEV),
+    # heads of Flux.2's width (128), which its model detection assumes: what a file of it loads as
+    "tiny-flux2": ("flux", {**_COMFY_FLUX2_DEV, "context_in_dim": 32, "hidden_size": 256, "num_heads": 2, "depth": 2,
+                            "depth_single_blocks": 2}),
     "chroma": ("chroma", _COMFY_CHROMA),
     "tiny-chroma": ("chroma", {**_COMFY_CHROMA, "context_in_dim": 32, "hidden_size": 64, "num_heads": 4, "depth": 2,
                                "depth_single_blocks": 2, "axes_dim": [4, 6, 6], "out_dim": 64, "hidden_dim": 96,
@@ -372,7 +385,8 @@ DIT_NAMES = tuple(COMFY_DIT_CONFIGS)
 DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": (333, 128), "sd35-medium": (333, 128),
               "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8),
               "wan21-14b": (512, (60, 104)), "wan21-1.3b": (512, (60, 104)), "wan22-5b": (512, (44, 80)),
-              "qwen-image": (512, 166), "tiny-wan": (7, 8), "tiny-qwen-image": (7, 8)}
+              "qwen-image": (512, 166), "tiny-wan": (7, 8), "tiny-qwen-image": (7, 8), "flux2-dev": (512, 64),
+              "tiny-flux2": (7, 8)}
 
 
 def cfg_batch(name: str) -> int:
@@ -393,6 +407,8 @@ _DIT_QUIET = ("mod.lin", "modulation.lin", "adaLN_modulation", "norm1.linear", "
               "attn.proj", "linear2", "img_mlp.2", "txt_mlp.2", "mlp.fc2", "attn2.proj", "to_out", "to_add_out",
               "proj_out", "ff.net.2", "ff_context.net.2", "final_layer.linear",
               "distilled_guidance_layer.out_proj", "norm_out.linear",
+              # Flux.2's modulations, shared by all blocks of a kind
+              "stream_modulation_img.lin", "stream_modulation_txt.lin",
               # Wan (comfy.ldm.wan.model)
               "time_projection.", "self_attn.o.", "cross_attn.o.", "ffn.2.", "head.head.",
               # Qwen-Image (comfy.ldm.qwen_image.model); its attention's outputs and last layers match the above
@@ -562,11 +578,12 @@ def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] 
                 "context": move(torch.randn(batch, tokens, ctx_dim, generator=g))}
     flow = family in ("flux", "chroma")
     ctx_dim = cfg["context_in_dim"] if flow else cfg["context_embedder_config"]["params"]["in_features"]
-    out = {"x": move(torch.randn(batch, 16, h, w, generator=g)),
+    channels = cfg["in_channels"] if family == "flux" else 16  # Chroma's in_channels count a patch's values
+    out = {"x": move(torch.randn(batch, channels, h, w, generator=g)),
            "timesteps": torch.full((batch,), 0.6 if flow else 600.0, device=device),
            "context": move(torch.randn(batch, tokens, ctx_dim, generator=g))}
-    if family != "chroma":  # Chroma has no pooled text input
-        pooled = cfg["vec_in_dim"] if family == "flux" else cfg["adm_in_channels"]
+    pooled = cfg.get("vec_in_dim") if family in ("flux", "chroma") else cfg["adm_in_channels"]
+    if pooled:  # Chroma and Flux.2 have no pooled text input
         out["y"] = move(torch.randn(batch, pooled, generator=g))
     if family == "flux" and cfg["guidance_embed"]:
         out["guidance"] = torch.full((batch,), 3.5, device=device)

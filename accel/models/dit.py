@@ -85,7 +85,7 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
     if form == "comfy" and family == "flux":
         p = m.params
         return DiTSpec(form, family, p.in_channels, p.hidden_size, p.num_heads, p.depth, p.depth_single_blocks,
-                       p.context_in_dim, p.vec_in_dim, bool(p.guidance_embed), p.patch_size, n)
+                       p.context_in_dim, p.vec_in_dim or 0, bool(p.guidance_embed), p.patch_size, n)
     if form == "comfy" and family == "chroma":  # its in_channels count a patch's values
         p = m.params
         return DiTSpec(form, family, p.in_channels // p.patch_size ** 2, p.hidden_size, p.num_heads, p.depth,

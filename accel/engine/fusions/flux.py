@@ -1,4 +1,11 @@
-"""Flux.1's blocks (ComfyUI's comfy.ldm.flux.layers) with the DiT kernels.
+"""Flux.1's and Flux.2's blocks (ComfyUI's comfy.ldm.flux.layers) with the DiT kernels.
+
+Flux.2 (ComfyUI 0.33's image_model "flux2") is the same classes declared otherwise: its blocks take their
+modulations from the model (one for all double blocks, one for all single blocks: modulation False, as 0.33's
+Chroma), its MLPs are SiLU-gated (SiLUActivation: the first projection twice as wide) and it has no biases. The
+shared forwards of transformer.py take those as a parameter of the same pattern (the MLP's activation, SWIGLU), not a
+pattern of their own. The Yak MLP of other models on Flux's classes (0.33's Ovis) is not covered: those blocks keep
+their forward.
 
 Per double-stream block, eager Flux makes about 40 passes over the activations; this forward makes the GEMMs,
 the attention and: one adaLN pass per stream into the qkv projection; one pass per stream that writes q, k and v

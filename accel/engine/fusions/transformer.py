@@ -15,10 +15,15 @@ from torch import nn
 from .. import flash3, flash4, fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
 from . import packing
-from .base import comfy_attend, comfy_attention, comfy_function, kernel_module, own_weights, plain_linear
+from .base import comfy_attend, comfy_attention, comfy_function, host_block, kernel_module, own_weights, plain_linear
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
+FLUX_LAYERS = "comfy.ldm.flux.layers"
+# A block MLP's activation between its two projections: tanh GELU (Flux.1, Chroma, SD3, Wan, Qwen-Image), or SiLU of
+# the first half of the first projection's output times its second half (Flux.2: ComfyUI's SiLUActivation)
+GELU_TANH = "gelu_tanh"
+SWIGLU = "swiglu"
 
 
 def linears(*layers: nn.Module) -> bool:
@@ -155,11 +160,14 @@ def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | N
 
 
 def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, scale: torch.Tensor,
-              shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
+              shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module, act: str = GELU_TANH) -> torch.Tensor:
     """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update (x + update where gate is None);
     the caller adds the MLP's gated output to s. With fp8 products the GELU runs in the pass that quantizes fc2's
-    input; after a plain 16-bit fc1, in its product's epilogue (linear_gelu)."""
+    input; after a plain 16-bit fc1, in its product's epilogue (linear_gelu). act SWIGLU: fc1 makes the gate and the
+    up halves (swiglu)."""
     h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
+    if act == SWIGLU:
+        return fp8.project(fc2, swiglu(fp8.project(fc1, h))), x
     if isinstance(h, torch.Tensor) and plain_linear(fc1) and fc1.bias is not None and not fp8.marked(fc1):
         return fp8.project(fc2, linear_gelu(h, fc1.weight, fc1.bias)), x
     a = fp8.project(fc1, h)
@@ -177,6 +185,17 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
         return F.gelu(F.linear(x, weight, bias), approximate="tanh")
     out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def swiglu(a: torch.Tensor) -> torch.Tensor:
+    """SiLU(a's first half) * a's second half, along the last dimension (ComfyUI's SiLUActivation)."""
+    gate, up = a.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def activated(a: torch.Tensor, act: str) -> torch.Tensor:
+    """An MLP's activation `act` of its first projection's output a."""
+    return swiglu(a) if act == SWIGLU else F.gelu(a, approximate="tanh")
 
 
 def gated_residual_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
@@ -201,30 +220,43 @@ def norm_weight(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
 
 # Flux's block layout: ComfyUI's Flux and Chroma classes (fusions/flux.py, fusions/chroma.py).
 
-def _gelu_mlp(mlp: nn.Module) -> bool:
-    """Linear, tanh GELU, Linear in a Sequential: Flux.1's MLP (ComfyUI 0.33 builds other MLPs in its place for Flux.2:
-    a SiLU-gated one, YakMLP)."""
-    return (isinstance(mlp, nn.Sequential) and len(mlp) == 3 and _tanh_gelu(mlp[1])
-            and all(isinstance(mlp[i], nn.Linear) for i in (0, 2)))
+def _mlp_act(mlp: nn.Module) -> str | None:
+    """The activation of an MLP of Linear, activation, Linear in a Sequential: Flux.1's (tanh GELU) or Flux.2's
+    (SWIGLU, its first Linear twice as wide as the second's input); None for any other MLP (ComfyUI 0.33's YakMLP)."""
+    if not (isinstance(mlp, nn.Sequential) and len(mlp) == 3 and all(isinstance(mlp[i], nn.Linear) for i in (0, 2))):
+        return None
+    act = _activation(mlp[1])
+    return act if act != SWIGLU or mlp[0].out_features == 2 * mlp[2].in_features else None
 
 
-def _tanh_gelu(act: nn.Module) -> bool:
-    return type(act).__name__ == "GELU" and act.approximate == "tanh"
+def _activation(act: nn.Module) -> str | None:
+    """GELU_TANH or SWIGLU for the activation module of a Flux-layout block, None for another."""
+    if type(act).__name__ == "GELU" and act.approximate == "tanh":
+        return GELU_TANH
+    if host_block(act, "SiLUActivation", FLUX_LAYERS, ("gate_fn",), ("x",)) and isinstance(act.gate_fn, nn.SiLU):
+        return SWIGLU
+    return None
+
+
+def _single_mlp_covered(m: nn.Module) -> bool:
+    """A single block's MLP input is as wide as its output with tanh GELU, twice as wide with SWIGLU (Flux.2); the
+    Yak MLP (0.33, nn.SiLU on a doubled input) is not covered."""
+    act, first = _activation(m.mlp_act), getattr(m, "mlp_hidden_dim_first", m.mlp_hidden_dim)
+    return not getattr(m, "yak_mlp", False) and first == {GELU_TANH: 1, SWIGLU: 2}.get(act, 0) * m.mlp_hidden_dim
 
 
 def covered(m: nn.Module, *modulation: nn.Module) -> bool:
-    """Whether a double or single block of Flux's layout (ComfyUI's Flux or Chroma classes) takes the fused forward:
-    plain or cast-on-the-fly projections (and the block's own modulation projections), tanh GELU MLPs, q/k RMSNorms
-    that rms_norm_of reads."""
+    """Whether a double or single block of Flux's layout (ComfyUI's Flux, Flux.2 or Chroma classes) takes the fused
+    forward: plain or cast-on-the-fly projections (and the block's own modulation projections), tanh GELU or SiLU-gated
+    MLPs, q/k RMSNorms that rms_norm_of reads."""
     if hasattr(m, "img_mlp"):
-        if not (_gelu_mlp(m.img_mlp) and _gelu_mlp(m.txt_mlp)):
+        if _mlp_act(m.img_mlp) is None or _mlp_act(m.txt_mlp) is None:
             return False
         layers = (m.img_attn.qkv, m.img_attn.proj, m.txt_attn.qkv, m.txt_attn.proj, m.img_mlp[0], m.img_mlp[2],
                   m.txt_mlp[0], m.txt_mlp[2])
         norms = (m.img_attn.norm, m.txt_attn.norm)
     else:
-        # the MLP's input is as wide as its output's (0.33's SiLU-gated and Yak MLPs take twice that)
-        if not _tanh_gelu(m.mlp_act) or getattr(m, "mlp_hidden_dim_first", m.mlp_hidden_dim) != m.mlp_hidden_dim:
+        if not _single_mlp_covered(m):
             return False
         layers, norms = (m.linear1, m.linear2), (m.norm,)
     return linears(*layers, *modulation) and flux_rms_norms(*(x for n in norms for x in (n.query_norm, n.key_norm)))
@@ -248,7 +280,7 @@ class Modulation(NamedTuple):
 class Stream:
     """One stream (text or image) of a block of joint attention, as `joint_block` computes it: its tokens, the
     modulations of its attention and MLP halves (a Modulation, or Flux's ModulationOut), the layers its tokens go
-    through, and its per-head q/k RMSNorm weights (None: no norm) with their eps."""
+    through with its MLP's activation, and its per-head q/k RMSNorm weights (None: no norm) with their eps."""
     x: torch.Tensor
     attn_mod: Any
     mlp_mod: Any
@@ -259,6 +291,7 @@ class Stream:
     proj: nn.Module
     fc1: nn.Module
     fc2: nn.Module
+    act: str = GELU_TANH
 
 
 def diffusers_stream(x: torch.Tensor, mods: torch.Tensor, qkv: tuple[nn.Module, nn.Module, nn.Module],
@@ -310,7 +343,7 @@ def joint_block(streams: Sequence[Stream], heads: int, module_name: str | None, 
     for s in streams:
         L = s.x.shape[1]
         y, x = gated_mlp(s.x, project_part(out, offset, offset + L, s.proj), s.attn_mod.gate,
-                         s.mlp_mod.scale, s.mlp_mod.shift, s.fc1, s.fc2)
+                         s.mlp_mod.scale, s.mlp_mod.shift, s.fc1, s.fc2, s.act)
         outs.append(gated_residual_(x, s.mlp_mod.gate, y))
         offset += L
     return outs
@@ -340,7 +373,7 @@ def double_block(self: nn.Module, img: torch.Tensor, txt: torch.Tensor, pe: torc
 
     def stream(x, attn, mlp, mod1, mod2) -> Stream:
         (q_norm, eps), (k_norm, _) = rms_norm_of(attn.norm.query_norm, x), rms_norm_of(attn.norm.key_norm, x)
-        return Stream(x, mod1, mod2, attn.qkv, q_norm, k_norm, eps, attn.proj, mlp[0], mlp[2])
+        return Stream(x, mod1, mod2, attn.qkv, q_norm, k_norm, eps, attn.proj, mlp[0], mlp[2], _mlp_act(mlp))
 
     streams = [stream(txt, self.txt_attn, self.txt_mlp, txt_mod1, txt_mod2),
                stream(img, self.img_attn, self.img_mlp, img_mod1, img_mod2)]
@@ -357,32 +390,38 @@ def single_block(self: nn.Module, x: torch.Tensor, pe: torch.Tensor | None, mod)
     """A single-stream block's computation with the kernels; mod has shift, scale and gate of shape (B, 1, C)."""
     (B, L, C), H = x.shape, self.num_heads
     h = modulated_norm(x, mod.scale, mod.shift, self.linear1)
-    # linear1 as two products (q, k, v; the MLP's input), so that the GELU reads a contiguous tensor
-    projected, mlp_in = fp8.split_linear(self.linear1, h, (3 * C, self.mlp_hidden_dim))
+    # linear1 as two products (q, k, v; the MLP's input), so that the activation reads a contiguous tensor
+    first = getattr(self, "mlp_hidden_dim_first", self.mlp_hidden_dim)  # ComfyUI 0.33: twice as wide with SWIGLU
+    projected, mlp_in = fp8.split_linear(self.linear1, h, (3 * C, first))
     (q_norm, eps), (k_norm, _) = rms_norm_of(self.norm.query_norm, x), rms_norm_of(self.norm.key_norm, x)
     norm = norm_weight(q_norm, x), norm_weight(k_norm, x)
     joint = Joint(FLUX_ATTENTION, B, L, H, x, (self.linear1,), [norm], (self.linear2,))
     joint.write(projected, 0, norm, eps, pe)
-    single_output_(x, mod.gate, joint.attend(), mlp_in, self.linear2)
+    single_output_(x, mod.gate, joint.attend(), mlp_in, self.linear2, _activation(self.mlp_act))
     if x.dtype == torch.float16:
         x = torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
     return x
 
 
 def single_output_(x: torch.Tensor, gate: torch.Tensor, attn: torch.Tensor | fp8_attention.Output,
-                   mlp_in: torch.Tensor, linear2: nn.Module) -> None:
-    """x += gate * linear2(cat(attention, GELU(mlp_in))) in place, a single-stream block's output (Flux's, diffusers'
-    Flux's), without writing the concatenation: two products into one output (16-bit: the second accumulates on the
-    first) or two outputs the gated residual adds together (fp8, the GELU in the pass that quantizes its part)."""
+                   mlp_in: torch.Tensor, linear2: nn.Module, act: str = GELU_TANH) -> None:
+    """x += gate * linear2(cat(attention, act(mlp_in))) in place, a single-stream block's output (Flux's, Flux.2's,
+    diffusers' Flux's), without writing the concatenation: two products into one output (16-bit: the second
+    accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass that quantizes
+    its part)."""
     B, L, C = x.shape
+    gelu = act == GELU_TANH
+    if not gelu:
+        mlp_in = activated(mlp_in, act)
     if fp8.takes_rows(x, linear2):
         gated_residual_(x, gate, fp8.matmul(part(attn, 0, None, linear2), linear2, cols=slice(0, C)),
-                        fp8.matmul(fp8.quantized(mlp_in, gelu=True), linear2, cols=slice(C, None), bias=False))
-    elif plain_linear(linear2) and linear2.bias is not None:
-        w, b = linear2.weight, linear2.bias
-        out = torch.addmm(b, part(attn, 0, None, None).reshape(B * L, C), w[:, :C].t())
-        out.addmm_(F.gelu(mlp_in, approximate="tanh").reshape(B * L, -1), w[:, C:].t())
+                        fp8.matmul(fp8.quantized(mlp_in, gelu=gelu), linear2, cols=slice(C, None), bias=False))
+        return
+    mlp = activated(mlp_in, GELU_TANH) if gelu else mlp_in
+    if plain_linear(linear2):
+        w, b, a = linear2.weight, linear2.bias, part(attn, 0, None, None).reshape(B * L, C)
+        out = torch.mm(a, w[:, :C].t()) if b is None else torch.addmm(b, a, w[:, :C].t())
+        out.addmm_(mlp.reshape(B * L, -1), w[:, C:].t())
         gated_residual_(x, gate, out.view(B, L, C))
     else:
-        gated_residual_(x, gate, linear2(torch.cat((part(attn, 0, None, None), F.gelu(mlp_in, approximate="tanh")),
-                                                   2)))
+        gated_residual_(x, gate, linear2(torch.cat((part(attn, 0, None, None), mlp), 2)))

@@ -1,0 +1,204 @@
+"""The models people moved to since late 2025, which ComfyUI 0.33 runs (issue 56): Flux.2, Z-Image, LTX-2 (video with
+audio) and HunyuanVideo 1.5, through the Accelerated UNet node, on tiny seeded models of ComfyUI's own classes (model
+configs from comfy.supported_models, as its model detection makes them for the published files, at a tiny width).
+A model the node does not accelerate yet passes through untouched, said in one console line that names it. Skipped
+where the ComfyUI under test (0.3.64) has no such class."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import comfy_helpers as H
+
+pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
+
+# supported_models class -> the unet_config its detection sets (comfy/model_detection.py), at a tiny width
+PASSED_THROUGH = {
+    "ZImage": dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=32, n_layers=1,
+                   qk_norm=True, n_heads=2, n_kv_heads=2, axes_dims=[8, 12, 12], axes_lens=[64, 64, 64],
+                   rope_theta=256.0, ffn_dim_multiplier=8 / 3, z_image_modulation=True, time_scale=1000.0,
+                   pad_tokens_multiple=32),
+    "LTXAV": dict(image_model="ltxav", num_layers=1, attention_head_dim=16, num_attention_heads=2,
+                  cross_attention_dim=32, audio_attention_head_dim=8, audio_num_attention_heads=2,
+                  audio_cross_attention_dim=16, caption_channels=32, connector_attention_head_dim=8,
+                  connector_num_attention_heads=2, connector_num_layers=1),
+    "HunyuanVideo15": dict(image_model="hunyuan_video", in_channels=32, out_channels=32, patch_size=[1, 1, 1],
+                           vec_in_dim=None, axes_dim=[16, 56, 56], meanflow=False, context_in_dim=32, hidden_size=256,
+                           mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, theta=256, qkv_bias=True,
+                           byt5=False, guidance_embed=False, use_cond_type_embedding=True, vision_in_dim=None,
+                           meanflow_sum=False),
+}
+
+
+def _config_class(name: str):
+    import comfy.supported_models
+
+    cls = getattr(comfy.supported_models, name, None)
+    if cls is None:
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no supported_models.{name}")
+    return cls
+
+
+def _tiny(name: str, cfg: dict, seed: int = 0):
+    """A ModelPatcher around the BaseModel that supported_models.`name` builds for cfg, seeded."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    from sd_accel.accel.models import configs
+
+    config = _config_class(name)(dict(cfg))
+    config.unet_config.update(cfg)
+    with H.layers_with_weights():
+        model = config.get_model({})
+    configs.seed_dit_parameters(model.diffusion_model, seed)
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                            offload_device=mm.unet_offload_device())
+
+
+def _hooks(model) -> tuple:
+    """The wrappers and callbacks on a ModelPatcher, copied: where the node would attach its own."""
+    return tuple({k: {k1: list(v1) for k1, v1 in v.items()} for k, v in d.items()}
+                 for d in (model.wrappers, model.callbacks))
+
+
+@pytest.mark.parametrize("name", PASSED_THROUGH)
+def test_a_model_not_accelerated_yet_passes_through_said_in_one_line(pack, name, caplog):
+    """The node returns ComfyUI's own model, with nothing of sd-accel on it (so ComfyUI's forward computes every
+    call, unchanged), and says so in one console line naming the model."""
+    model = _tiny(name, PASSED_THROUGH[name])
+    before = _hooks(model)
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+    with caplog.at_level(logging.INFO, logger="sd-accel"):
+        out = node.apply(model, "auto", True, False, **H.PROFILE, unique_id="56")
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel"]
+    assert out["result"][0] is model and _hooks(model) == before
+    assert len(said) == 1 and said[0].startswith(f"sd-accel: {name} (") and "not accelerated (yet)" in said[0], said
+    assert out["ui"]["text"][0] in said[0]
+
+
+# ------------------------------------------------------------------------------------------------------- Flux.2
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FUSED_TOL = 1e-4 if DEVICE == "cuda" else 1e-5  # as tests/test_dit.py's
+
+
+def _flux2_class() -> None:
+    import comfy.ldm.flux.model
+
+    if "global_modulation" not in comfy.ldm.flux.model.FluxParams.__dataclass_fields__:
+        pytest.skip(f"ComfyUI {H.comfy_version()}'s Flux class has no Flux.2 form")
+    _config_class("Flux2")
+
+
+def _counted_blocks(monkeypatch) -> list:
+    """The fused double and single blocks' calls, by kind."""
+    from sd_accel.accel.engine.fusions import flux
+
+    calls = []
+    for name in ("double_block", "single_block"):
+        monkeypatch.setattr(flux, name, lambda *a, f=getattr(flux, name), n=name, **k: calls.append(n) or f(*a, **k))
+    return calls
+
+
+def _flux2_conditioning(seed: int, tokens: int = 7):
+    """(positive, negative) for tiny-flux2: text tokens of its width (ComfyUI pads them to 512), its guidance."""
+    from sd_accel.accel.models import configs
+
+    width = configs.COMFY_DIT_CONFIGS["tiny-flux2"][1]["context_in_dim"]
+    g = torch.Generator().manual_seed(seed)
+    return tuple([[torch.randn(1, tokens, width, generator=g) * scale, {"guidance": 3.5}]] for scale in (1.0, 0.5))
+
+
+def _sample_flux2(model, positive, negative, size: int = 4):
+    import comfy.sample
+
+    shape = (1, 128, size, size)
+    noise = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    return comfy.sample.sample(model, noise, 2, 3.0, "euler", "normal", positive, negative, torch.zeros(shape),
+                               disable_pbar=True, seed=1)
+
+
+def test_flux2_loaded_from_its_file_runs_fused_in_comfyuis_sampling_and_equals_plain(pack, comfy_pytorch_attention,
+                                                                                     tmp_path, monkeypatch):
+    """A Flux.2 file loaded by ComfyUI's own loader (its detection makes supported_models.Flux2 of it), through the
+    node with the fused kernels (Triton's interpreter on the CPU): every block fused, every call the engine's, the
+    latents plain ComfyUI's."""
+    _flux2_class()
+    from sd_accel.accel.models import configs
+    from sd_accel.nodes import accelerated_unet
+
+    with H.layers_with_weights():
+        module = configs.build_dit("tiny-flux2", "comfy", comfyui_root=H.comfy_root())
+    model = H.load_diffusion_model_file(module, tmp_path)
+    assert type(model.model.model_config).__name__ == "Flux2"
+    pos, neg = _flux2_conditioning(3)
+    plain = _sample_flux2(model, pos, neg)
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+    acc = node.apply(model, "torch", True, False, **H.PROFILE, unique_id="56")["result"][0]
+    slot = accelerated_unet.session_of(acc).slot
+    slot.options["triton_kernels"] = True
+    calls = _counted_blocks(monkeypatch)
+    out = _sample_flux2(acc, pos, neg)
+    # 2 steps, conditional and unconditional in one batch: 2 calls of each of 2 double and 2 single blocks
+    assert sorted(calls) == ["double_block"] * 4 + ["single_block"] * 4, calls
+    assert H.rel(out, plain) <= FUSED_TOL
+    assert slot.status.engine_calls == 2 and slot.status.plain_calls == 0
+    assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
+
+
+def test_flux2_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention):
+    """Flux.2's blocks (modulations shared by all blocks of a kind, SiLU-gated MLPs, no biases) through the Flux
+    fusion against ComfyUI's own forward, in float32; undone, the model is ComfyUI's again."""
+    pytest.importorskip("triton")
+    _flux2_class()
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.models import configs
+    from sd_accel.accel.models.dit import CanonicalDiT
+
+    model = configs.build_dit("tiny-flux2", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    inp = configs.dit_example_inputs("tiny-flux2", batch=2, latent=(8, 10), device=DEVICE)
+    canon = CanonicalDiT(model)
+    with torch.no_grad():
+        ref = canon(**inp)
+        undo, counts = fusions.apply(model)
+        out = canon(**inp)
+        undo()
+        back = canon(**inp)
+    assert counts == {f: 5 if f == "flux" else 0 for f in fusions.DIT}  # 2 double, 2 single blocks, the last layer
+    assert H.rel(out, ref) <= FUSED_TOL
+    assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
+
+
+def test_flux2_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_attention):
+    """precision fp8 takes every block projection of Flux.2 (its modulations are outside the blocks and stay
+    16-bit), the SiLU-gated MLPs' too, and stays close to the 16-bit fused forward; auto leaves 16-bit weights."""
+    pytest.importorskip("triton")
+    _flux2_class()
+    from sd_accel.accel.engine import fp8, fusions
+    from sd_accel.accel.models import configs
+    from sd_accel.accel.models.dit import CanonicalDiT
+
+    model = configs.build_dit("tiny-flux2", "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16,
+                              device=DEVICE)
+    inp = configs.dit_example_inputs("tiny-flux2", batch=2, device=DEVICE)
+    inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
+
+    def fused(precision: str):
+        undo, counts = fusions.apply(model)
+        marks = fusions.Undo()
+        counts["fp8"] = fp8.apply(model, precision, marks)
+        try:
+            with torch.no_grad():
+                return CanonicalDiT(model)(**inp), counts
+        finally:
+            marks()
+            undo()
+
+    ref, counts = fused("auto")
+    assert counts["flux"] == 5 and counts["fp8"] == 0
+    out, counts = fused("fp8")
+    assert counts["fp8"] == 2 * 8 + 2 * 2  # per double block 2 streams x (qkv, proj, 2 MLP); per single 2
+    assert 1e-4 < H.rel(out, ref) <= 5e-2

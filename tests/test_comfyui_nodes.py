@@ -420,6 +420,20 @@ def test_every_widget_of_every_node_has_a_tooltip(pack):
     assert not missing, missing
 
 
+def test_the_shape_inputs_default_to_what_the_node_declares(pack, tiny):
+    """A prompt without the nine shape inputs gets the declared defaults (apply's own), and the node runs with them."""
+    import inspect
+
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]
+    optional = node.INPUT_TYPES()["optional"]
+    params = inspect.signature(node.apply).parameters
+    assert {name: optional[name][1]["default"] for name in H.PROFILE} == {name: params[name].default
+                                                                            for name in H.PROFILE}
+    out = node().apply(tiny, "auto", True, False, unique_id="1")
+    pos, neg = H.tiny_conditioning(2)
+    assert H.same(sample(out["result"][0], pos, neg), sample(tiny, pos, neg))
+
+
 @pytest.mark.parametrize("channels", [4, 16])  # SD's latents; Flux's and SD3's
 def test_tiled_vae_decode_and_encode(pack, channels):
     vae = H.tiny_vae(1, channels)

@@ -128,8 +128,6 @@ app.registerExtension({
   nodeCreated(node) {
     if (node.comfyClass !== UNET) return;
     markAdvanced(node);
-    // A node added from the menu was sized with every widget shown.
-    node.setSize([node.size[0], node.computeSize()[1]]);
     const backend = backendWidget(node);
     if (!backend) return;
     const callback = backend.callback;

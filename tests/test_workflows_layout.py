@@ -44,7 +44,9 @@ KINDS = {"combo": [WIDGET_HEIGHT], "number": [WIDGET_HEIGHT], "toggle": [WIDGET_
          "seed": [WIDGET_HEIGHT] * 2,  # an INT with its "control after generate" combo
          "combo+control": [WIDGET_HEIGHT] * 3,  # a combo with its control and filter combos
          "textbox": [TEXTBOX_HEIGHT], "link": [],
-         "advanced": []}  # a widget declared advanced: hidden until the node shows its advanced inputs
+         # the pack's inputs declared advanced: web/sd_accel.js hides them until the node shows its advanced inputs
+         # (the front end's canvas draws ComfyUI's own advanced inputs, CLIPLoader's device: it does not read the flag)
+         "advanced": []}
 
 # ComfyUI's nodes that the examples use: (name, kind) of each input in INPUT_TYPES order (required, then optional),
 # and how many outputs. What ComfyUI 0.3.64 declares (test_core_table_is_what_comfyui_declares checks it).
@@ -116,7 +118,7 @@ wanted = {"init_custom_nodes": False, "init_api_nodes": False}
 done = init(**{k: v for k, v in wanted.items() if k in inspect.signature(init).parameters})
 if inspect.isawaitable(done):
     asyncio.run(done)
-keep = ("multiline", "control_after_generate", "forceInput", "advanced")
+keep = ("multiline", "control_after_generate", "forceInput")
 found = {}
 for name in names:
     cls = nodes.NODE_CLASS_MAPPINGS.get(name)
@@ -175,7 +177,7 @@ def least_size(node: dict, declared) -> tuple[float, float]:
     links = max(sum(kind == "link" for _, kind in inputs), sum("widget" not in i for i in node.get("inputs", [])))
     rows = max(links, outputs, len(node.get("outputs", [])), 1)
     widgets = [h for _, kind in inputs for h in KINDS[kind]]  # the shown ones
-    # hidden widgets count here too: LiteGraph tests for any widget
+    # LiteGraph's least width and widget margin count hidden widgets too
     any_widget = any(kind != "link" for _, kind in inputs)
     drawn = [name for name, kind in inputs if kind not in ("link", "advanced")]
     height = rows * SLOT_HEIGHT

@@ -17,6 +17,7 @@ while this model samples. Two wrappers:
 from __future__ import annotations
 
 import importlib
+import time
 import weakref
 from typing import Any
 
@@ -295,6 +296,15 @@ def _memory_to_spare() -> bool:
     return mm.vram_state not in (mm.VRAMState.LOW_VRAM, mm.VRAMState.NO_VRAM)
 
 
+def _wait_for(device) -> None:
+    """Wait for the work queued on a CUDA device: its calls return before their kernels run, and a run's time is
+    their computation's."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def session_of(model) -> "Session | None":
     """The Session an Accelerated UNet attached to this model (or to a model it was cloned from)."""
     from comfy.patcher_extension import WrappersMP
@@ -329,6 +339,7 @@ class Session:
         self.sampled = False
         self.prompt: str | None = None
         self._counts_before = (0, 0, 0)
+        self.sampling_seconds = 0.0  # the run's time in the sampler (Accel Info's speed), a hires fix's passes added
 
     @staticmethod
     def _counts(status) -> tuple[int, int, int]:
@@ -338,6 +349,7 @@ class Session:
         prompt = current_prompt()
         if not self.sampled or prompt is None or prompt != self.prompt:
             self.sampled, self.prompt, self._counts_before = True, prompt, self._counts(self.slot.status)
+            self.sampling_seconds = 0.0
 
     def run_calls(self) -> tuple[int, int, int]:
         """(engine calls, plain calls, engine calls spread over several devices) of the current run, or of the last
@@ -357,11 +369,14 @@ class Session:
             self._objects = objects
             if self.slot.spread is not None:
                 self.slot.spread.hold(_replaced_here(objects))
+        device, started = getattr(self.patcher, "load_device", None), time.perf_counter()
         try:
             return executor(*args, **kwargs)
         finally:
             self.patcher = outer
             if outer is None:
+                _wait_for(device)
+                self.sampling_seconds += time.perf_counter() - started
                 self.slot.end_run(keep_graphs=_memory_to_spare())
                 publish(self.node_id, status_payload(self))
 

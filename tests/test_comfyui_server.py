@@ -79,7 +79,8 @@ def test_workflow_with_all_nodes_matches_the_plain_model(server):
     assert np.abs(accel - plain).max() <= 1
     assert image(server, entry, "12").shape == (64, 64, 3)
     info = info_text(entry, "13")
-    assert info.startswith("GPU: ") and "engine cache: " in info and "calls this run: 2 " in info
+    assert info.startswith("model: ") and "\nGPU: " in info and "engine cache: " in info
+    assert "\ncalls this run: 2 " in info.split("\nGPU: ")[0]  # what ran comes first
     first_run = server.log().split("Prompt executed")[0]
     assert "the torch path is ready" in first_run
     assert "plain model" not in first_run and "own forward" not in first_run

@@ -39,11 +39,11 @@ def report(backend: str = "auto", model=None) -> str:
 
     session = session_of(model) if model is not None else None
     if model is None:
-        lines = ["model: none connected", "next: connect the MODEL output of an Accelerated UNet node to see the "
-                 "path it runs on and this run's calls"]
+        lines = ["model: none connected", ("next: connect the MODEL output of an Accelerated UNet node to see the "
+                                           "path it runs on and this run's calls")]
     elif session is None:
-        lines = ["model: not accelerated (it does not come from an Accelerated UNet node)", "next: put an "
-                 "Accelerated UNet node between the model's loader and its sampler"]
+        lines = ["model: not accelerated (it does not come from an Accelerated UNet node)",
+                 "next: put an Accelerated UNet node between the model's loader and its sampler"]
     else:
         lines = [model_state(session, on_cpu=_runs_on_cpu(model))]
     gpu = detect()

@@ -111,8 +111,9 @@ def model_state(session: Session, on_cpu: bool) -> str:
         lines.append(gpus)
     if session.sampled and engine + plain:
         seconds = session.sampling_seconds
-        lines.append(f"speed: {'last run' if reused else 'this run'} sampled in {seconds:.2f} s, "
-                     f"{1000 * seconds / (engine + plain):.1f} ms a call"
+        # ComfyUI's outer sample loads the model first: its time is in the run's
+        lines.append(f"speed: {'the last' if reused else 'this'} run's sampling took {seconds:.2f} s for "
+                     f"{engine + plain} calls, loading the model and any new size's first call included"
                      + (" (the CPU: the plain model's speed)" if plain_torch else ""))
     lines.append("next: " + _next(status.backend, plain_torch, session.sampled, reused, engine, plain))
     lines += [f"note: {m}" for m in status.messages]

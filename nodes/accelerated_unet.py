@@ -17,6 +17,7 @@ while this model samples. Two wrappers:
 from __future__ import annotations
 
 import importlib
+import time
 import weakref
 from typing import Any
 
@@ -32,20 +33,26 @@ from .comfy_ui import CATEGORY, cache_root, current_prompt, node_progress, publi
 KEY = "sd-accel"
 BACKENDS = ["auto", "torch", "onnxruntime"]
 FAMILIES = ("sd1", "sd2", "sdxl")
-_BOUND = {"min": "The smallest {} the ONNX Runtime engine is built for",
-          "opt": "The {} the ONNX Runtime engine is tuned for (the one used most)",
-          "max": "The largest {} the ONNX Runtime engine is built for"}
-_OUTSIDE = "; calls outside min-max run on the torch path, which serves any size and batch."
+# The nine shape widgets are the range of sizes an ONNX Runtime engine is built for; the torch path (auto's choice)
+# captures a CUDA graph per shape and reads none of them. So they are optional (a prompt may leave them out) and
+# advanced (the front end hides them unless the node shows its advanced inputs, as web/sd_accel.js makes it do when
+# backend is onnxruntime). They keep their place in the widget list: the front end gives a saved workflow's
+# widgets_values to the widgets by position.
+_ONLY_ORT = ("Used only by the onnxruntime backend: {}. The torch path captures CUDA graphs per shape and ignores "
+             "it; calls outside min-max run on the torch path.")
+_BOUND = {"min": "the smallest {} its engine is built for",
+          "opt": "the {} its engine is tuned for (the one used most)",
+          "max": "the largest {} its engine is built for"}
 
 
 def _size(bound: str, side: str, default: int) -> tuple[str, dict]:
-    return ("INT", {"default": default, "min": 64, "max": 8192, "step": 8,
-                    "tooltip": _BOUND[bound].format(f"image {side} in pixels") + _OUTSIDE})
+    return ("INT", {"default": default, "min": 64, "max": 8192, "step": 8, "advanced": True,
+                    "tooltip": _ONLY_ORT.format(_BOUND[bound].format(f"image {side} in pixels"))})
 
 
 def _batch(bound: str, default: int) -> tuple[str, dict]:
-    return ("INT", {"default": default, "min": 1, "max": 64,
-                    "tooltip": _BOUND[bound].format("image batch") + _OUTSIDE})
+    return ("INT", {"default": default, "min": 1, "max": 64, "advanced": True,
+                    "tooltip": _ONLY_ORT.format(_BOUND[bound].format("batch size"))})
 
 
 class AcceleratedUNetNode:
@@ -64,25 +71,30 @@ class AcceleratedUNetNode:
             "required": {
                 "model": ("MODEL", {"tooltip": "The model to accelerate (SD1.x, SD2.x, SDXL, Flux.1, Chroma, "
                                     "SD3/SD3.5, Wan 2.1/2.2, Qwen-Image); it is not changed: the output is an accelerated copy."}),
-                "backend": (BACKENDS, {"default": "auto", "tooltip": "auto picks the fastest installed path "
-                                       "for this GPU; the others ask for one (the torch path runs when it cannot)."}),
+                "backend": (BACKENDS, {"default": "auto", "tooltip": (
+                    "auto: the torch path (fused kernels, a CUDA graph per shape), or what SD_ACCEL_BACKEND "
+                    "names. onnxruntime (SD1.x, SD2.x and SDXL UNets): an ONNX Runtime engine, built once into the "
+                    "engine cache (about a minute) for the shape range of the advanced inputs it shows. torch: the "
+                    "torch path. A path that cannot run here leaves the call to the torch path and says why.")}),
                 "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": "Replay each shape as a CUDA/HIP graph "
                                             "where the GPU supports it (torch path; not on the CPU). Calls with "
                                             "per-step patches run without it. Off: never."}),
                 "torch_compile": ("BOOLEAN", {"default": False, "tooltip": "Compile the UNet's repeated blocks "
                                               "with torch.compile (torch path; the first run takes minutes)."}),
+            },
+            # Optional, so that workflows saved before an input existed (precision, gpus) or that leave out the
+            # nine shape inputs still validate; in this order, which is the widgets' order in saved workflows.
+            "optional": {
                 "min_width": _size("min", "width", 512), "opt_width": _size("opt", "width", 1024),
                 "max_width": _size("max", "width", 1536),
                 "min_height": _size("min", "height", 512), "opt_height": _size("opt", "height", 1024),
                 "max_height": _size("max", "height", 1536),
                 "min_batch": _batch("min", 1), "opt_batch": _batch("opt", 1), "max_batch": _batch("max", 4),
-            },
-            # Optional, so that workflows saved before it still validate.
-            "optional": {"precision": (list(PRECISION), {"default": "auto", "tooltip": (
-                "Flux, Chroma, SD3, Wan and Qwen-Image transformers: auto runs weights loaded in fp8 as fp8 matrix "
-                "products (Hopper and later) and 16-bit weights in 16 bits; fp8 also quantizes 16-bit weights (faster, +50% weight memory, "
-                "slightly different images); 16bit widens fp8 weights per call, as ComfyUI does. UNets (SD1.x, "
-                "SDXL) compute in 16 bits whatever this says.")}),
+                "precision": (list(PRECISION), {"default": "auto", "tooltip": (
+                    "Flux, Chroma, SD3, Wan and Qwen-Image transformers: auto runs weights loaded in fp8 as fp8 "
+                    "matrix products (Hopper and later) and 16-bit weights in 16 bits; fp8 also quantizes 16-bit "
+                    "weights (faster, +50% weight memory, slightly different images); 16bit widens fp8 weights per "
+                    "call, as ComfyUI does. UNets (SD1.x, SDXL) compute in 16 bits whatever this says.")}),
                 "gpus": (list(GPUS), {"default": "1", "tooltip": (
                     "How many GPUs one sampling run uses: all = every visible GPU; fewer are used where fewer are "
                     "visible. With more than 1, a worker process on each other GPU holds a copy of the model (started "
@@ -94,8 +106,9 @@ class AcceleratedUNetNode:
         }
 
     def apply(self, model, backend: str, cuda_graphs: bool, torch_compile: bool,
-              min_width: int, opt_width: int, max_width: int, min_height: int, opt_height: int, max_height: int,
-              min_batch: int, opt_batch: int, max_batch: int, precision: str = "auto", gpus: str = "1",
+              min_width: int = 512, opt_width: int = 1024, max_width: int = 1536, min_height: int = 512,
+              opt_height: int = 1024, max_height: int = 1536, min_batch: int = 1, opt_batch: int = 1,
+              max_batch: int = 4, precision: str = "auto", gpus: str = "1",
               unique_id: str | None = None) -> dict:
         problem = unsupported(model)
         if problem:
@@ -285,6 +298,15 @@ def _memory_to_spare() -> bool:
     return mm.vram_state not in (mm.VRAMState.LOW_VRAM, mm.VRAMState.NO_VRAM)
 
 
+def _wait_for(device) -> None:
+    """Wait for the work queued on a CUDA device: its calls return before their kernels run, and a run's time is
+    their computation's."""
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def session_of(model) -> "Session | None":
     """The Session an Accelerated UNet attached to this model (or to a model it was cloned from)."""
     from comfy.patcher_extension import WrappersMP
@@ -319,6 +341,7 @@ class Session:
         self.sampled = False
         self.prompt: str | None = None
         self._counts_before = (0, 0, 0)
+        self.sampling_seconds = 0.0  # the run's time in the sampler (Accel Info's speed), a hires fix's passes added
 
     @staticmethod
     def _counts(status) -> tuple[int, int, int]:
@@ -328,6 +351,7 @@ class Session:
         prompt = current_prompt()
         if not self.sampled or prompt is None or prompt != self.prompt:
             self.sampled, self.prompt, self._counts_before = True, prompt, self._counts(self.slot.status)
+            self.sampling_seconds = 0.0
 
     def run_calls(self) -> tuple[int, int, int]:
         """(engine calls, plain calls, engine calls spread over several devices) of the current run, or of the last
@@ -347,11 +371,14 @@ class Session:
             self._objects = objects
             if self.slot.spread is not None:
                 self.slot.spread.hold(_replaced_here(objects))
+        device, started = getattr(self.patcher, "load_device", None), time.perf_counter()
         try:
             return executor(*args, **kwargs)
         finally:
             self.patcher = outer
             if outer is None:
+                _wait_for(device)
+                self.sampling_seconds += time.perf_counter() - started
                 self.slot.end_run(keep_graphs=_memory_to_spare())
                 publish(self.node_id, status_payload(self))
 

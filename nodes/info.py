@@ -31,27 +31,36 @@ def cache_state(root: str) -> str:
 
 
 def report(backend: str = "auto", model=None) -> str:
+    """What ran, how fast and what to do next first (model_state), then the machine: GPU, packages, plan, cache,
+    settings and versions."""
     from ..accel.errors import AccelError
     from ..accel.plan.device import describe, detect
     from ..accel.plan.policy import choose, probe_packages
 
+    session = session_of(model) if model is not None else None
+    if model is None:
+        lines = ["model: none connected", ("next: connect the MODEL output of an Accelerated UNet node to see the "
+                                           "path it runs on and this run's calls")]
+    elif session is None:
+        lines = ["model: not accelerated (it does not come from an Accelerated UNet node)",
+                 "next: put an Accelerated UNet node between the model's loader and its sampler"]
+    else:
+        lines = [model_state(session, on_cpu=_runs_on_cpu(model))]
     gpu = detect()
     installed = probe_packages()
-    lines = [f"GPU: {describe(gpu)}"]
+    lines.append(f"GPU: {describe(gpu)}")
     lines += [f"- {n}" for n in gpu.notes]
     names = ("triton", "onnxruntime", "onnxruntime_gpu", "flash_attn")
     lines.append("packages: " + ", ".join(f"{k} {'yes' if installed.get(k) else 'no'}" for k in names))
-    session = session_of(model) if model is not None else None
-    if session is None or not session.slot.status.plan:  # a connected model's own plan is shown with it below
+    if session is not None and session.slot.status.plan:
+        lines.append(session.slot.status.plan)  # the plan the model's engine was built with
+    else:
         try:
             lines.append(f"plan for backend={backend}:\n" + choose(gpu, backend, installed).summary())
         except AccelError as e:
             lines.append(f"plan for backend={backend}: {e}")
     lines.append(cache_state(cache_root()))
     lines += settings_lines()
-    if model is not None:
-        lines.append("model: not accelerated (connect it through an Accelerated UNet node)" if session is None
-                     else model_state(session, on_cpu=_runs_on_cpu(model)))
     return "\n".join(lines)
 
 
@@ -73,23 +82,25 @@ def _runs_on_cpu(model) -> bool:
 
 
 def model_state(session: Session, on_cpu: bool) -> str:
-    """The path a model from an Accelerated UNet node runs on, and how the calls of this prompt's run went."""
+    """A model from an Accelerated UNet node: what ran (the path and the calls of this prompt's run), how fast (the
+    run's time in the sampler), what to do next, and what the node said."""
     status = session.slot.status
     plain_torch = on_cpu and status.backend in ("torch", "not built yet")
     if plain_torch:
         head = ("model: through an Accelerated UNet node, on the CPU: the torch path runs the plain model there, "
                 "so nothing is sped up and no speed-up is claimed")
     elif status.backend == "plain":
-        head = "model: through an Accelerated UNet node, but the plain model runs (see why below)"
+        head = "model: through an Accelerated UNet node, but the plain model runs (the notes say why)"
     else:
         head = "model: accelerated"
     engine, plain, spread = session.run_calls()
     counts = (f"{engine} on the torch path (the plain model's computation on the CPU), {plain} on ComfyUI's own "
               "forward" if plain_torch else f"{engine} accelerated, {plain} on the plain model")
     prompt = current_prompt()
+    reused = session.sampled and prompt is not None and session.prompt != prompt
     if not session.sampled:
         calls = "calls: none yet: the model has not sampled"
-    elif prompt is not None and session.prompt != prompt:
+    elif reused:
         calls = ("calls this run: none: the model did not sample in this run (ComfyUI reused its sampler's cached "
                  f"output); its last run: {counts}")
     else:
@@ -98,10 +109,30 @@ def model_state(session: Session, on_cpu: bool) -> str:
     gpus = gpus_line(status, spread, engine) if session.sampled else ""
     if gpus:
         lines.append(gpus)
-    if status.plan:
-        lines.append(status.plan)
+    if session.sampled and engine + plain:
+        seconds = session.sampling_seconds
+        # ComfyUI's outer sample loads the model first: its time is in the run's
+        lines.append(f"speed: {'the last' if reused else 'this'} run's sampling took {seconds:.2f} s for "
+                     f"{engine + plain} calls, loading the model and any new size's first call included"
+                     + (" (the CPU: the plain model's speed)" if plain_torch else ""))
+    lines.append("next: " + _next(status.backend, plain_torch, session.sampled, reused, engine, plain))
     lines += [f"note: {m}" for m in status.messages]
     return "\n".join(lines)
+
+
+def _next(backend: str, plain_torch: bool, sampled: bool, reused: bool, engine: int, plain: int) -> str:
+    if not sampled:
+        return "queue a prompt in which a sampler uses this model"
+    if plain_torch:
+        return "run ComfyUI on a GPU (without --cpu) for the speed-up"
+    if backend == "plain":
+        return "the notes below say why the plain model runs and what would let the node serve the calls"
+    if plain and not reused:
+        return (f"{plain} call(s) ran on the plain model: the notes below say which patches or inputs sent them "
+                "there; without those the engine serves every call")
+    if reused:
+        return "nothing: change the seed or a setting for the sampler to run again"
+    return "nothing: the engine served every call of this run"
 
 
 def _is_link(value) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -378,23 +379,34 @@ def test_accel_info_reports_gpu_plan_cache_and_model(pack, tiny, tmp_path, monke
     out = info.info("auto", acc)
     text = out["result"][0]
     assert out["ui"]["text"] == [text]
-    assert text.startswith("GPU: ") and "plan for backend" not in text  # the model's own plan, once
-    assert text.count("\nbackend: torch") == 1
+    # what ran, how fast, what to do next; then the machine
+    model, machine = text.split("\nGPU: ")
+    assert model.startswith("model: ") and "\npackages: " in machine
+    lines = model.splitlines()
+    assert [line.split(":")[0] for line in lines[1:5]] == ["path", "calls this run", "speed", "next"], lines
+    assert re.fullmatch(r"speed: this run's sampling took \d+\.\d\d s for 2 calls, .*", lines[3]), lines[3]
+    assert "plan for backend" not in text and text.count("\nbackend: torch") == 1  # the model's own plan, once
     assert f"engine cache: {tmp_path / 'cache'} (empty" in text
     # what doctor shows besides: the settings in force and the versions, with ComfyUI's
     assert f"\nsettings: SD_ACCEL_CACHE={tmp_path / 'cache'}" in text and f"torch {torch.__version__}, ComfyUI " in text
     if torch.cuda.is_available():
         assert "model: accelerated\npath: torch" in text
         assert "calls this run: 2 accelerated, 0 on the plain model" in text
+        assert lines[4] == "next: nothing: the engine served every call of this run"
     else:  # the torch path is the plain model on the CPU: nothing is called accelerated
         assert "on the CPU: the torch path runs the plain model there, so nothing is sped up and no speed-up is " \
-               "claimed\npath: torch" in text and "accelerated" not in text.split("model: ")[1]
+               "claimed\npath: torch" in text and "accelerated" not in model.split("model: ")[1]
         assert "calls this run: 2 on the torch path (the plain model's computation on the CPU), 0 on ComfyUI's " \
                "own forward" in text
+        assert lines[3].endswith("(the CPU: the plain model's speed)")
+        assert lines[4] == "next: run ComfyUI on a GPU (without --cpu) for the speed-up"
     sample(acc, pos, neg, steps=3)  # the next run's calls, not the sum of both
     assert "calls this run: 3 " in info.info("auto", acc)["result"][0]
     plain = info.info("auto", tiny)["result"][0]
-    assert "model: not accelerated" in plain and "plan for backend=auto:\nbackend: torch" in plain
+    assert plain.startswith("model: not accelerated") and "plan for backend=auto:\nbackend: torch" in plain
+    assert plain.splitlines()[1].startswith("next: put an Accelerated UNet node between")
+    alone = info.info("auto")["result"][0]
+    assert alone.startswith("model: none connected\nnext: connect the MODEL output of an Accelerated UNet node")
 
 
 def test_cuda_graphs_left_on_is_not_a_request_the_node_reports(pack, tiny):
@@ -418,6 +430,20 @@ def test_every_widget_of_every_node_has_a_tooltip(pack):
                 if is_widget and not (len(spec) > 1 and spec[1].get("tooltip")):
                     missing.append(f"{name}.{key}")
     assert not missing, missing
+
+
+def test_the_shape_inputs_default_to_what_the_node_declares(pack, tiny):
+    """A prompt without the nine shape inputs gets the declared defaults (apply's own), and the node runs with them."""
+    import inspect
+
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]
+    optional = node.INPUT_TYPES()["optional"]
+    params = inspect.signature(node.apply).parameters
+    assert {name: optional[name][1]["default"] for name in H.PROFILE} == {name: params[name].default
+                                                                            for name in H.PROFILE}
+    out = node().apply(tiny, "auto", True, False, unique_id="1")
+    pos, neg = H.tiny_conditioning(2)
+    assert H.same(sample(out["result"][0], pos, neg), sample(tiny, pos, neg))
 
 
 @pytest.mark.parametrize("channels", [4, 16])  # SD's latents; Flux's and SD3's

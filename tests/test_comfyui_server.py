@@ -79,7 +79,8 @@ def test_workflow_with_all_nodes_matches_the_plain_model(server):
     assert np.abs(accel - plain).max() <= 1
     assert image(server, entry, "12").shape == (64, 64, 3)
     info = info_text(entry, "13")
-    assert info.startswith("GPU: ") and "engine cache: " in info and "calls this run: 2 " in info
+    assert info.startswith("model: ") and "\nGPU: " in info and "engine cache: " in info
+    assert "\ncalls this run: 2 " in info.split("\nGPU: ")[0]  # what ran comes first
     first_run = server.log().split("Prompt executed")[0]
     assert "the torch path is ready" in first_run
     assert "plain model" not in first_run and "own forward" not in first_run
@@ -234,6 +235,77 @@ def test_example_workflows_use_nodes_and_inputs_the_server_knows(server):
             assert not unknown, f"{path.name} node {node_id} ({node['class_type']}): unknown inputs {unknown}"
             missing = set(spec.get("required", {})) - set(node["inputs"])
             assert not missing, f"{path.name} node {node_id} ({node['class_type']}): missing inputs {missing}"
+
+
+SHAPES = ("min_width", "opt_width", "max_width", "min_height", "opt_height", "max_height", "min_batch", "opt_batch",
+          "max_batch")
+
+
+def widget_names(spec: dict) -> list[str]:
+    """The widgets the front end makes from a node's /object_info entry, in its order: required, then optional, each
+    in input_order (comfyui-frontend-package 1.27's getOrderedInputSpecs); link inputs make none. Saved UI workflows
+    keep their widgets' values in this order (widgets_values), and the front end gives them back by position."""
+    names = []
+    for part in ("required", "optional"):
+        for name in spec["input_order"].get(part, []):
+            kind = spec["input"][part][name][0]
+            if isinstance(kind, list) or kind in ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO"):
+                names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(p for p in H.REPO.glob("workflows/*.json") if not p.name.endswith("_api.json")),
+                         ids=lambda p: p.name)
+def test_saved_ui_workflow_with_the_shape_values_loads_and_runs(server, path):
+    """A UI workflow saved before the nine shape inputs became optional and advanced (the examples are such files:
+    their widgets_values hold all fourteen values): the front end hands the values to the widgets by position, so
+    each lands on the widget it was saved from (the same inputs as the workflow's API twin), and the prompt the
+    front end makes from them runs, its image the plain model's."""
+    spec = server.get("/object_info/SDAccelAcceleratedUNet")["SDAccelAcceleratedUNet"]
+    (node,) = [n for n in json.loads(path.read_text())["nodes"] if n["type"] == "SDAccelAcceleratedUNet"]
+    names = widget_names(spec)
+    assert names[3:12] == list(SHAPES) and len(names) == len(node["widgets_values"])
+    values = dict(zip(names, node["widgets_values"]))
+    twin = json.loads(path.with_name(path.stem + "_api.json").read_text())[str(node["id"])]["inputs"]
+    assert values == {k: v for k, v in twin.items() if k != "model"}
+    prompt = base_prompt(f"saved_{path.stem}")
+    prompt["2"]["inputs"] = {"model": ["1", 0], **values}
+    entry = server.run(prompt)
+    assert np.abs(image(server, entry, "6") - image(server, entry, "9")).max() <= 1
+
+
+def test_api_prompt_without_the_shape_inputs_runs(server):
+    """The nine shape inputs are optional: a prompt that leaves them out validates and runs, its image the plain
+    model's, and nothing is said about a shape profile."""
+    prompt = base_prompt("noshapes")
+    for sampler in ("4", "7"):  # a new run of both branches
+        prompt[sampler]["inputs"]["seed"] = 50
+    for name in SHAPES:
+        del prompt["2"]["inputs"][name]
+    before = len(server.log())
+    entry = server.run(prompt)
+    assert np.abs(image(server, entry, "6") - image(server, entry, "9")).max() <= 1
+    assert calls_line(info_text(entry, "13")).startswith("calls this run: 2 on the torch path")
+    assert "profile" not in server.log()[before:]
+
+
+def test_the_shape_inputs_are_optional_advanced_and_say_they_serve_onnxruntime_only(server):
+    """What the front end gets: the nine optional, where they were in the widget order, advanced (hidden until the
+    node shows its advanced inputs), each with a tooltip that says only the onnxruntime backend reads it; every
+    widget of the node has a tooltip."""
+    spec = server.get("/object_info/SDAccelAcceleratedUNet")["SDAccelAcceleratedUNet"]
+    assert spec["input_order"]["optional"][:9] == list(SHAPES)
+    optional = spec["input"]["optional"]
+    for name in SHAPES:
+        options = optional[name][1]
+        assert options["advanced"] is True, name
+        assert options["tooltip"].startswith("Used only by the onnxruntime backend: ") and \
+            "The torch path captures CUDA graphs per shape and ignores it" in options["tooltip"], name
+    for part in ("required", "optional"):
+        for name, declared in spec["input"][part].items():
+            assert len(declared) > 1 and declared[1].get("tooltip"), name
+    shown = [n for n in widget_names(spec) if not ({**spec["input"]["required"], **optional}[n][1].get("advanced"))]
+    assert shown == ["backend", "cuda_graphs", "torch_compile", "precision", "gpus"]
 
 
 def latent(server, entry: dict, node: str):

@@ -43,7 +43,10 @@ GAP = 20  # the least space between two nodes' rectangles in the examples
 KINDS = {"combo": [WIDGET_HEIGHT], "number": [WIDGET_HEIGHT], "toggle": [WIDGET_HEIGHT], "text": [WIDGET_HEIGHT],
          "seed": [WIDGET_HEIGHT] * 2,  # an INT with its "control after generate" combo
          "combo+control": [WIDGET_HEIGHT] * 3,  # a combo with its control and filter combos
-         "textbox": [TEXTBOX_HEIGHT], "link": []}
+         "textbox": [TEXTBOX_HEIGHT], "link": [],
+         # the pack's inputs declared advanced: web/sd_accel.js hides them until the node shows its advanced inputs
+         # (the front end's canvas draws ComfyUI's own advanced inputs, CLIPLoader's device: it does not read the flag)
+         "advanced": []}
 
 # ComfyUI's nodes that the examples use: (name, kind) of each input in INPUT_TYPES order (required, then optional),
 # and how many outputs. What ComfyUI 0.3.64 declares (test_core_table_is_what_comfyui_declares checks it).
@@ -76,6 +79,8 @@ def kind_of(name: str, declared) -> str:
     """How the front end draws one declared input (its widget constructors for the ComfyUI 1.x input types)."""
     kind = declared[0]
     opts = declared[1] if len(declared) > 1 and isinstance(declared[1], dict) else {}
+    if opts.get("advanced") and not opts.get("forceInput"):
+        return "advanced"
     if isinstance(kind, (list, tuple)) or kind == "COMBO":
         return "combo+control" if opts.get("control_after_generate") else "combo"
     if opts.get("forceInput"):
@@ -171,9 +176,12 @@ def least_size(node: dict, declared) -> tuple[float, float]:
     inputs, outputs = declared
     links = max(sum(kind == "link" for _, kind in inputs), sum("widget" not in i for i in node.get("inputs", [])))
     rows = max(links, outputs, len(node.get("outputs", [])), 1)
-    widgets = [h for _, kind in inputs for h in KINDS[kind]]
+    widgets = [h for _, kind in inputs for h in KINDS[kind]]  # the shown ones
+    # LiteGraph's least width and widget margin count hidden widgets too
+    any_widget = any(kind != "link" for _, kind in inputs)
+    drawn = [name for name, kind in inputs if kind not in ("link", "advanced")]
     height = rows * SLOT_HEIGHT
-    if widgets:
+    if any_widget:
         height += sum(h + WIDGET_SPACING for h in widgets) + WIDGETS_MARGIN
     height += BOTTOM_MARGIN
     title = TITLE_HEIGHT * 1.33 + _text_width(node.get("title") or node["type"])
@@ -181,8 +189,8 @@ def least_size(node: dict, declared) -> tuple[float, float]:
     in_w = max(map(_text_width, link_names), default=0)
     out_w = max((_text_width(o.get("label") or o.get("name", "")) for o in node.get("outputs", [])), default=0)
     slots = in_w + out_w + 2 * SLOT_HEIGHT + (5 if in_w and out_w else 0)
-    labels = max((_text_width(name) + WIDGET_PADDING for name, kind in inputs if kind != "link"), default=0)
-    width = max(NODE_WIDTH * (1.5 if widgets else 1), title, slots, labels)
+    labels = max((_text_width(name) + WIDGET_PADDING for name in drawn), default=0)
+    width = max(NODE_WIDTH * (1.5 if any_widget else 1), title, slots, labels)
     return width, height
 
 
@@ -251,10 +259,10 @@ def test_no_node_covers_another_after_a_run(path, declarations):
 def test_the_sums_are_the_front_ends(declarations):
     """Heights that the front end (1.27.10, headless Chromium) gave nodes of the examples: computeSize() on load, and
     the node's height after web/sd_accel.js showed a text (the text-box nodes)."""
-    loaded = {"SDAccelAcceleratedUNet": 370, "SDAccelTiledVAEDecode": 126, "SDAccelInfo": 78, "KSampler": 262,
+    loaded = {"SDAccelAcceleratedUNet": 154, "SDAccelTiledVAEDecode": 126, "SDAccelInfo": 78, "KSampler": 262,
               "CLIPTextEncode": 88, "CheckpointLoaderSimple": 98, "DualCLIPLoader": 130, "ConditioningZeroOut": 26,
               "VAEDecode": 46, "SaveAnimatedWEBP": 154, "EmptyHunyuanLatentVideo": 130}
-    after_run = {"SDAccelAcceleratedUNet": 524, "SDAccelTiledVAEDecode": 280, "SDAccelInfo": 232}
+    after_run = {"SDAccelAcceleratedUNet": 308, "SDAccelTiledVAEDecode": 280, "SDAccelInfo": 232}
     for name, height in loaded.items():
         outputs = declarations[name][1]
         node = {"type": name, "outputs": [{"name": "X"}] * outputs}

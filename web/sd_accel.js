@@ -98,12 +98,55 @@ function drawProgress(node, ctx) {
   ctx.restore();
 }
 
+// The Accelerated UNet's nine shape inputs are declared advanced (nodes/accelerated_unet.py): only the onnxruntime
+// backend reads them. The front end's canvas hides a widget by its own `advanced` flag, which it does not take from
+// the declaration (1.27, 1.49; its Vue nodes do): set it, so they are hidden until the node shows its advanced inputs
+// (its menu's Show Advanced, saved with the workflow, or choosing backend onnxruntime).
+function markAdvanced(node) {
+  for (const w of node.widgets ?? []) if (w.options?.advanced) w.advanced = true;
+}
+
+function showAdvanced(node, show) {
+  if (!!node.showAdvanced === show) return;
+  const before = node.computeSize()[1];
+  node.showAdvanced = show;
+  const after = node.computeSize()[1];
+  // grow or shrink by what the widgets take, keeping any room the user or the text box added
+  node.setSize([node.size[0], Math.max(after, node.size[1] + after - before)]);
+  node.setDirtyCanvas(true, true);
+}
+
+function backendWidget(node) {
+  return node.widgets?.find((w) => w.name === "backend");
+}
+
 app.registerExtension({
   name: "sd-accel.status",
   setup() {
     api.addEventListener("sd-accel.status", onStatus);
   },
+  nodeCreated(node) {
+    if (node.comfyClass !== UNET) return;
+    markAdvanced(node);
+    const backend = backendWidget(node);
+    if (!backend) return;
+    const callback = backend.callback;
+    backend.callback = function (value) {
+      const r = callback?.apply(this, arguments);
+      showAdvanced(node, value === "onnxruntime");
+      return r;
+    };
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData.name === UNET) {
+      const onConfigure = nodeType.prototype.onConfigure;
+      nodeType.prototype.onConfigure = function (info) {
+        const r = onConfigure?.apply(this, arguments);
+        // A workflow saved before the inputs were advanced has no showAdvanced: show them where they are used.
+        if (info.showAdvanced === undefined && backendWidget(this)?.value === "onnxruntime") showAdvanced(this, true);
+        return r;
+      };
+    }
     if (!TEXT_NODES.includes(nodeData.name)) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {

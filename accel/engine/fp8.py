@@ -4,13 +4,20 @@ accumulated as the tensor cores do (`use_fast_accum`).
 
 Which projections take them follows the torch path's `precision` option:
 - "auto": the layers whose weights the host loaded in fp8 (ComfyUI's fp8_e4m3fn weight dtype: its cast-on-the-fly
-  layers, which would otherwise widen every weight to 16 bits at every call); 16-bit weights stay 16-bit;
+  layers, which would otherwise widen every weight to 16 bits at every call; the e4m3 layers of its quantized
+  checkpoints, below); 16-bit weights stay 16-bit;
 - "fp8": every block projection; 16-bit weights are quantized into a copy kept beside them (+50% of their memory);
-- "16bit": none (fp8-loaded weights are widened per call, as the host does).
+- "16bit": none (fp8-loaded weights run through the host's own layers: widened per call, or its own fp8 kernels).
 The adaLN modulation projections (one row per sample) take fp8 products only where their weights are stored in fp8
 (widening billions of them per call costs more than the product); 16-bit ones stay 16-bit. Layers with weight or
 bias functions (lowvram, a LoRA applied per call) are never taken: their forward applies them. A marked layer's own
 forward makes the fp8 product, so every caller gets it: the fused blocks and the modules they call.
+
+Weights stored in e4m3 come in three forms, each taken as it is stored (no copy), with its scale: a plain fp8 tensor
+(ComfyUI's fp8_e4m3fn weight dtype), the same with a per-tensor `scale_weight` (the "fp8_scaled" checkpoints as
+ComfyUI 0.3.6x loads them), and comfy-kitchen's QuantizedTensor of its per-tensor e4m3 layout (ComfyUI 0.33 loads the
+"fp8_scaled" and mixed-precision checkpoints into such weights, held by its own Linear class, which is no nn.Linear).
+Other quantized layouts (block-scaled, fp4, int8) are not read here: their layers keep the host's forward.
 
 The quantized copies (and the per-channel scales, also those of weights stored in fp8) are derived tensors that an
 engine's CUDA graphs read where they were at capture. So they belong to the engine (`Copies`), not to the marks:
@@ -23,6 +30,7 @@ make, keep no version counter).
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import NamedTuple
@@ -31,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fusions.base import Undo, kernel_module, own_weights, patch_forward, plain_linear, version
+from .fusions.base import Undo, kernel_module, linear_layer, own_weights, patch_forward, plain_linear, version
 
 log = logging.getLogger("sd-accel")
 
@@ -62,23 +70,57 @@ class Rows(NamedTuple):
     dtype: torch.dtype  # the 16-bit dtype the products return
 
 
-def _key(layer: nn.Linear) -> tuple:
-    w, s = layer.weight, getattr(layer, "scale_weight", None)
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter, type(None))
+
+
+def kitchen_e4m3(w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(e4m3 data (N, K), float32 scale of one element) of a comfy-kitchen QuantizedTensor of a per-tensor e4m3 layout
+    (its TensorCoreFP8Layout and ComfyUI's subclasses of it), stored unpadded and row-major as the products read it;
+    None for any other tensor. Read through the layout's own accessor, so that comfy-kitchen need not be importable."""
+    if type(w) in _PLAIN_TENSORS:  # asked for every marked layer before every replay: the common case first
+        return None
+    layout = getattr(w, "layout_cls", None)
+    if not isinstance(layout, type) or not _per_tensor_fp8(layout):
+        return None
+    q, scale = layout.get_plain_tensors(w)
+    if q.dtype != FP8 or q.shape != w.shape or not q.is_contiguous() or scale.numel() != 1:
+        return None
+    return q, scale
+
+
+@functools.cache
+def _per_tensor_fp8(layout: type) -> bool:
+    return any(c.__name__ == "TensorCoreFP8Layout" and c.__module__.startswith("comfy_kitchen.")
+               for c in layout.__mro__)
+
+
+def stored_in_fp8(layer: nn.Module) -> bool:
+    """Whether the layer's weight is stored in e4m3 in a form the products read as it is."""
+    w = layer.weight
+    return w.dtype == FP8 or kitchen_e4m3(w) is not None
+
+
+def _key(layer: nn.Module) -> tuple:
+    w = layer.weight
+    kitchen = kitchen_e4m3(w)
+    # a QuantizedTensor's data and scale are tensors of their own, which a host may update in place
+    w, s = kitchen if kitchen is not None else (w, getattr(layer, "scale_weight", None))
     return (w.data_ptr(), version(w), w.dtype, tuple(w.shape),
             None if s is None else (s.data_ptr(), version(s), tuple(s.shape)))
 
 
-def _quantize(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's weight as (e4m3 (N, K), float32 scale (1, N)); a weight stored in fp8 as it is, with the scale of a
-    scaled-fp8 checkpoint if it has one."""
+def _quantize(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The layer's weight as (e4m3 (N, K), float32 scale (1, N), whether the e4m3 tensor is a copy made here); a weight
+    stored in e4m3 as it is, with its per-tensor scale if it has one."""
     w = layer.weight
-    if w.dtype == FP8:
-        scale = getattr(layer, "scale_weight", None)
-        scale = scale.float().reshape(1, -1) if scale is not None else torch.ones(1, 1, device=w.device)
-        return w, scale.expand(1, w.shape[0]).contiguous()
+    kitchen = kitchen_e4m3(w)
+    if kitchen is not None or w.dtype == FP8:
+        q, scale = kitchen if kitchen is not None else (w, getattr(layer, "scale_weight", None))
+        scale = scale.float().reshape(1, -1) if scale is not None else torch.ones(1, 1, device=q.device)
+        return q, scale.expand(1, q.shape[0]).contiguous(), False
     amax = w.float().abs().amax(dim=1).clamp_min(1e-12)
     scale = (amax / FP8_MAX).reshape(1, -1)
-    return (w.float() / scale.t()).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return (w.float() / scale.t()).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale, True
 
 
 class Copies:
@@ -100,14 +142,15 @@ class Copies:
         # inference_mode: the copies may be inference tensors (made inside a host's inference_mode), which only an
         # inference-mode op may write to.
         with torch.inference_mode():
-            fp8, scale = _quantize(layer)
+            fp8, scale, owned = _quantize(layer)
             if entry is not None and entry.scale.shape == scale.shape and entry.scale.device == scale.device:
                 entry.scale.copy_(scale)
                 scale = entry.scale
-                if fp8 is not w and entry.owned and entry.fp8.shape == fp8.shape and entry.fp8.device == fp8.device:
+                # only into a copy of ours: the host's e4m3 tensors (its weights, its backups) are never written
+                if owned and entry.owned and entry.fp8.shape == fp8.shape and entry.fp8.device == fp8.device:
                     entry.fp8.copy_(fp8)
                     fp8 = entry.fp8
-        entry = _Weight(weakref.ref(w), key, fp8, scale, fp8 is not w)
+        entry = _Weight(weakref.ref(w), key, fp8, scale, owned)
         self._entries[layer] = entry
         return entry
 
@@ -153,19 +196,30 @@ def supported(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
+def _linear(layer: nn.Module) -> bool:
+    """A layer whose forward is the product of its weight and its bias: nn.Linear, or ComfyUI's mixed-precision Linear
+    (fusions/base.py's linear_layer) holding a 16-bit weight or a per-tensor e4m3 QuantizedTensor (the other layouts
+    keep their own forward)."""
+    if isinstance(layer, nn.Linear):
+        return True
+    w = getattr(layer, "weight", None)
+    return (linear_layer(layer) and (type(w) in (torch.Tensor, nn.Parameter) or kitchen_e4m3(w) is not None)
+            and getattr(layer, "pre_quant_scale", None) is None)  # an input smoothing its forward applies
+
+
 def _plain(layer: nn.Module) -> bool:
-    return (isinstance(layer, nn.Linear) and own_weights(layer) and layer.weight.dim() == 2
+    return (_linear(layer) and own_weights(layer) and layer.weight.dim() == 2
             and layer.in_features % 16 == 0 and layer.out_features % 16 == 0)
 
 
-def projections(model: nn.Module) -> list[tuple[nn.Linear, bool]]:
+def projections(model: nn.Module) -> list[tuple[nn.Module, bool]]:
     """The block projections of a DiT that fp8 may take, each with whether it is a modulation projection."""
     out = []
     for block in model.modules():
         if type(block).__name__ not in BLOCKS:
             continue
         for name, layer in block.named_modules():
-            if isinstance(layer, nn.Linear):
+            if _linear(layer):
                 out.append((layer, any(part in MODULATION for part in name.split("."))))
     return out
 
@@ -178,14 +232,14 @@ def apply(model: nn.Module, precision: str, undo: Undo, copies: Copies | None = 
     if precision == "16bit":
         return 0
     chosen = [layer for layer, modulation in projections(model) if _plain(layer)
-              and (layer.weight.dtype == FP8 or (precision == "fp8" and not modulation))]
+              and (stored_in_fp8(layer) or (precision == "fp8" and not modulation))]
     if not chosen:
         return 0
     ok, why = supported(chosen[0].weight.device)
     if not ok:
-        if precision == "fp8" or any(layer.weight.dtype == FP8 for layer in chosen):
-            log.warning("sd-accel: fp8 matrix products cannot run: %s; the fp8 weights are widened to 16 bits per "
-                        "call, as the host does.", why)
+        if precision == "fp8" or any(stored_in_fp8(layer) for layer in chosen):
+            log.warning("sd-accel: fp8 matrix products cannot run: %s; the fp8 weights run through the host's own "
+                        "layers (widened to 16 bits per call, or its own fp8 kernels).", why)
         return 0
     copies = copies if copies is not None else Copies()
     copies.layers = chosen

@@ -205,6 +205,16 @@ def forge_plain(m: nn.Module) -> bool:
             and isinstance(getattr(m, "weight", None), torch.Tensor))
 
 
+def linear_layer(m: nn.Module) -> bool:
+    """nn.Linear (ComfyUI's cast-on-the-fly ones included), or ComfyUI's mixed-precision Linear, which is no nn.Linear:
+    from 0.33 every Linear of a model loaded from a quantized checkpoint, its quantized layers (comfy-kitchen
+    QuantizedTensor weights) and its 16-bit ones. Either's forward is the product of its weight, as the layer keeps it,
+    and its bias: a fused forward may call it where it calls an nn.Linear (reading its weight takes plain_linear)."""
+    cls = type(m)
+    return isinstance(m, nn.Linear) or (cls.__name__ == "Linear" and cls.__module__ == "comfy.ops"
+                                        and "MixedPrecisionOps" in cls.__qualname__)
+
+
 def plain_linear(m: nn.Module) -> bool:
     """nn.Linear, or ComfyUI's or Forge's Linear without cast or weight functions: a forward that is F.linear of its
     own weight and bias. Any other subclass (a LoRA layer adds its own terms) is left to its forward."""

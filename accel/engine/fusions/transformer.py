@@ -15,7 +15,8 @@ from torch import nn
 from .. import flash3, flash4, fp8, fp8_attention
 from ..attention import StandIn, sdpa_name
 from . import packing
-from .base import comfy_attend, comfy_attention, comfy_function, host_block, kernel_module, own_weights, plain_linear
+from .base import (comfy_attend, comfy_attention, comfy_function, host_block, kernel_module, linear_layer,
+                   own_weights, plain_linear)
 
 EPS = 1e-6  # the LayerNorms and RMSNorms of Flux and MMDiT
 FLUX_ATTENTION = "comfy.ldm.flux.math"  # whose optimized_attention ComfyUI's Flux and Chroma blocks call
@@ -27,8 +28,9 @@ SWIGLU = "swiglu"
 
 
 def linears(*layers: nn.Module) -> bool:
-    """Linear layers (ComfyUI's cast-on-the-fly ones included: the fused forwards call them) of own_weights."""
-    return all(isinstance(layer, nn.Linear) for layer in layers) and own_weights(*layers)
+    """Linear layers (ComfyUI's cast-on-the-fly and mixed-precision ones included: the fused forwards call them) of
+    own_weights."""
+    return all(linear_layer(layer) for layer in layers) and own_weights(*layers)
 
 
 def kernels_run_on(x: torch.Tensor) -> bool:
@@ -223,7 +225,7 @@ def norm_weight(p: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
 def _mlp_act(mlp: nn.Module) -> str | None:
     """The activation of an MLP of Linear, activation, Linear in a Sequential: Flux.1's (tanh GELU) or Flux.2's
     (SWIGLU, its first Linear twice as wide as the second's input); None for any other MLP (ComfyUI 0.33's YakMLP)."""
-    if not (isinstance(mlp, nn.Sequential) and len(mlp) == 3 and all(isinstance(mlp[i], nn.Linear) for i in (0, 2))):
+    if not (isinstance(mlp, nn.Sequential) and len(mlp) == 3 and all(linear_layer(mlp[i]) for i in (0, 2))):
         return None
     act = _activation(mlp[1])
     return act if act != SWIGLU or mlp[0].out_features == 2 * mlp[2].in_features else None

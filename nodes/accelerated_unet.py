@@ -204,17 +204,35 @@ def unsupported(model) -> str | None:
             inspect_dit(unet)
         except AccelError as e:
             return f"{e} It passes through unaccelerated."
-        return None
-    if type(unet) is not UNetModel:
+    elif type(unet) is not UNetModel:
         return (f"{what} is not accelerated (yet): sd-accel takes SD1.x, SD2.x and SDXL UNets and the Flux.1, Flux.2, "
                 "Chroma, SD3, Wan 2.1/2.2 and Qwen-Image transformers; it passes through to ComfyUI's own forward.")
-    try:
-        family = inspect_unet(unet).family
-    except AccelError as e:
-        return f"{e} It passes through unaccelerated."
-    if family not in FAMILIES:
-        return (f"{what} has a {family} layout (not SD1.x, SD2.x or SDXL); it passes through unaccelerated.")
+    else:
+        try:
+            family = inspect_unet(unet).family
+        except AccelError as e:
+            return f"{e} It passes through unaccelerated."
+        if family not in FAMILIES:
+            return (f"{what} has a {family} layout (not SD1.x, SD2.x or SDXL); it passes through unaccelerated.")
+    unread = quantized_formats(unet) - set(READ_FORMATS)
+    if unread:
+        return (f"{what} was loaded from a quantized checkpoint in the {', '.join(sorted(unread))} format, which "
+                f"sd-accel does not read (it reads {', '.join(READ_FORMATS)}); it passes through unaccelerated and "
+                "ComfyUI's own kernels run it.")
     return None
+
+
+# The formats of ComfyUI's quantized checkpoints (0.33 and later: comfy-kitchen layouts) whose layers the engine
+# serves: e4m3 weights with one scale per tensor, read as they are by the fp8 products (accel/engine/fp8.py) or, where
+# those do not run, by ComfyUI's own layer inside the fused blocks. The others (fp4, block-scaled fp8, int8, e5m2) run
+# kernels of comfy-kitchen's that no run of ours has checked under CUDA graphs or timed against ComfyUI's own path.
+READ_FORMATS = ("float8_e4m3fn",)
+
+
+def quantized_formats(unet) -> set[str]:
+    """The formats ComfyUI loaded the model's quantized layers in (0.33 and later: each such layer's quant_format, from
+    the checkpoint's comfy_quant entries or its scaled_fp8 ones, which it converts); empty for a model without any."""
+    return {f for m in unet.modules() if isinstance(f := m.__dict__.get("quant_format"), str)}
 
 
 # Under DynamicVRAM, the resident copy of each dynamic model (ComfyUI's own clone override: its BaseModel and backups),

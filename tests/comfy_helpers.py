@@ -235,6 +235,129 @@ def load_diffusion_model_file(module, folder: Path, dtype=None):
     return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype} if dtype is not None else {})
 
 
+# The forms of quantized diffusion-model files ComfyUI reads, as published files lay them out (comfy.utils's
+# convert_old_quants and detect_layer_quantization, comfy.ops's _load_quantized_module):
+# - "scaled_fp8": the "fp8_scaled" files (Comfy-Org's repackaged Wan 2.1, wan2.1_t2v_14B_fp8_scaled): every Linear
+#   weight in e4m3 with a float32 per-tensor `scale_weight`, and a `scaled_fp8` key that marks the file. ComfyUI 0.3.6x
+#   loads them into its scaled-fp8 layers; 0.33 converts them into its mixed-precision layers (comfy-kitchen
+#   QuantizedTensors).
+# - "comfy_quant": 0.33's mixed-precision files: each quantized layer's format in a `comfy_quant` entry (JSON bytes)
+#   beside its weight and the weight's per-tensor `weight_scale`; the other layers stay 16-bit.
+# - "quantization_metadata": the same with the layers' formats in the file's `_quantization_metadata` header instead.
+QUANTIZED_FORMS = ("scaled_fp8", "comfy_quant", "quantization_metadata")
+# The ComfyUI model class of each tiny_dit family, whose unet_config the model detection matches a file against
+DIT_CLASSES = {"flux": "Flux", "chroma": "Chroma", "sd3": "SD3", "wan": "WAN21_T2V", "qwen-image": "QwenImage"}
+
+
+def reads_quantized_form(form: str) -> str | None:
+    """Why the ComfyUI tree the tests run in cannot read quantized files of this form, or None where it can."""
+    if form != "scaled_fp8" and not (comfy_root() / "comfy" / "quant_ops.py").is_file():
+        return f"ComfyUI {comfy_version()} has no mixed-precision checkpoints (comfy/quant_ops.py, 0.33 and later)"
+    return None
+
+
+def tiny_dit_weights(family: str, seed: int = 0):
+    """The diffusion model of tiny_dit(family) on the CPU, for writing as a file. Its blocks' residual and modulation
+    projections are seeded louder than tiny_dit's, so that what the blocks add (their projections, a LoRA on them)
+    shows in the latents of a short sampling run."""
+    import comfy.supported_models
+
+    from sd_accel.accel.models import configs
+
+    _, cfg = configs.comfy_dit_config(f"tiny-{family}")
+    config = getattr(comfy.supported_models, DIT_CLASSES[family])(dict(cfg))
+    config.unet_config.update(cfg)
+    with layers_with_weights():
+        model = config.get_model({}, device="cpu")
+    return configs.seed_dit_parameters(model.diffusion_model, seed, quiet=0.5).requires_grad_(False)
+
+
+@contextlib.contextmanager
+def detected_as(cls_name: str, config: dict):
+    """Within: ComfyUI's model detection gives a file it takes for a model of supported_models.<cls_name> the unet
+    config `config` (a tiny model's). It reads a published model's widths (heads, text width, ...) from constants or
+    from head sizes of 128, which a tiny file does not fit; its loader does all else as it does for any file (the
+    model class, its dtypes, layers and quantized weights)."""
+    import comfy.model_detection as md
+    import comfy.supported_models
+
+    own = md.detect_unet_config
+    cls = getattr(comfy.supported_models, cls_name)
+    tiny = {**cls.unet_config, **config}
+
+    def detect(state_dict, key_prefix, *args, **kwargs):
+        found = own(state_dict, key_prefix, *args, **kwargs)
+        if found is not None and all(found.get(k) == v for k, v in cls.unet_config.items()):
+            return dict(tiny)
+        return found
+
+    md.detect_unet_config = detect
+    try:
+        yield
+    finally:
+        md.detect_unet_config = own
+
+
+def quantize_per_tensor(w, fmt: str):
+    """(stored weight, float32 per-tensor scale) of w in format `fmt`: weight = stored * scale."""
+    import torch
+
+    top = {"float8_e4m3fn": 448.0, "int8_tensorwise": 127.0}[fmt]
+    scale = (w.float().abs().amax() / top).reshape(())
+    q = w.float() / scale
+    return (q.to(torch.float8_e4m3fn) if fmt == "float8_e4m3fn" else q.round().clamp(-127, 127).to(torch.int8)), scale
+
+
+def write_quantized_file(module, folder: Path, form: str, layers=None, dtype=None) -> Path:
+    """module's weights written as a quantized diffusion-model file of `form` (QUANTIZED_FORMS), as published ones are
+    laid out: the Linear layers `layers(name)` gives a format for ("float8_e4m3fn", "int8_tensorwise"; None: 16-bit)
+    stored in it with their per-tensor scales, every other tensor in `dtype` (bfloat16 where not given). "scaled_fp8"
+    files quantize every Linear weight to e4m3 (ComfyUI 0.3.6x loads every Linear of such a file in fp8)."""
+    import json
+
+    import safetensors.torch
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    every = layers is None or form == "scaled_fp8"
+    out, formats = {}, {}
+    for key, t in module.state_dict().items():
+        t = t.detach().contiguous().cpu()
+        name = key[: -len(".weight")]
+        fmt = ("float8_e4m3fn" if every else layers(name)) if key.endswith(".weight") and t.dim() == 2 else None
+        if fmt is None:
+            out[key] = t.to(dtype) if t.is_floating_point() else t
+            continue
+        out[key], scale = quantize_per_tensor(t, fmt)
+        out[f"{name}.scale_weight" if form == "scaled_fp8" else f"{name}.weight_scale"] = scale
+        formats[name] = {"format": fmt}
+        if form == "comfy_quant":
+            out[f"{name}.comfy_quant"] = torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
+    metadata = None
+    if form == "scaled_fp8":
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    elif form == "quantization_metadata":
+        metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": formats})}
+    path = folder / f"diffusion_model_{form}.safetensors"
+    safetensors.torch.save_file(out, str(path), metadata=metadata)
+    return path
+
+
+@contextlib.contextmanager
+def dtypes_of_a_bf16_gpu():
+    """Within: ComfyUI chooses a model's dtypes on the CPU as it does on a GPU with bfloat16 (an NVIDIA one from
+    Ampere on), where it otherwise computes in float32: what a loader run inside builds is the model a user's GPU
+    gets (Flux: bfloat16 weights and computation, its quantized layers computing in bfloat16), on the CPU."""
+    import comfy.model_management as mm
+
+    own = mm.should_use_bf16
+    mm.should_use_bf16 = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        mm.should_use_bf16 = own
+
+
 def load_pack():
     """The repository imported the way ComfyUI imports a custom node folder: a package named after the folder."""
     if PACK_NAME in sys.modules:
@@ -296,9 +419,7 @@ def tiny_dit(family: str = "flux", seed: int = 0):
     from sd_accel.accel.models import configs
 
     _, cfg = configs.comfy_dit_config(f"tiny-{family}")
-    config = {"flux": comfy.supported_models.Flux, "chroma": comfy.supported_models.Chroma,
-              "sd3": comfy.supported_models.SD3, "wan": comfy.supported_models.WAN21_T2V,
-              "qwen-image": comfy.supported_models.QwenImage}[family](dict(cfg))
+    config = getattr(comfy.supported_models, DIT_CLASSES[family])(dict(cfg))
     config.unet_config.update(cfg)
     model = config.get_model({})
     configs.seed_dit_parameters(model.diffusion_model, seed)

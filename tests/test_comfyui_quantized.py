@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,16 @@ def test_a_quantized_format_the_engine_does_not_read_passes_through_said_once(pa
     assert out["result"][0] is model and accelerated_unet.session_of(model) is None
     assert torch.equal(sample("flux", out["result"][0]), plain)
 
+
+def test_the_gpu_check_of_quantized_files_runs_on_a_tiny_flux():
+    """tests/gpu/quantized.py's harness on the tiny Flux on the CPU (the node's float32 path; its quick sequence):
+    every run within its limit of plain ComfyUI's on the same quantized file, a LoRA that changes the image."""
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    import quantized
+
+    form = "comfy_quant" if H.reads_quantized_form("comfy_quant") is None else "scaled_fp8"
+    report = quantized.run_quantized("flux-dev", form, size="tiny", device="cpu", quick=True)
+    print(report.table())
+    assert {r.setting for r in report.rows} == {"auto, graphs off"}
+    assert {"20 steps again", "LoRA 0.4", "LoRA removed", "after unload", "batch 2"} <= {r.run for r in report.rows}
+    assert not report.failures() and report.lora_effect > 1e-3, report.table()

@@ -196,7 +196,7 @@ def unsupported(model) -> str | None:
     unet = getattr(base, "diffusion_model", None)
     # ComfyUI's name for the model (supported_models: ZImage), which its BaseModel class (Lumina2) may not say
     config = getattr(base, "model_config", None)
-    what = f"{type(base if config is None else config).__name__} ({type(unet).__name__})"
+    what = type(base if config is None else config).__name__ + ("" if unet is None else f" ({type(unet).__name__})")
     # Subclasses (SVD's VideoUNet, Chroma Radiance's Chroma, VACE's and the camera models' Wan) take other inputs or
     # have other blocks.
     if type(unet) in transformers:

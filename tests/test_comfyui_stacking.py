@@ -230,12 +230,8 @@ def test_controlnet_with_easycache_gives_plains_latents(pack, family, channels, 
     node: tests/test_comfyui_nodes.py and test_comfyui_dit.py.)"""
     cls = host_node("nodes_easycache", "EasyCacheNode")
     model, (pos, neg) = tiny(family, 60)
-    if family == "sd15":
-        hint = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(4))
-        control = H.tiny_controlnet(61)
-    else:
-        hint = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(4))
-        control = H.tiny_flux_controlnet(61)
+    hint = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(4))
+    control = (H.tiny_controlnet if family == "sd15" else H.tiny_flux_controlnet)(61)
     control = control.copy().set_cond_hint(hint, 0.8, (0.0, 1.0))
     cpos, cneg = ([[c[0][0], {**c[0][1], "control": control, "control_apply_to_uncond": False}]] for c in (pos, neg))
 

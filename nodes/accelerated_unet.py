@@ -21,6 +21,8 @@ import time
 import weakref
 from typing import Any
 
+import torch
+
 from ..accel.errors import AccelError, BadInput
 from ..accel.hosts.support import EngineSlot, shape_profile, transformer_patches
 from ..accel.models.dit import inspect_dit, is_dit
@@ -290,6 +292,26 @@ def attach(model, session: "Session") -> None:
     model.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, session.on_detach)
 
 
+# The diffusion-model wrappers (their keys) of ComfyUI's own nodes that take the forward as a whole: each calls it with
+# the arguments it was given, or returns without calling it (a step it takes from its cache), and reaches into no
+# block. Added after the node they run around the engine's call; any other wrapper might reach into the blocks, which
+# the engine's fused blocks and CUDA graphs would not show it.
+WHOLE_FORWARD = frozenset({
+    "easycache",  # EasyCache, comfy_extras/nodes_easycache.py
+})
+
+
+def _wrappers_inside(transformer_options: dict, count: int) -> list[str] | None:
+    """The keys of the diffusion-model wrappers added after the node's (they run inside it), or None where
+    transformer_options does not account for the `count` wrappers the call has inside the node's."""
+    from comfy.patcher_extension import WrappersMP
+
+    keyed = transformer_options.get("wrappers", {}).get(WrappersMP.DIFFUSION_MODEL, {})
+    keys = list(keyed)
+    after = keys[keys.index(KEY) + 1:] if KEY in keys else []
+    return [str(k) for k in after] if sum(len(keyed[k]) for k in after) == count else None
+
+
 def use_devices(model, devices: list[str], timeout: float | None = None) -> None:
     """Spread the calls of an Accelerated UNet's output over devices, the first being the one ComfyUI runs the model on
     (accel/parallel/spread.py). The node passes the GPUs it chose; the tests pass CPU devices (workers over gloo)."""
@@ -387,6 +409,11 @@ class Session:
             if self._objects is not None and objects != self._objects:
                 self.slot.end_run()
             self._objects = objects
+            if self.patcher is not None and self.patcher.model_options.get("torch_compile_kwargs") is not None:
+                # ComfyUI's compiled model traces the forward, the node's wrapper with it, which then steps aside
+                self.slot.tell("torch.compile", "TorchCompileModel compiles this model: its compiled forward runs, "
+                               "not sd-accel's engine. Leave TorchCompileModel out to accelerate (the node's "
+                               "torch_compile option compiles the engine's blocks).")
             if self.slot.spread is not None:
                 self.slot.spread.hold(_replaced_here(objects))
         device, started = getattr(self.patcher, "load_device", None), time.perf_counter()
@@ -410,52 +437,49 @@ class Session:
 
     def diffusion_model(self, executor, x, timesteps=None, context=None, y=None, control=None,
                         transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's own signature)
-        def plain():
-            return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
+        def plain(run=executor):
+            return run(x, timesteps, context, y, control, transformer_options, **kwargs)
 
-        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, kwargs,
-                           plain, x, timesteps, context, y, control)
+        return self._serve_wrapped(executor, transformer_options, kwargs, plain, x, timesteps, context, y, control)
 
     def flux_diffusion_model(self, executor, x, timesteps=None, context=None, y=None, guidance=None,
                              ref_latents=None, control=None, transformer_options={}, **kwargs):  # noqa: B006
-        def plain():
-            return executor(x, timesteps, context, y, guidance, ref_latents, control, transformer_options, **kwargs)
+        def plain(run=executor):
+            return run(x, timesteps, context, y, guidance, ref_latents, control, transformer_options, **kwargs)
 
         extra = dict(kwargs, ref_latents=ref_latents)
-        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
-                           plain, x, timesteps, context, y, control, guidance)
+        return self._serve_wrapped(executor, transformer_options, extra, plain, x, timesteps, context, y, control,
+                                   guidance)
 
     def chroma_diffusion_model(self, executor, x, timesteps=None, context=None, guidance=None, control=None,
                                transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's own signature)
-        def plain():
-            return executor(x, timesteps, context, guidance, control, transformer_options, **kwargs)
+        def plain(run=executor):
+            return run(x, timesteps, context, guidance, control, transformer_options, **kwargs)
 
         extra = {k: v for k, v in kwargs.items() if k != "y"}  # a pooled input Chroma's forward ignores
-        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
-                           plain, x, timesteps, context, None, control, guidance)
+        return self._serve_wrapped(executor, transformer_options, extra, plain, x, timesteps, context, None, control,
+                                   guidance)
 
     def wan_diffusion_model(self, executor, x, timestep=None, context=None, clip_fea=None, time_dim_concat=None,
                             transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's own signature)
-        def plain():
-            return executor(x, timestep, context, clip_fea, time_dim_concat, transformer_options, **kwargs)
+        def plain(run=executor):
+            return run(x, timestep, context, clip_fea, time_dim_concat, transformer_options, **kwargs)
 
         # Image-to-video's CLIP features and Wan 2.2's concatenated frames are inputs the engine does not take yet:
         # such calls run ComfyUI's own forward (why_plain says so once).
         extra = dict(kwargs, clip_fea=clip_fea, time_dim_concat=time_dim_concat)
-        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
-                           plain, x, timestep, context, None, None)
+        return self._serve_wrapped(executor, transformer_options, extra, plain, x, timestep, context, None, None)
 
     def qwen_image_diffusion_model(self, executor, x, timesteps=None, context=None, attention_mask=None,
                                    guidance=None, ref_latents=None, transformer_options={},
                                    **kwargs):  # noqa: B006 (ComfyUI's own signature)
-        def plain():
-            return executor(x, timesteps, context, attention_mask, guidance, ref_latents, transformer_options,
-                            **kwargs)
+        def plain(run=executor):
+            return run(x, timesteps, context, attention_mask, guidance, ref_latents, transformer_options, **kwargs)
 
         extra = dict(kwargs, attention_mask=attention_mask, ref_latents=ref_latents)
         control = extra.pop("control", None)
-        return self._serve(executor.class_obj, len(executor.wrappers) - executor.idx - 1, transformer_options, extra,
-                           plain, x, timesteps, context, None, control, guidance)
+        return self._serve_wrapped(executor, transformer_options, extra, plain, x, timesteps, context, None, control,
+                                   guidance)
 
     def apply_model(self, executor, *args, **kwargs):
         """SD3: ComfyUI's MMDiT has no diffusion-model wrapper point, so for this call only its instance gets a
@@ -471,8 +495,9 @@ class Session:
                 return own(x, timesteps, context=context, y=y, control=control,
                            transformer_options=transformer_options, **kw)
 
-            others = [k for k in transformer_options.get("wrappers", {}).get(WrappersMP.DIFFUSION_MODEL, {}) if k != KEY]
-            return self._serve(mmdit, len(others), transformer_options, kw, plain, x, timesteps, context, y, control)
+            others = [str(k) for k in transformer_options.get("wrappers", {}).get(WrappersMP.DIFFUSION_MODEL, {})
+                      if k != KEY]
+            return self._serve(mmdit, others, transformer_options, kw, plain, x, timesteps, context, y, control)
 
         mmdit.forward = forward
         try:
@@ -483,9 +508,29 @@ class Session:
             else:
                 del mmdit.forward
 
-    def _serve(self, module, inner_wrappers: int, transformer_options: dict, kwargs: dict, plain, x, timesteps,
+    def _serve_wrapped(self, executor, transformer_options: dict, kwargs: dict, plain, x, timesteps, context, y,
+                       control, guidance=None):
+        """A diffusion-model wrapper's call. Wrappers added after the node run inside it: where each is one that takes
+        the forward as a whole (WHOLE_FORWARD), they run first, around the engine's call (the node's wrapper moved
+        innermost for this call); any other keeps the call on ComfyUI's own forward (why_plain)."""
+        if torch.compiler.is_compiling():  # TorchCompileModel traces the forward: its compiled model serves
+            return plain()
+        inside = executor.wrappers[executor.idx + 1:]
+        names = _wrappers_inside(transformer_options, len(inside)) if inside else []
+        if inside and names and WHOLE_FORWARD.issuperset(names):
+            from comfy.patcher_extension import WrapperExecutor
+
+            own = executor.wrappers[executor.idx]
+            return plain(WrapperExecutor.new_class_executor(executor.original, executor.class_obj,
+                                                            [*inside, own]).execute)
+        return self._serve(executor.class_obj, names if names is not None else [f"{len(inside)} unnamed"],
+                           transformer_options, kwargs, plain, x, timesteps, context, y, control, guidance)
+
+    def _serve(self, module, inner_wrappers: list[str], transformer_options: dict, kwargs: dict, plain, x, timesteps,
                context, y, control, guidance=None):
-        why = self.why_plain(inner_wrappers, transformer_options, kwargs)
+        if torch.compiler.is_compiling():
+            return plain()
+        why = self.why_plain(inner_wrappers, transformer_options, kwargs, module)
         if why is not None:
             if why[0] == "lowvram":  # memory is short: the graphs kept from earlier runs go
                 self.slot.end_run()
@@ -493,12 +538,23 @@ class Session:
         return self.slot.call(module, self.patcher.patches_uuid, x, timesteps, context, y, control, plain,
                               guidance=guidance)
 
-    def why_plain(self, inner_wrappers: int, transformer_options: dict, kwargs: dict) -> tuple[str, str] | None:
-        """(key, message) when this call must run on ComfyUI's own forward, else None."""
+    def why_plain(self, inner_wrappers: list[str], transformer_options: dict, kwargs: dict,
+                  module: Any = None) -> tuple[str, str] | None:
+        """(key, message) when this call must run on ComfyUI's own forward, else None. inner_wrappers: the keys of
+        the diffusion-model wrappers that run inside the node's for this call; module: the one called."""
         p = self.patcher
         if p is None:
             return ("no-sampler", "the model was called outside a ComfyUI sampler, where sd-accel cannot see the "
                     "model's patches; such calls run on the plain model.")
+        if transformer_options.get("multigpu_thread_device") is not None:
+            # Its threads run the calls of a step at once, on the other GPUs' own copies of the model: an engine for
+            # one of them would make that GPU's half faster and the step no faster.
+            return ("multigpu", "MultiGPU CFG Split (MultiGPU_WorkUnits) runs each step's calls on several GPUs at "
+                    "once, each on its own copy of the model; those calls run ComfyUI's own forward. The node's "
+                    "gpus option splits CFG over GPUs with the engine on each.")
+        if module is not None and module is not getattr(p.model, "diffusion_model", module):
+            return ("other-copy", f"a call runs another copy of the diffusion model ({type(module).__name__}) than "
+                    "the one sd-accel accelerates; such calls run ComfyUI's own forward.")
         if getattr(p.model, "model_lowvram", False) or getattr(p.model, "lowvram_patch_counter", 0):
             return ("lowvram", "the model is only partly loaded on the GPU (lowvram): its weights are streamed in "
                     "and patched per layer, which an engine or CUDA graph would not see, so the plain model runs. "
@@ -510,7 +566,7 @@ class Session:
         if transformer_options.get("optimized_attention_override") is not None:
             patches.append("attention override")
         if inner_wrappers:
-            patches.append(f"{inner_wrappers} diffusion-model wrapper(s) added after this node")
+            patches.append(f"diffusion-model wrappers added after this node ({', '.join(inner_wrappers)})")
         given = sorted(k for k, v in kwargs.items() if v is not None)  # an input passed as None carries nothing
         if given:
             patches.append("extra inputs " + ", ".join(given))

@@ -124,9 +124,10 @@ class AcceleratedUNetNode:
             profile = shape_profile((min_batch, opt_batch, max_batch), (min_height, opt_height, max_height),
                                     (min_width, opt_width, max_width))
         except BadInput as e:
-            profile = None
-            notes.append(say(unique_id, f"{e} Until then the torch path runs, which needs no profile."))
-            backend = "torch"
+            profile = None  # the other paths never read it: a bad one (an old workflow's values) is said only here
+            if backend == "onnxruntime":
+                notes.append(say(unique_id, f"{e} Until then the torch path runs, which needs no profile."))
+                backend = "torch"
         # On (the default) leaves graphs to the plan, which uses them where the GPU can; only off is the user's
         # choice. Passing on as a request would make every node on a CPU or graph-less GPU say it cannot be honoured.
         options = {"compile": torch_compile, "precision": precision}

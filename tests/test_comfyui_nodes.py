@@ -331,6 +331,11 @@ def test_bad_profile_says_so_and_still_runs_the_torch_path(pack, tiny, changes, 
     assert words in caplog.text
     assert H.same(sample(acc, pos, neg, ), sample(tiny, pos, neg))
     assert status(pack, acc).backend == "torch"
+    # the torch path never reads the profile: nothing said there
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        _, text = accelerate(pack, tiny, backend="torch", **changes)
+    assert words not in text and words not in caplog.text
 
 
 def test_backend_not_installed_falls_back_with_the_reason(pack, tiny, caplog, monkeypatch):

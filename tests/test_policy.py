@@ -85,7 +85,7 @@ def test_table(gpu, installed, pref, backend, provider, phrase):
     assert plan.fallback == ("torch" if backend == "onnxruntime" else "off")
 
 
-@pytest.mark.parametrize("gpu,installed,pref", itertools.product(GPUS, INSTALLED, PREFERENCES))
+@pytest.mark.parametrize("gpu,installed,pref", list(itertools.product(GPUS, INSTALLED, PREFERENCES)))
 def test_every_combination(gpu, installed, pref):
     g, inst = GPUS[gpu], INSTALLED[installed]
     plan = choose(g, pref, inst)

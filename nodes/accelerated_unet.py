@@ -342,8 +342,6 @@ def _memory_to_spare() -> bool:
 def _wait_for(device) -> None:
     """Wait for the work queued on a CUDA device: its calls return before their kernels run, and a run's time is
     their computation's."""
-    import torch
-
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -177,28 +177,16 @@ def test_flux2_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_
     16-bit), the SiLU-gated MLPs' too, and stays close to the 16-bit fused forward; auto leaves 16-bit weights."""
     pytest.importorskip("triton")
     _flux2_class()
-    from sd_accel.accel.engine import fp8, fusions
     from sd_accel.accel.models import configs
-    from sd_accel.accel.models.dit import CanonicalDiT
+    from test_dit import _fused_output
 
     model = configs.build_dit("tiny-flux2", "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16,
                               device=DEVICE)
     inp = configs.dit_example_inputs("tiny-flux2", batch=2, device=DEVICE)
     inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
 
-    def fused(precision: str):
-        undo, counts = fusions.apply(model)
-        marks = fusions.Undo()
-        counts["fp8"] = fp8.apply(model, precision, marks)
-        try:
-            with torch.no_grad():
-                return CanonicalDiT(model)(**inp), counts
-        finally:
-            marks()
-            undo()
-
-    ref, counts = fused("auto")
+    ref, counts = _fused_output(model, inp, "auto")
     assert counts["flux"] == 5 and counts["fp8"] == 0
-    out, counts = fused("fp8")
+    out, counts = _fused_output(model, inp, "fp8")
     assert counts["fp8"] == 2 * 8 + 2 * 2  # per double block 2 streams x (qkv, proj, 2 MLP); per single 2
     assert 1e-4 < H.rel(out, ref) <= 5e-2

@@ -87,7 +87,7 @@ def fp8_choice(monkeypatch):
         "fa3" if run is fp8_attention._flash3 else "cudnn"])
     for name, value in (("_CHOSEN", {}), ("_SAID", set()), ("_ONE", {})):
         monkeypatch.setattr(fp8_attention, name, value)
-    flash3._say.cache_clear()
+    flash3.say.cache_clear()
     return calls, times
 
 

@@ -87,7 +87,7 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ours: Callable) ->
                                    attention)
     if choice is None or not choice.host:
         return False
-    _say("16-bit")
+    say("16-bit")
     return True
 
 
@@ -131,9 +131,6 @@ def runs(device: torch.device) -> tuple[bool, str]:
 
 
 @functools.cache
-def _say(what: str) -> None:  # once per process and precision, at the first call it serves
+def say(what: str) -> None:
+    """Once per process and precision ("16-bit", "fp8"), at the first call FlashAttention-3 serves."""
     log.info("sd-accel: the fused transformer blocks' %s attention runs FlashAttention-3 (%s).", what, PACKAGE)
-
-
-def said_fp8() -> None:
-    _say("fp8")

@@ -221,7 +221,7 @@ def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
                 found = (cudnn, out_dtype)
         _CHOSEN[key] = found
     if found[0] is _flash3:
-        flash3.said_fp8()
+        flash3.say("fp8")
     return found
 
 
@@ -332,10 +332,11 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
         _say(f"at head size {head_dim} the attention stays 16-bit under fp8: FlashAttention-4 is installed, and its "
              "16-bit kernel was measured faster there than cuDNN's fp8 one", logging.INFO)
         return None
-    sixteen_bit = not all(fp8.marked(c) for c in consumers) and sixteen_bit_output(like.device)
+    eight_bit_consumers = all(fp8.marked(c) for c in consumers)
+    sixteen_bit = not eight_bit_consumers and sixteen_bit_output(like.device)
     shape = (batch, tokens, heads, head_dim)
     run, out_dtype = choose(shape, like.device, like.dtype if sixteen_bit else fp8.FP8, like.dtype, three,
-                            all(fp8.marked(c) for c in consumers))
+                            eight_bit_consumers)
     if run is None:
         return None
     rope = kernel_module("qk_rope")

@@ -9,40 +9,22 @@ long the GPU was busy within it: how much of a speed-up is GPU work and how much
 graphs remove.
 
 The statistics and the lines are plain functions of the timers' samples, which tests/test_gpu_timing.py checks on
-the CPU.
+the CPU; the statistics and the host's CPU and load are the bench's own (accel/cli/timing.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import platform
-import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-RUNS = 5  # timed runs of each side
+# One implementation of the statistics and the host's CPU and load, the bench's too; the suite reads them from here.
+from sd_accel.accel.cli.timing import (MIN_RUNS, Spread, cpu_model, figure, host_cpu, interleaved,  # noqa: F401
+                                       load, load_text)
 
-
-@dataclass(frozen=True)
-class Spread:
-    """One side's timed runs: the median, the fastest and slowest, and every sample in the order run."""
-
-    median: float
-    low: float
-    high: float
-    samples: tuple[float, ...]
-
-    @classmethod
-    def of(cls, samples: Iterable[float]) -> Spread:
-        values = tuple(samples)
-        if not values:
-            raise ValueError("no timed runs")
-        return cls(statistics.median(values), min(values), max(values), values)
-
-    def text(self, unit: str) -> str:
-        return f"{figure(self.median)} {unit} ({figure(self.low)}-{figure(self.high)})"
+RUNS = MIN_RUNS  # timed runs of each side
 
 
 @dataclass(frozen=True)
@@ -79,30 +61,6 @@ class Timed:
                  f"load {load_text(self.load)}")
         return [timed,
                 f"{self.plain_busy.text('plain', self.unit)}; {self.node_busy.text('node', self.unit)}"]
-
-
-def figure(value: float) -> str:
-    """Three significant digits, trailing zeros kept (0.700, 3.26, 12.3, 123): a run of the tiny models on the CPU
-    takes milliseconds, one of Wan 14B tens of seconds."""
-    if value <= 0 or not math.isfinite(value):
-        return f"{value:g}"
-    decimals = max(0, 2 - math.floor(math.log10(value)))
-    return f"{value:.{decimals}f}"
-
-
-def load_text(load: float | None) -> str:
-    return "unknown" if load is None else f"{load:.2f}"
-
-
-def interleaved(node: Callable[[], float], plain: Callable[[], float],
-                runs: int = RUNS) -> tuple[list[float], list[float]]:
-    """The seconds of `runs` calls of each, made node, plain, node, plain, ...; each call returns its own seconds."""
-    node_s: list[float] = []
-    plain_s: list[float] = []
-    for _ in range(runs):
-        node_s.append(node())
-        plain_s.append(plain())
-    return node_s, plain_s
 
 
 def union_length(spans: Iterable[tuple[float, float]]) -> float:
@@ -156,34 +114,6 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
     except Exception as e:  # noqa: BLE001 (CUPTI missing, a profiler error of this torch: the timing stands)
         text = str(e).strip().splitlines()
         return Busy(wall, None, f"{type(e).__name__}{': ' + text[0] if text else ''}")
-
-
-def cpu_model(cpuinfo: str) -> str:
-    """/proc/cpuinfo's first "model name" ("" where there is none, as on some ARM kernels)."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return " ".join(value.split())
-    return ""
-
-
-def host_cpu() -> str:
-    """The host's CPU model and the cores this process may use: plain ComfyUI's run waits on one of them."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = cpu_model(f.read())
-    except OSError:
-        model = ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model or platform.processor() or 'unknown'} ({cores} cores)"
-
-
-def load() -> float | None:
-    """The host's 1-minute load average (None where the system has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
 
 
 def measure(node: Callable[[], float], plain: Callable[[], float], gpu: bool, runs: int = RUNS, per: int = 1,

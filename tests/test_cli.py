@@ -171,7 +171,16 @@ def test_bench_tiny_writes_rows_with_errors(tmp_path):
     assert ("tiny-sd15", "sd-accel torch") in variants and ("tiny-sdxl", "eager (SDPA)") in variants
     ours = [row for row in rows if row["variant"] == "sd-accel torch"]
     assert all(row["rel_err"] <= 1e-5 and row["ms"] > 0 for row in ours)
+    # each row's times, and for a row after eager's the eager runs interleaved with them (tests/test_bench_timing.py)
+    for row in rows:
+        assert set(row["timed"]) == {"median", "min", "max", "times"}
+        assert len(row["timed"]["times"]) == 2 and row["timed"]["median"] == row["ms"]
+        assert (row["baseline"] is None) == row["variant"].startswith("eager (")
+    assert all(len(row["baseline"]["times"]) == 2 for row in ours)
+    host = json.loads(out.read_text())["host"]
+    assert host["cpu"].endswith(" cores)") and "load" in host
     lines = r.stderr.splitlines()
+    assert lines[-1].startswith(f"host: CPU {host['cpu']}, load ")
     head = next(line for line in lines if line.startswith("model "))  # the table, off stdout while it carries the JSON
     # On the CPU no speed-up is claimed, as the demo says: the times, no ratios, and one line saying why.
     assert "ms/step" in head and "speedup" not in head

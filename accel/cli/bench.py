@@ -3,8 +3,15 @@ timed against stock-PyTorch baselines in the same run.
 
 Rows: eager (diffusers' way: fp16, PyTorch SDPA), eager + channels_last + CUDA graph, torch.compile default
 and "reduce-overhead" (with compile times), and each available sd-accel path. Per row: ms per UNet step
-(batch 2 = classifier-free guidance), speed-up over eager, peak memory and relative L2 error against an
-fp32 reference of the same weights.
+(batch 2 = classifier-free guidance), its median and range, speed-up over eager, peak memory and relative L2 error
+against an fp32 reference of the same weights.
+
+Every row after eager is timed interleaved with eager (eager call, the row's call, eager, ...; accel/cli/timing.py),
+and its speed-up is the ratio of the two medians over those runs: a drift of the clocks or of the host's load falls on
+both. The rows that change the model in place switch it between their calls, untimed and without a second copy of
+the weights: an sd-accel path is suspended for eager's call and resumed for its own (TorchEngine.suspend keeps its
+CUDA graphs, fp8 copies and packed weights, and puts every weight back where the graphs read it), and the CUDA graph
+baseline's channels_last weights are restrided in their own storage.
 """
 
 from __future__ import annotations
@@ -12,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -24,6 +30,7 @@ from ..models.configs import (DIFFUSERS_DIT_CONFIGS, DIT_NAMES, SHAPES, build_ho
                               ldm_example_inputs)
 from ..models.spec import CanonicalUNet
 from ..progress import StageLog
+from . import timing
 from .comfy_attention import eager_variant, exact_attention
 
 
@@ -38,6 +45,8 @@ class Row:
     setup_s: float | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
+    timed: dict | None = None  # this row's timed calls (timing.Spread.record): ms is their median
+    baseline: dict | None = None  # eager's calls interleaved with them, where the row is not eager's own
 
 
 def _sync(device: torch.device) -> None:
@@ -55,25 +64,75 @@ def _x(ratio: float | None) -> str:
     return "" if ratio is None else f", x{ratio:.2f}"
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds per call, after warm-up (CUDA events on the GPU)."""
+def call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call of fn, its GPU work included (CUDA events on the GPU; the caller synchronised)."""
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> timing.Spread:
+    """Milliseconds of `iters` calls of fn, after warm-up."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return timing.Spread.of(call_ms(fn, device) for _ in range(iters))
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds per call, after warm-up."""
+    return time_calls(fn, device, iters, warmup).median
+
+
+def _unchanged() -> None:
+    """The switch of a side that leaves the model as it is."""
+
+
+def time_pair(base: Callable[[], object], fn: Callable[[], object], device: torch.device, iters: int,
+              to_base: Callable[[], None] = _unchanged, to_fn: Callable[[], None] = _unchanged,
+              warmup: int = 3) -> tuple[timing.Spread, timing.Spread]:
+    """Milliseconds of `iters` calls of base and of fn, made alternately (base first) after `warmup` untimed pairs.
+    Before each call its side's switch puts the model in the state that side runs (to_base, to_fn: idempotent),
+    untimed and outside inference mode, as the model was when the path was built."""
+    def side(switch: Callable[[], None], call: Callable[[], object]) -> Callable[[], float]:
+        def timed() -> float:
+            with torch.inference_mode(False):
+                switch()
+            _sync(device)
+            return call_ms(call, device)
+        return timed
+
+    base_side, fn_side = side(to_base, base), side(to_fn, fn)
+    for _ in range(warmup):  # the switches too: a first resume may capture or compile what later ones replay
+        base_side()
+        fn_side()
+    base_ms, fn_ms = timing.interleaved(base_side, fn_side, iters)
+    return timing.Spread.of(base_ms), timing.Spread.of(fn_ms)
+
+
+def timed_row(model: str, variant: str, own: timing.Spread, base: timing.Spread | None, device: torch.device,
+              **fields) -> Row:
+    """A timed row: ms is own's median; on a GPU its speed-up is base's median over it (eager's own row: 1)."""
+    ratio = _speedup(base.median if base is not None else own.median, own.median, device)
+    return Row(model, variant, own.median, ratio, timed=own.record(),
+               baseline=None if base is None else base.record(), **fields)
+
+
+def _timed_text(row: Row) -> str:
+    """A progress line's times: the row's median and range, and on a GPU its ratio against the eager runs
+    interleaved with it."""
+    text = f"{row.ms:.2f} ms/step ({row.timed['min']:.2f}-{row.timed['max']:.2f})"
+    if row.speedup is None or row.baseline is None:
+        return text + _x(row.speedup)
+    b = row.baseline
+    return text + f", x{row.speedup:.2f} against eager {b['median']:.2f} ms ({b['min']:.2f}-{b['max']:.2f}) interleaved"
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -155,34 +214,44 @@ def time_variants(name: str, canon: torch.nn.Module, args: tuple, ref: torch.Ten
                   amp: Callable = contextlib.nullcontext, channels_last: bool = False,
                   eager: str = "eager (SDPA)") -> list[Row]:
     """The rows of one model in the same run: eager (named `eager`), eager + CUDA graph (+ channels_last for UNets),
-    each torch.compile mode, each sd-accel path; canon(*args) is the model's canonical call."""
+    each torch.compile mode, each sd-accel path; canon(*args) is the model's canonical call. Every row after eager's
+    is timed interleaved with eager (time_pair)."""
     rows: list[Row] = []
     model = canon.unet
 
-    def add(variant: str, fn: Callable[[], torch.Tensor], setup_s: float | None = None, note: str = "", **extra) -> None:
+    def plain() -> torch.Tensor:
+        return canon(*args)
+
+    def add(variant: str, fn: Callable[[], torch.Tensor], setup_s: float | None = None, note: str = "",
+            to_eager: Callable[[], None] = _unchanged, to_fn: Callable[[], None] = _unchanged) -> None:
         _peak_reset(device)
         with torch.inference_mode(), amp():
             out = fn()
-            ms = time_ms(fn, device, iters)
+            peak = _peak_gb(device)  # the row's own: eager's calls interleaved with its timed ones are not its
+            if rows:
+                base, own = time_pair(plain, fn, device, iters, to_eager, to_fn)
+            else:
+                base, own = None, time_calls(fn, device, iters)
+            with torch.inference_mode(False):
+                to_eager()  # the next row starts from the plain model
         err = rel_l2(out, ref)
-        ratio = _speedup(rows[0].ms if rows else ms, ms, device)
-        rows.append(Row(name, variant, ms, ratio, _peak_gb(device), err, setup_s, note, extra))
-        log(f"[{name}] {variant}: {ms:.2f} ms/step{_x(ratio)}, err {err:.2e}")
+        row = timed_row(name, variant, own, base, device, peak_gb=peak, rel_err=err, setup_s=setup_s, note=note)
+        rows.append(row)
+        log(f"[{name}] {variant}: {_timed_text(row)}, err {err:.2e}")
 
-    add(eager, lambda: canon(*args))
+    add(eager, plain)
     if profile and device.type == "cuda":
-        _profile(rows[-1], lambda: canon(*args), log)
+        _profile(rows[-1], plain, log)
     if device.type == "cuda":
-        graph_args = args
+        graph_args, to_eager, to_graphed = args, _unchanged, _unchanged
         if channels_last:
-            model.to(memory_format=torch.channels_last)
+            to_eager, to_graphed = channels_last_switches(model)
             graph_args = (args[0].contiguous(memory_format=torch.channels_last), *args[1:])
         with torch.inference_mode(), amp():
             replay = _graphed(canon, graph_args)
-        add("eager + channels_last + CUDA graph" if channels_last else "eager + CUDA graph", replay)
+        add("eager + channels_last + CUDA graph" if channels_last else "eager + CUDA graph", replay,
+            to_eager=to_eager, to_fn=to_graphed)
         del replay
-        if channels_last:
-            model.to(memory_format=torch.contiguous_format)
     for mode in compile_modes:
         torch._dynamo.reset()
         compiled = torch.compile(canon, mode=None if mode == "default" else mode)
@@ -191,12 +260,32 @@ def time_variants(name: str, canon: torch.nn.Module, args: tuple, ref: torch.Ten
             compiled(*args)
             compiled(*args)
         _sync(device)
+        # no switch: compiling leaves the model as eager runs it
         add(f"torch.compile {mode}", lambda: compiled(*args), setup_s=time.perf_counter() - start)
         del compiled
         torch._dynamo.reset()
     for path in paths:
-        rows.extend(_bench_path(name, path, canon, args, ref, device, iters, rows[0].ms, log, profile, amp))
+        rows.extend(_bench_path(name, path, canon, args, ref, device, iters, log, profile, amp))
     return rows
+
+
+def channels_last_switches(model: torch.nn.Module) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The model's 4-D weights made channels_last now, and two idempotent switches: back to contiguous strides (for
+    eager's calls), and to channels_last again (for the graph's replays). Each rewrites the weights in their own
+    storage, as the torch path does: a graph captured on them reads them where they were, and no second copy of the
+    weights is made."""
+    from ..engine.backends.torch_fused import restride, restride_tensors
+
+    weights = restride(model, torch.channels_last)
+    now = [torch.channels_last]
+
+    def to(memory_format: torch.memory_format) -> Callable[[], None]:
+        def switch() -> None:
+            if now[0] != memory_format:
+                restride_tensors(weights, memory_format)
+                now[0] = memory_format
+        return switch
+    return to(torch.contiguous_format), to(torch.channels_last)
 
 
 def _profile(row: Row, fn: Callable[[], object], log: Callable[[str], None]) -> None:
@@ -224,7 +313,7 @@ VARIANTS = {"compile": ({"compile": True}, " + regional compile"),
             "refit": (None, "")}
 
 
-def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profile=False,
+def _bench_path(name, path, canon, args, ref, device, iters, log, profile=False,
                 amp=contextlib.nullcontext) -> list[Row]:
     from ..accelerate import accelerate
 
@@ -256,23 +345,24 @@ def _bench_path(name, path, canon, args, ref, device, iters, base_ms, log, profi
         acc(*args)
         _sync(device)
         seen_s = time.perf_counter() - again
-        ms = time_ms(lambda: acc(*args), device, iters)
+        peak = _peak_gb(device)
+        # eager's calls run the plain model: the path is suspended for them and resumed for its own (its graphs kept)
+        base, own = time_pair(lambda: canon(*args), lambda: acc(*args), device, iters, acc.suspend, acc.resume)
     err = rel_l2(out, ref)
     note = "setup = build + first call at a new shape"
     if acc.fallback_calls:  # the figures are then not the path's own
         note = f"{acc.fallback_calls} calls fell back to the torch path: {acc.fallback_reason}"
         log(f"[{name}] sd-accel {path}: {note}")
-    ratio = _speedup(base_ms, ms, device)
-    row = Row(name, f"sd-accel {backend}{label}", ms, ratio, _peak_gb(device), err, first_s,
-              note, {"seen_shape_s": seen_s, "new_shape_s": new_shape_s, "reasons": acc.plan.reasons})
-    log(f"[{name}] sd-accel {path}: {ms:.2f} ms/step{_x(ratio)}, err {err:.2e}, "
+    row = timed_row(name, f"sd-accel {backend}{label}", own, base, device, peak_gb=peak, rel_err=err, setup_s=first_s,
+                    note=note, extra={"seen_shape_s": seen_s, "new_shape_s": new_shape_s, "reasons": acc.plan.reasons})
+    log(f"[{name}] sd-accel {path}: {_timed_text(row)}, err {err:.2e}, "
         f"first call {first_s:.1f}s, new shape {new_shape_s:.2f}s, seen shape {seen_s * 1e3:.0f} ms")
     if profile and device.type == "cuda":
         _profile(row, lambda: acc(*args), log)
     acc.release()
     if variant != "refit":
         return [row]
-    return [row, _second_checkpoint(name, backend, canon, args, device, iters, base_ms, log, amp)]
+    return [row, _second_checkpoint(name, backend, canon, args, device, iters, log, amp)]
 
 
 def another_checkpoint(canon: CanonicalUNet, seed: int = 1) -> CanonicalUNet:
@@ -287,7 +377,7 @@ def another_checkpoint(canon: CanonicalUNet, seed: int = 1) -> CanonicalUNet:
     return CanonicalUNet(other)
 
 
-def _second_checkpoint(name, backend, canon, args, device, iters, base_ms, log, amp) -> Row:
+def _second_checkpoint(name, backend, canon, args, device, iters, log, amp) -> Row:
     """Another checkpoint of the model just built, through the same path: for ONNX Runtime, its graph from the cache
     with these weights put in (a refit) rather than an export. Its error is against its own fp32 output."""
     from ..accelerate import accelerate
@@ -305,14 +395,16 @@ def _second_checkpoint(name, backend, canon, args, device, iters, base_ms, log, 
         out = acc(*args)
         _sync(device)
         setup_s = time.perf_counter() - start
-        ms = time_ms(lambda: acc(*args), device, iters)
+        peak = _peak_gb(device)
+        # against this checkpoint's own eager calls, interleaved as the path's first row is
+        base, own = time_pair(lambda: other(*args), lambda: acc(*args), device, iters, acc.suspend, acc.resume)
     err = rel_l2(out, ref)
     result = getattr(acc.engine, "cache_result", None)
     how = result.describe() if result is not None else "built"
-    log(f"[{name}] sd-accel {backend} second checkpoint: {how}; setup {setup_s:.1f} s, {ms:.2f} ms/step, "
+    row = timed_row(name, f"sd-accel {backend}, 2nd checkpoint", own, base, device, peak_gb=peak, rel_err=err,
+                    setup_s=setup_s, note=f"setup = build ({how}) + first call", extra={"reasons": acc.plan.reasons})
+    log(f"[{name}] sd-accel {backend} second checkpoint: {how}; setup {setup_s:.1f} s, {_timed_text(row)}, "
         f"err {err:.2e}")
-    row = Row(name, f"sd-accel {backend}, 2nd checkpoint", ms, _speedup(base_ms, ms, device), _peak_gb(device), err,
-              setup_s, f"setup = build ({how}) + first call", {"reasons": acc.plan.reasons})
     acc.release()
     return row
 
@@ -342,6 +434,10 @@ def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], pat
 
     names = model_names(models, tiny, host)
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cuda" and iters < timing.MIN_RUNS:
+        log(f"--iters {iters}: a speed-up is printed from at least {timing.MIN_RUNS} interleaved runs of each side; "
+            f"timing {timing.MIN_RUNS}")
+        iters = timing.MIN_RUNS
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     rows: list[Row] = []
     for name in names:
@@ -352,6 +448,11 @@ def run(models: list[str], tiny: bool, iters: int, compile_modes: list[str], pat
     return rows
 
 
+# How the ms/step and min-max columns are made (time_pair), and the eager ms and speedup columns where there are.
+TIMING = ("ms/step = median of the row's timed calls, min-max their range; each row after a model's first (eager) is "
+          "timed interleaved with eager (eager call, the row's call, alternately, --iters of each after 3 warm-up "
+          "pairs; an sd-accel path suspended for eager's calls, its graphs kept; eager's times: the JSON's baseline).")
+RATIO = "eager ms = eager's median over the runs interleaved with the row; speedup = eager ms / ms/step."
 # "seen shape" is in the progress lines and the JSON (extra.seen_shape_s), not in a column of the table.
 LEGEND = ("setup s = build + first call at a new shape; new shape (progress lines, JSON) = the first call at a second "
           "shape (half the height, to a multiple the path accelerates) in the same process; seen shape = a call at a "
@@ -364,21 +465,31 @@ CPU_NOTE = ("speedup: none on the CPU, so no speed-up is claimed: the torch path
             "are for reference.")
 
 
-def table(rows: list[Row]) -> str:
+def host_line(cpu: str, load: float | None) -> str:
+    """The host the times were taken on: its CPU, which eager's launches wait on, and how busy it was."""
+    return f"host: CPU {cpu}, load {timing.load_text(load)} (1-minute average, after the timed runs)"
+
+
+def table(rows: list[Row], host: str = "") -> str:
+    """The rows as a table, the legends under it, and `host` (host_line) last where given."""
     ratios = any(r.speedup is not None for r in rows)
-    head = f"{'model':<20} {'variant':<36} {'ms/step':>8} " + (f"{'speedup':>8} " if ratios else "") + \
-        f"{'peak GB':>8} {'rel err':>9} {'setup s':>8}"
+    head = f"{'model':<20} {'variant':<36} {'ms/step':>8} {'min-max':>15} " + \
+        (f"{'eager ms':>8} {'speedup':>8} " if ratios else "") + f"{'peak GB':>8} {'rel err':>9} {'setup s':>8}"
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: format("-", ">" + f.partition(".")[0]) if v is None else format(v, f)
     for r in rows:
-        lines.append(f"{r.model:<20} {r.variant:<36} {fmt(r.ms, '8.2f')} "
-                     + (f"{fmt(r.speedup, '8.2f')} " if ratios else "")
+        spread = "-" if r.timed is None else f"{r.timed['min']:.2f}-{r.timed['max']:.2f}"
+        base = None if r.baseline is None else r.baseline["median"]
+        lines.append(f"{r.model:<20} {r.variant:<36} {fmt(r.ms, '8.2f')} {spread:>15} "
+                     + (f"{fmt(base, '8.2f')} {fmt(r.speedup, '8.2f')} " if ratios else "")
                      + f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
         if r.note.startswith("not available") or "fell back" in r.note:
             lines.append(f"{'':<20} {r.note}")
-    lines.append(LEGEND)
+    lines += [TIMING, RATIO, LEGEND] if ratios else [TIMING, LEGEND]
     if not ratios and rows:
         lines.append(CPU_NOTE)
+    if host:
+        lines.append(host)
     return "\n".join(lines)
 
 

@@ -229,14 +229,16 @@ def _bench(args: argparse.Namespace) -> int:
         out["parallel"] = as_dicts(rows)
         print(parallel_table(rows), file=say)
     elif _times_models(args):
-        from . import bench
+        from . import bench, timing
 
         modes = [] if args.no_compile or args.tiny else args.compile_modes
         paths = [p for p in args.paths if not (p.endswith("-compile") and (args.no_compile or args.tiny))]
         rows = bench.run(models, args.tiny, args.iters, modes, paths,
                          log=(lambda s: print(s, file=sys.stderr)), profile=args.profile, host=_host(args))
+        cpu, load = timing.host_cpu(), timing.load()
         out["unet"] = bench.as_dicts(rows)
-        print(bench.table(rows), file=say)
+        out["host"] = {"cpu": cpu, "load": load}
+        print(bench.table(rows, bench.host_line(cpu, load)), file=say)
     code = 0
     if args.json_file:
         try:
@@ -306,7 +308,10 @@ def _main(argv: list[str] | None) -> int:
                         "(precision fp8), torch-fp8weights: the weights stored in fp8 as ComfyUI loads them, its own "
                         "forward and the torch path on them, with --comfyui)")
     b.add_argument("--iters", type=checks.whole(1),
-                   help="timed runs per variant (median is reported; default 20, with --gpus 3)")
+                   help="timed runs per variant (default 20, with --gpus 3): each row's median and min-max are "
+                        "reported; each row after eager is timed interleaved with eager (eager, the row, alternately, "
+                        "--iters of each), its speed-up the ratio of the medians, at least 5 of each on a GPU (a "
+                        "smaller --iters is raised to 5 there; --gpus times its layouts one after another)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--compile-modes", default="default,reduce-overhead", metavar="MODE,...",

@@ -81,7 +81,7 @@ def test_the_graph_baselines_weights_switch_layout_in_their_own_storage():
 
 def test_the_bench_interleaves_eager_with_the_suspended_path(monkeypatch):
     """The path's row: after its build and first calls, eager on the plain model (the path suspended) and the path
-    (resumed) alternate, the warm-up pairs and then --iters of each."""
+    (resumed) alternate, the warm-up pairs and then --iters of each; graphs captured meanwhile are said."""
     from sd_accel.accel import accelerate as A
 
     events: list[str] = []
@@ -120,6 +120,9 @@ def test_the_bench_interleaves_eager_with_the_suspended_path(monkeypatch):
     monkeypatch.setattr(A.AcceleratedUNet, "suspend", suspend)
     monkeypatch.setattr(A.AcceleratedUNet, "resume", resume)
     monkeypatch.setattr(CanonicalUNet, "forward", forward)
+    # graphs (none on the CPU) counted before and after the interleaved calls: as if a resume had lost them
+    captures = iter([3, 5])
+    monkeypatch.setattr(bench, "_captures", lambda acc: next(captures))
     unet = CanonicalUNet(build_unet("tiny-sd15", seed=3))
     args = example_inputs(unet.unet, latent=16, seed=4)
     with torch.inference_mode():
@@ -134,3 +137,5 @@ def test_the_bench_interleaves_eager_with_the_suspended_path(monkeypatch):
     assert len(ours.timed["times"]) == len(ours.baseline["times"]) == 5
     assert ours.ms == ours.timed["median"] and ours.timed["min"] <= ours.ms <= ours.timed["max"]
     assert ours.rel_err <= 1e-5 and ours.speedup is None
+    assert ours.note == "2 CUDA graph captures while timed against eager (suspend/resume lost the graphs)"
+    assert "captures while timed" in bench.table(rows)

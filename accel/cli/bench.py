@@ -346,10 +346,15 @@ def _bench_path(name, path, canon, args, ref, device, iters, log, profile=False,
         _sync(device)
         seen_s = time.perf_counter() - again
         peak = _peak_gb(device)
+        captured = _captures(acc)
         # eager's calls run the plain model: the path is suspended for them and resumed for its own (its graphs kept)
         base, own = time_pair(lambda: canon(*args), lambda: acc(*args), device, iters, acc.suspend, acc.resume)
+        recaptured = _captures(acc) - captured
     err = rel_l2(out, ref)
     note = "setup = build + first call at a new shape"
+    if recaptured:  # a resume that moved a weight: the timed calls then include captures
+        note = f"{recaptured} CUDA graph captures while timed against eager (suspend/resume lost the graphs)"
+        log(f"[{name}] sd-accel {path}: {note}")
     if acc.fallback_calls:  # the figures are then not the path's own
         note = f"{acc.fallback_calls} calls fell back to the torch path: {acc.fallback_reason}"
         log(f"[{name}] sd-accel {path}: {note}")
@@ -363,6 +368,12 @@ def _bench_path(name, path, canon, args, ref, device, iters, log, profile=False,
     if variant != "refit":
         return [row]
     return [row, _second_checkpoint(name, backend, canon, args, device, iters, log, amp)]
+
+
+def _captures(acc) -> int:
+    """CUDA graphs the path's torch engine has captured so far (0 for another engine, or without graphs)."""
+    graphs = getattr(acc.engine, "graphs", None)
+    return graphs.captures if graphs is not None else 0
 
 
 def another_checkpoint(canon: CanonicalUNet, seed: int = 1) -> CanonicalUNet:
@@ -483,7 +494,7 @@ def table(rows: list[Row], host: str = "") -> str:
         lines.append(f"{r.model:<20} {r.variant:<36} {fmt(r.ms, '8.2f')} {spread:>15} "
                      + (f"{fmt(base, '8.2f')} {fmt(r.speedup, '8.2f')} " if ratios else "")
                      + f"{fmt(r.peak_gb, '8.2f')} {fmt(r.rel_err, '9.1e')} {fmt(r.setup_s, '8.1f')}")
-        if r.note.startswith("not available") or "fell back" in r.note:
+        if r.note.startswith("not available") or "fell back" in r.note or "captures while timed" in r.note:
             lines.append(f"{'':<20} {r.note}")
     lines += [TIMING, RATIO, LEGEND] if ratios else [TIMING, LEGEND]
     if not ratios and rows:

@@ -102,8 +102,20 @@ function drawProgress(node, ctx) {
 // backend reads them. The front end's canvas hides a widget by its own `advanced` flag, which it does not take from
 // the declaration (1.27, 1.49; its Vue nodes do): set it, so they are hidden until the node shows its advanced inputs
 // (its menu's Show Advanced, saved with the workflow, or choosing backend onnxruntime).
+// The canvas skips such a widget when it draws and measures the node (computeSize) but still lays it out
+// (_arrangeWidgets, 1.27 and 1.49), growing the node to the height of all its widgets on the next frame, saved size or
+// not: while hidden it takes no room.
 function markAdvanced(node) {
-  for (const w of node.widgets ?? []) if (w.options?.advanced) w.advanced = true;
+  for (const w of node.widgets ?? []) {
+    if (!w.options?.advanced) continue;
+    w.advanced = true;
+    const computeSize = w.computeSize;
+    w.computeSize = function (width) {
+      if (!node.showAdvanced) return [0, -4]; // the layout adds 4 per widget
+      const height = globalThis.LiteGraph?.NODE_WIDGET_HEIGHT ?? 20;
+      return computeSize?.apply(this, arguments) ?? [width ?? node.size[0], height];
+    };
+  }
 }
 
 function showAdvanced(node, show) {
@@ -128,6 +140,9 @@ app.registerExtension({
   nodeCreated(node) {
     if (node.comfyClass !== UNET) return;
     markAdvanced(node);
+    // The front end sized the node before nodeCreated, counting the widgets just hidden: fit the height to the
+    // widgets shown. A node loaded from a workflow (or pasted) is configured after this and takes its saved size.
+    node.setSize([node.size[0], node.computeSize()[1]]);
     const backend = backendWidget(node);
     if (!backend) return;
     const callback = backend.callback;

@@ -186,6 +186,9 @@ def supported(device: torch.device) -> tuple[bool, str]:
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no fp8 matrix product (torch._scaled_mm)"
     if device.type == "cpu":
+        # torch's CPU build of the product is younger than the function (torch 2.6 and 2.7 have CUDA's only)
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "CPU"):
+            return False, f"torch {torch.__version__} has no fp8 matrix product on the CPU"
         return True, ""
     if device.type != "cuda" or torch.version.hip is not None:
         return False, "fp8 products are supported on NVIDIA GPUs only here"

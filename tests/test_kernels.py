@@ -266,6 +266,8 @@ def test_geglu_linear_with_tma_takes_misaligned_input_through_the_pointer_kernel
             self.grids.append(grid)
             return self.kernel[grid]
 
+    if gg.TensorDescriptor is None:
+        pytest.skip("this Triton has no tensor descriptors (triton.tools.tensor_descriptor) for the TMA kernels")
     monkeypatch.setattr(gg, "_tma", lambda x: True)
     tma = Launches(gg._geglu_linear_tma_kernel)
     monkeypatch.setattr(gg, "_geglu_linear_tma_kernel", tma)

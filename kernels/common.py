@@ -42,7 +42,14 @@ def jit(fn: Callable | None = None, *, do_not_specialize: tuple[str, ...] = ()) 
     kernel its vectorized loads and stores (Triton no longer knows rows start 16-element aligned)."""
     if fn is None:
         return lambda f: jit(f, do_not_specialize=do_not_specialize)
-    return triton.jit(fn, do_not_specialize=do_not_specialize) if triton is not None else fn
+    if triton is None:
+        return fn
+    # Our kernel modules import annotations lazily, so a parameter's annotation is the string "tl.constexpr". Triton's
+    # compiler reads that as constexpr, but the CPU interpreter of Triton 3.0 only knows "constexpr" and
+    # would pass such a parameter as a tensor (tl.arange then refuses it): give it the class itself, as any Triton reads.
+    fn.__annotations__ = {name: tl.constexpr if ty in ("tl.constexpr", "constexpr") else ty
+                          for name, ty in fn.__annotations__.items()}
+    return triton.jit(fn, do_not_specialize=do_not_specialize)
 
 
 def interpreted(kernel: Callable) -> bool:

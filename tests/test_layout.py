@@ -141,7 +141,10 @@ def test_pack_loads_as_comfyui_loads_custom_nodes_sd_accel_and_refuses_a_second_
     assert r["engines"]["torch"] == "sd_accel.accel.engine.backends.torch_fused"
     assert all(m.startswith("sd_accel.accel.engine.backends.") for m in r["engines"].values()), r["engines"]
     assert r["generic"] == [], f"top-level modules with the package's folder names: {r['generic']}"
-    assert not r["path_changed"], f"sys.path changed by loading the pack: added {r['path_added']}"
+    # Triton 3.0 imports setuptools, whose vendored packages then join sys.path: theirs, not the pack's doing
+    ours = [p for p in r["path_added"] if not p.replace("\\", "/").endswith("setuptools/_vendor")]
+    assert not ours and (r["path_added"] or not r["path_changed"]), \
+        f"sys.path changed by loading the pack: added {r['path_added']}"
 
     message = r.get("second_copy_error", "")
     assert "two copies cannot run" in message and "Keep one" in message, message

@@ -180,12 +180,27 @@ class Copies:
 _MARKED: weakref.WeakKeyDictionary[nn.Module, Copies] = weakref.WeakKeyDictionary()
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_row_wise() -> bool:
+    """Whether torch's CPU _scaled_mm takes row-wise scales, as matmul() gives it: torch 2.6 and 2.7 have no CPU
+    kernel, 2.8's takes per-tensor scales only (both raise); 2.13's runs it. One 16x16 product, once."""
+    try:
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16,
+                         use_fast_accum=True)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 def supported(device: torch.device) -> tuple[bool, str]:
     """Whether fp8 products run on `device`: NVIDIA Hopper or later (Ada's row-wise scaled products are not verified
     here), or the CPU (tests)."""
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no fp8 matrix product (torch._scaled_mm)"
     if device.type == "cpu":
+        if not _cpu_row_wise():
+            return False, f"torch {torch.__version__} has no row-wise scaled fp8 matrix product on the CPU"
         return True, ""
     if device.type != "cuda" or torch.version.hip is not None:
         return False, "fp8 products are supported on NVIDIA GPUs only here"

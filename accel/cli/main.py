@@ -178,7 +178,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 2
     if args.iters is None:
-        args.iters = 3 if args.gpus else 20
+        args.iters = 5 if args.gpus else 20
     models = _models(args)
     out: dict = {}
     # With --json, stdout is the JSON alone (for a pipe); the tables go to stderr.
@@ -308,10 +308,11 @@ def _main(argv: list[str] | None) -> int:
                         "(precision fp8), torch-fp8weights: the weights stored in fp8 as ComfyUI loads them, its own "
                         "forward and the torch path on them, with --comfyui)")
     b.add_argument("--iters", type=checks.whole(1),
-                   help="timed runs per variant (default 20, with --gpus 3): each row's median and min-max are "
+                   help="timed runs per variant (default 20, with --gpus 5): each row's median and min-max are "
                         "reported; each row after eager is timed interleaved with eager (eager, the row, alternately, "
                         "--iters of each), its speed-up the ratio of the medians, at least 5 of each on a GPU (a "
-                        "smaller --iters is raised to 5 there; --gpus times its layouts one after another)")
+                        "smaller --iters is raised to 5 there; with --gpus each layout alternates with the 1-GPU call in its own "
+                        "processes)")
     b.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, in seconds")
     b.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines (minutes each)")
     b.add_argument("--compile-modes", default="default,reduce-overhead", metavar="MODE,...",
@@ -335,7 +336,7 @@ def _main(argv: list[str] | None) -> int:
                    help="multi-GPU: one step of each --models transformer (ComfyUI's class, --comfyui DIR) in N "
                         "processes for each N (1 always, first: the baseline), one GPU each through NCCL, in every "
                         "layout that divides N: CFG (the CFG batch over 2 GPUs), sequence (Ulysses), CFG x sequence; "
-                        "ms per step, speed-up over 1 GPU, peak memory, distance from the 1-GPU output (and the "
+                        "ms per step, speed-up over the 1-GPU call timed alternately with the layout in the same processes, peak memory, distance from the 1-GPU output (and the "
                         "1-GPU output's bf16 noise, the yardstick). With --tiny: "
                         "tiny models in processes on the CPU (gloo)")
     b.add_argument("--video-sizes", metavar="WxH,...", type=checks.video_sizes,

@@ -7,9 +7,11 @@ once, in ComfyUI's form with the seeded weights every rank draws alike, on sd-ac
 layout whose factors divide W: W=1 the baseline; "sequence" (Ulysses over all W); "CFG" (the two halves of the CFG
 batch on two GPUs) for W=2; "CFG x sequence" (CFG over 2 groups, sequence parallel inside each) for larger even W. A
 layout the model refuses (heads or tokens the world does not divide, a model the sequence split does not take)
-is a row that says why. Per row: median ms per step (the CFG batch included) of the slowest rank, speed-up over the
-W=1 row of the same model and size, the peak GPU memory of the busiest rank, and the relative L2 distance from the
-W=1 output in fp32.
+is a row that says why. Per row: median ms per step (the CFG batch included) of the slowest rank, the peak GPU memory
+of the busiest rank, and the relative L2 distance from the W=1 output in fp32. A layout's speed-up is timed within its
+own world (issue 58): the same processes run the 1-GPU call (each rank the whole step on its own GPU) and the layout's
+call alternately, --iters of each, and the speed-up is the ratio of the two medians, so that a drift of the clocks or
+of the host's load falls on both.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..parallel.layout import Layout, candidates, make_layouts
 from ..parallel.rendezvous import NO_MULTICAST, cpu_threads, free_port, join
 from ..parallel.spread import SPREAD_OPTIONS
 from .bench import _peak_gb, _peak_reset, _sync, rel_l2
+from .timing import MIN_RUNS, interleaved
 from .profile import by_class, kernel_times, top, top_line
 from .video_sizes import parse_video_sizes
 
@@ -53,6 +56,7 @@ class Result:
     layout: str
     ms: float | None = None
     speedup: float | None = None
+    one_gpu_ms: float | None = None  # W > 1: the 1-GPU call's median on the slowest rank, timed alternately with the row's
     peak_gb: float | None = None
     rel_err: float | None = None
     noise: float | None = None  # the 1-GPU row's: how far its output moves with its input moved by one bf16 rounding
@@ -73,7 +77,6 @@ class Job:
     cuda: bool
     comfyui: str
     folder: str  # the W=1 outputs, each world's rows and any rank's error
-    baseline_ms: dict[str, float]  # "model size" -> the W=1 row's ms (empty while W=1 runs)
     profile: bool = False
 
 
@@ -151,20 +154,19 @@ def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters:
     time by operator class (collectives apart). BadInput for what the user can fix (check); RuntimeError with a
     rank's own message when a process failed."""
     worlds, names, sizes = check(models, gpus, video_sizes, tiny, comfyui, profile)
+    if not tiny and iters < MIN_RUNS:
+        log(f"--iters {iters}: a speed-up is printed from at least {MIN_RUNS} alternate runs of each side; timing "
+            f"{MIN_RUNS}")
+        iters = MIN_RUNS
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
     rows: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="sd-accel-parallel-") as folder:
-        baseline: dict[str, float] = {}
         for world in worlds:
             how = "gloo, on the CPU" if tiny else "NCCL, one GPU each"
             log(f"[{world} GPU{'s' if world > 1 else ''}] starting {world} process{'es' if world > 1 else ''} ({how})")
-            job = Job(world, free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, baseline,
-                      profile)
-            found = _run_world(job)
-            if world == 1:
-                baseline = {f"{r.model} {r.size}": r.ms for r in found}
-            rows += found
+            job = Job(world, free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, profile)
+            rows += _run_world(job)
     return rows
 
 
@@ -256,28 +258,35 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
 def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tensor], args: tuple,
                 spread: Layout | None, layout: str, device: torch.device) -> tuple[Result, torch.Tensor | None]:
     """One layout timed on every rank, run as the node's workers run it (spread None: the 1-GPU call): its row (the
-    ms of the slowest rank, the peak of the busiest) and this rank's output (None when the layout was refused)."""
+    ms of the slowest rank, the peak of the busiest) and this rank's output (None when the layout was refused). A
+    spread layout's calls alternate with the 1-GPU call's in the same processes (one_gpu_ms: its median), after the
+    layout's peak memory is read: the 1-GPU call's is not the layout's."""
     row = Result("", "", job.world, layout)
-    call = (lambda: acc(*args)) if spread is None else (lambda: spread.run(model, acc, *args))
+    one_gpu = lambda: acc(*args)  # noqa: E731
+    call = one_gpu if spread is None else (lambda: spread.run(model, acc, *args))
     _peak_reset(device)
     try:
         with torch.inference_mode():
             for _ in range(WARMUP):
                 out = call()
-            times = []
-            for _ in range(job.iters):
-                dist.barrier()
-                _sync(device)
-                t0 = time.perf_counter()
-                out = call()
-                _sync(device)
-                times.append((time.perf_counter() - t0) * 1e3)
+            peak = _peak_gb(device) or 0.0
+            if spread is None:
+                times, one_gpu_times = [_step_ms(call, device) for _ in range(job.iters)], []
+            else:
+                for _ in range(WARMUP):
+                    one_gpu()
+                one_gpu_times, times = interleaved(lambda: _step_ms(one_gpu, device),
+                                                   lambda: _step_ms(call, device), job.iters)
+            out = call()
     except BadInput as e:  # the model or the world cannot take this layout; every rank finds the same
         row.note = f"refused: {e}"
         return row, None
-    worst = torch.tensor([statistics.median(times), _peak_gb(device) or 0.0], dtype=torch.float64, device=device)
+    worst = torch.tensor([statistics.median(times), peak, statistics.median(one_gpu_times) if one_gpu_times else 0.0],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     row.ms, row.peak_gb = worst[0].item(), (worst[1].item() if job.cuda else None)
+    if one_gpu_times:
+        row.one_gpu_ms = worst[2].item()
     if job.world == 1:
         row.noise = _noise(acc, args, out)
     if job.profile:  # every rank runs the profiled calls (their collectives); rank 0's kernels are the row's
@@ -285,6 +294,16 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
             times = kernel_times(call, runs=2)
         row.kernels, row.top_kernels = by_class(times), top(times)
     return row, out
+
+
+def _step_ms(call: Callable[[], torch.Tensor], device: torch.device) -> float:
+    """Milliseconds of one call, the ranks starting it together."""
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    call()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _noise(acc: Callable[..., torch.Tensor], args: tuple, out: torch.Tensor) -> float:
@@ -301,7 +320,7 @@ def _noise(acc: Callable[..., torch.Tensor], args: tuple, out: torch.Tensor) -> 
 
 def _compare(row: Result, out: torch.Tensor | None, job: Job) -> None:
     """Rank 0: the W=1 output saved for the later worlds, or a later world's compared with it (in fp32), and the
-    speed-up over the W=1 row."""
+    speed-up over the 1-GPU call timed alternately with it."""
     if out is None:
         return
     ref = Path(job.folder, f"output-{row.model}-{row.size}.pt")
@@ -310,7 +329,7 @@ def _compare(row: Result, out: torch.Tensor | None, job: Job) -> None:
         row.speedup = 1.0
         return
     row.rel_err = rel_l2(out.float().cpu(), torch.load(ref))
-    row.speedup = job.baseline_ms[f"{row.model} {row.size}"] / row.ms
+    row.speedup = row.one_gpu_ms / row.ms
 
 
 def _say(line: str) -> None:
@@ -329,7 +348,8 @@ def _line(r: Result) -> str:
                           if k not in ("busy total", "launches"))
         kernels = (f"; rank 0's GPU: busy {r.kernels['busy total']:.1f} ms ({parts}), "
                    f"{r.kernels['launches']:.0f} kernels")
-    return f"{where}: {r.ms:.1f} ms/step, x{r.speedup:.2f}{peak}, {err}{kernels}"
+    against = "" if r.one_gpu_ms is None else f" (1 GPU {r.one_gpu_ms:.1f} ms, timed alternately)"
+    return f"{where}: {r.ms:.1f} ms/step, x{r.speedup:.2f}{against}{peak}, {err}{kernels}"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -338,7 +358,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 LEGEND = ("ms/step = one sampling step of the whole batch (both CFG halves), median of the timed calls on the slowest "
-          "rank; speedup over the 1-GPU row of the same model and size; peak GB = the most any rank allocated; "
+          "rank; speedup = the 1-GPU call's median over the row's, the two timed alternately in the same processes "
+          "(--iters of each: each rank runs the whole step on its own GPU for the 1-GPU call); peak GB = the most any rank allocated; "
           "rel err = relative L2 distance of the output from the 1-GPU output, in fp32; on the 1-GPU row, in brackets, "
           "its bf16 noise: its own distance when its input moves by one bf16 rounding (x (1 + 2^-8 r)), the yardstick "
           "for the others. CUDA graphs in every row; a sequence-parallel call's are cut at its exchanges, which run "

@@ -47,9 +47,12 @@ def test_every_layout_gives_the_one_process_output(worlds):
             assert 0 <= row["rel_err"] <= 1e-5 and row["noise"] is None, row
             # against the 1-GPU call timed alternately with the layout in its own processes
             assert row["one_gpu_ms"] > 0 and row["speedup"] == pytest.approx(row["one_gpu_ms"] / row["ms"]), row
+            assert row["one_gpu_range"][0] <= row["one_gpu_ms"] <= row["one_gpu_range"][1], row
+    for row in timed.values():
+        assert row["ms_range"][0] <= row["ms"] <= row["ms_range"][1], row
     progress = [f"[tiny-wan 64x64] {w} GPUs, {layout}: " for w, layout in timed if w > 1]
     assert all(line in r.stderr for line in ["[tiny-wan 64x64] 1 GPU: ", *progress]), r.stderr
-    assert "tiny-wan" in r.stdout and "CFG x sequence" in r.stdout
+    assert "tiny-wan" in r.stdout and "CFG x sequence" in r.stdout and "host: CPU " in r.stdout
 
 
 @needs_comfyui

@@ -226,8 +226,12 @@ def _bench(args: argparse.Namespace) -> int:
         except RuntimeError as e:  # a rank failed: its own message, no stack trace
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 1
+        from . import bench, timing
+
+        cpu, load = timing.host_cpu(), timing.load()
         out["parallel"] = as_dicts(rows)
-        print(parallel_table(rows), file=say)
+        out["host"] = {"cpu": cpu, "load": load}
+        print(parallel_table(rows, bench.host_line(cpu, load)), file=say)
     elif _times_models(args):
         from . import bench, timing
 

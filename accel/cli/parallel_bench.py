@@ -56,7 +56,9 @@ class Result:
     layout: str
     ms: float | None = None
     speedup: float | None = None
+    ms_range: tuple[float, float] | None = None  # the fastest and slowest timed call, each the largest over the ranks
     one_gpu_ms: float | None = None  # W > 1: the 1-GPU call's median on the slowest rank, timed alternately with the row's
+    one_gpu_range: tuple[float, float] | None = None
     peak_gb: float | None = None
     rel_err: float | None = None
     noise: float | None = None  # the 1-GPU row's: how far its output moves with its input moved by one bf16 rounding
@@ -281,12 +283,16 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
     except BadInput as e:  # the model or the world cannot take this layout; every rank finds the same
         row.note = f"refused: {e}"
         return row, None
-    worst = torch.tensor([statistics.median(times), peak, statistics.median(one_gpu_times) if one_gpu_times else 0.0],
-                         dtype=torch.float64, device=device)
+    # each figure the slowest rank's: a step ends when its last rank does
+    spreads = [statistics.median(t) if t else 0.0 for t in (times, one_gpu_times)]
+    worst = torch.tensor([peak, spreads[0], min(times), max(times), spreads[1], min(one_gpu_times, default=0.0),
+                          max(one_gpu_times, default=0.0)], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    row.ms, row.peak_gb = worst[0].item(), (worst[1].item() if job.cuda else None)
+    figures = worst.tolist()
+    row.peak_gb = figures[0] if job.cuda else None
+    row.ms, row.ms_range = figures[1], (figures[2], figures[3])
     if one_gpu_times:
-        row.one_gpu_ms = worst[2].item()
+        row.one_gpu_ms, row.one_gpu_range = figures[4], (figures[5], figures[6])
     if job.world == 1:
         row.noise = _noise(acc, args, out)
     if job.profile:  # every rank runs the profiled calls (their collectives); rank 0's kernels are the row's
@@ -348,8 +354,13 @@ def _line(r: Result) -> str:
                           if k not in ("busy total", "launches"))
         kernels = (f"; rank 0's GPU: busy {r.kernels['busy total']:.1f} ms ({parts}), "
                    f"{r.kernels['launches']:.0f} kernels")
-    against = "" if r.one_gpu_ms is None else f" (1 GPU {r.one_gpu_ms:.1f} ms, timed alternately)"
-    return f"{where}: {r.ms:.1f} ms/step, x{r.speedup:.2f}{against}{peak}, {err}{kernels}"
+    against = "" if r.one_gpu_ms is None else \
+        f" against 1 GPU {r.one_gpu_ms:.1f} ms ({_range(r.one_gpu_range)}) timed alternately"
+    return f"{where}: {r.ms:.1f} ms/step ({_range(r.ms_range)}), x{r.speedup:.2f}{against}{peak}, {err}{kernels}"
+
+
+def _range(low_high: tuple[float, float] | None) -> str:
+    return "-" if low_high is None else f"{low_high[0]:.1f}-{low_high[1]:.1f}"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -358,7 +369,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 LEGEND = ("ms/step = one sampling step of the whole batch (both CFG halves), median of the timed calls on the slowest "
-          "rank; speedup = the 1-GPU call's median over the row's, the two timed alternately in the same processes "
+          "rank, min-max their range (each the largest over the ranks); 1 GPU ms = the 1-GPU call's median in the "
+          "row's processes; speedup = the 1-GPU call's median over the row's, the two timed alternately in the same processes "
           "(--iters of each: each rank runs the whole step on its own GPU for the 1-GPU call); peak GB = the most any rank allocated; "
           "rel err = relative L2 distance of the output from the 1-GPU output, in fp32; on the 1-GPU row, in brackets, "
           "its bf16 noise: its own distance when its input moves by one bf16 rounding (x (1 + 2^-8 r)), the yardstick "
@@ -366,17 +378,21 @@ LEGEND = ("ms/step = one sampling step of the whole batch (both CFG halves), med
           "between them.")
 
 
-def table(rows: list[Result]) -> str:
-    head = f"{'model':<14} {'size':<10} {'GPUs':>4} {'layout':<15} {'ms/step':>9} {'speedup':>8} {'peak GB':>8} " \
-           f"{'rel err':>9}"
+def table(rows: list[Result], host: str = "") -> str:
+    """The rows as a table, the legend under it, and `host` (bench.host_line) last where given."""
+    head = f"{'model':<14} {'size':<10} {'GPUs':>4} {'layout':<15} {'ms/step':>9} {'min-max':>15} {'1 GPU ms':>9} " \
+           f"{'speedup':>8} {'peak GB':>8} {'rel err':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.model:<14} {r.size:<10} {r.gpus:>4} {r.layout:<15} {_fmt(r.ms, '9.1f')} "
-                     f"{_fmt(r.speedup, '8.2f')} {_fmt(r.peak_gb, '8.1f')} "
+                     f"{_range(r.ms_range):>15} {_fmt(r.one_gpu_ms, '9.1f')} {_fmt(r.speedup, '8.2f')} "
+                     f"{_fmt(r.peak_gb, '8.1f')} "
                      + (f"({r.noise:.1e})" if r.noise is not None else _fmt(r.rel_err, '9.1e')))
         if r.note:
             lines.append(f"{'':<14} {r.note}")
     lines.append(LEGEND)
+    if host:
+        lines.append(host)
     return "\n".join(lines)
 
 

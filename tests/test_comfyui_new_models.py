@@ -172,6 +172,7 @@ def test_flux2_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attentio
     assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
 
 
+@pytest.mark.fp8_products(DEVICE)
 def test_flux2_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_attention):
     """precision fp8 takes every block projection of Flux.2 (its modulations are outside the blocks and stay
     16-bit), the SiLU-gated MLPs' too, and stays close to the 16-bit fused forward; auto leaves 16-bit weights."""

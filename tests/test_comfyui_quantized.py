@@ -26,6 +26,8 @@ import comfy_helpers as H
 from sd_accel.nodes import accelerated_unet
 
 pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
+# Where ComfyUI runs the models (comfy_helpers.import_comfy: its --cpu without a GPU), so where the fp8 products run.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Per family: where its blocks' layers are, the block layer a mixed-precision file keeps 16-bit (as such files keep
 # some), the fusion that takes its blocks, its latents' frames (None: an image model's 4-D latents), and the layers a
@@ -102,6 +104,7 @@ def bf16_device(monkeypatch):
 
 @pytest.mark.parametrize("form", H.QUANTIZED_FORMS)
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.fp8_products(DEVICE)
 def test_a_quantized_file_runs_in_the_fused_blocks_with_comfyuis_latents(pack, comfy_pytorch_attention, tmp_path,
                                                                          family, form):
     """Before, in ComfyUI 0.33 every fused block declined such a model (its mixed-precision Linear is no nn.Linear):
@@ -119,6 +122,7 @@ def test_a_quantized_file_runs_in_the_fused_blocks_with_comfyuis_latents(pack, c
 # the header's formats load into the same model as the comfy_quant entries (the test above)
 @pytest.mark.parametrize("form", ["scaled_fp8", "comfy_quant"])
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.fp8_products(DEVICE)
 def test_the_e4m3_layers_of_a_quantized_file_make_fp8_products_from_their_stored_weights(
         pack, comfy_pytorch_attention, bf16_device, tmp_path, family, form):
     """As on a GPU: precision auto takes the e4m3 layers, with their per-tensor scales, as fp8 products, close to plain

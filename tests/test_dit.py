@@ -683,6 +683,7 @@ def _bf16_inputs(name):
                                                   ("comfy", "tiny-chroma", 20), ("comfy", "tiny-wan", 20),
                                                   ("comfy", "tiny-qwen-image", 24), ("diffusers", "tiny-flux", 34),
                                                   ("diffusers", "tiny-sd3", 25)])
+@pytest.mark.fp8_products(DEVICE)
 def test_fp8_products_only_where_precision_says(request, form, name, projections):
     """precision auto leaves 16-bit weights 16-bit; fp8 takes every block projection (not the modulation) and stays
     close to the 16-bit fused forward; a weight changed in place is quantized again."""
@@ -712,6 +713,32 @@ def test_fp8_products_only_where_precision_says(request, form, name, projections
     assert _fused_output(model, inp, "16bit")[1]["fp8"] == 0
 
 
+def test_where_the_cpu_has_no_fp8_product_precision_fp8_says_why_and_runs_16_bit(monkeypatch, caplog):
+    """torch 2.6 to 2.8 on the CPU (no row-wise _scaled_mm there; here said to be missing, so that every torch runs
+    this): precision fp8 marks nothing, says why, and the output is the 16-bit fused forward's, bit for bit."""
+    pytest.importorskip("triton")
+    import logging
+
+    from sd_accel.accel.engine import fp8
+
+    monkeypatch.setattr(fp8, "_cpu_row_wise", lambda: False)
+    assert fp8.supported(torch.device("cpu")) == (
+        False, f"torch {torch.__version__} has no row-wise scaled fp8 matrix product on the CPU")
+    # on the CPU whatever DEVICE is: the probe said no for the CPU only
+    model = configs.build_dit("tiny-flux", "diffusers", dtype=torch.bfloat16, device="cpu")
+    inp = {k: v.to(torch.bfloat16) if k in ("x", "context", "y") else v
+           for k, v in configs.dit_example_inputs("tiny-flux", batch=2).items()}
+    sixteen, _ = _fused_output(model, inp, "16bit")
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        out, counts = _fused_output(model, inp, "fp8")
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel"]
+    assert said == [f"sd-accel: fp8 matrix products cannot run: torch {torch.__version__} has no row-wise scaled fp8 "
+                    "matrix product on the CPU; the fp8 weights run through the host's own layers (widened to 16 "
+                    "bits per call, or its own fp8 kernels)."]
+    assert counts["fp8"] == 0 and torch.equal(out, sixteen)
+
+
+@pytest.mark.fp8_products(DEVICE)
 def test_weights_loaded_in_fp8_run_as_fp8_products_close_to_comfyuis_own_path(comfy_pytorch_attention):
     """ComfyUI's fp8_e4m3fn weight dtype: cast-on-the-fly layers holding fp8 weights. Their own forward widens each
     weight per call; the fused blocks take them as fp8 products (precision auto), and "16bit" widens them too."""
@@ -750,6 +777,7 @@ def test_the_fp8_module_imports_first():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.fp8_products(DEVICE)
 def test_an_fp8_product_adds_little_to_the_rounding_of_its_operands():
     """A wide fp8 projection (K = 15,360, Flux's linear2) against the float32 product of its own e4m3 operands: on a
     GPU its partial sums are accumulated as the tensor cores do (fewer bits than float32, `use_fast_accum`), and what
@@ -779,6 +807,7 @@ def test_an_fp8_product_adds_little_to_the_rounding_of_its_operands():
     assert rel(y, of_operands) < min(1e-2, rounding / 4)
 
 
+@pytest.mark.fp8_products(DEVICE)
 def test_fp8_operands_stay_where_a_graph_read_them_and_follow_weight_changes(comfy_pytorch_attention):
     """A CUDA graph replays the fp8 copies and scales at the addresses it captured: they must outlive the end of a
     host's run (suspend/resume), and a weight changed between runs (in place, replaced, or an inference tensor the
@@ -826,6 +855,7 @@ def test_fp8_operands_stay_where_a_graph_read_them_and_follow_weight_changes(com
 
 
 @pytest.mark.parametrize("name,projections", [("tiny-wan", 20), ("tiny-qwen-image", 28)])
+@pytest.mark.fp8_products(DEVICE)
 def test_wan_and_qwen_image_weights_loaded_in_fp8_run_as_fp8_products(comfy_pytorch_attention, name, projections):
     """Wan and Qwen-Image loaded with ComfyUI's fp8_e4m3fn weight dtype: precision auto takes their block projections
     (Qwen-Image's modulation projections too: stored in fp8) as fp8 products, close to ComfyUI's own widening path."""
@@ -840,6 +870,7 @@ def test_wan_and_qwen_image_weights_loaded_in_fp8_run_as_fp8_products(comfy_pyto
     assert _fused_output(model, inp, "16bit")[1]["fp8"] == 0
 
 
+@pytest.mark.fp8_products(DEVICE)
 def test_fused_qwen_image_makes_its_projections_fp8_products(comfy_pytorch_attention, monkeypatch):
     """precision fp8 marks every projection of Qwen-Image's blocks (q, k, v, output and MLP of both streams: 12 a
     block; the modulation stays 16-bit); the fused blocks make each of them as an fp8 product (torch._scaled_mm, which

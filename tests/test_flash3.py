@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import comfy_helpers as H
 from sd_accel.accel.engine import flash3, flash4, fp8_attention
 from sd_accel.accel.engine.fusions import transformer
-from test_dit import _bf16_inputs, _dit_bf16, _fused_output, rel
+from test_dit import DEVICE, _bf16_inputs, _dit_bf16, _fused_output, rel
 
 FP8 = torch.float8_e4m3fn
 needs_comfy = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
@@ -121,6 +121,7 @@ def test_fp8_attention_is_the_faster_of_cudnns_and_flashattention_3s(fp8_choice,
 
 @needs_comfy
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+@pytest.mark.fp8_products(DEVICE)
 def test_fused_blocks_with_flashattention_3s_fp8_attention(comfy_pytorch_attention, fp8_choice, monkeypatch, name):
     """Under precision fp8 with FlashAttention-3 chosen, every fused block's attention runs its fp8 kernel (SD3.5's
     head size too, where FlashAttention-4 alone would keep it 16-bit), its bf16 output handed on: the model's output

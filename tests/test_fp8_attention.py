@@ -75,6 +75,7 @@ def quantized_attention(q, k, v, heads, mask=None, skip_reshape=False, skip_outp
 
 @pytest.mark.parametrize("name,sequences", [("tiny-flux", 4), ("tiny-sd3", 3), ("tiny-chroma", 4),
                                             ("tiny-qwen-image", 2)])
+@pytest.mark.fp8_products(DEVICE)
 def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_attention, emulated, monkeypatch, name,
                                                              sequences):
     """Flux's double and single blocks, Chroma's, SD3.5's joint blocks and its MMDiT-X image-only attention,
@@ -141,6 +142,7 @@ def test_fused_blocks_take_fp8_attention_under_precision_fp8(comfy_pytorch_atten
     assert rel(eight, own) <= 2e-2
 
 
+@pytest.mark.fp8_products(DEVICE)
 def test_wans_self_attention_takes_fp8_attention_under_fp8(comfy_pytorch_attention, emulated):
     """Under precision fp8 Wan's self-attention runs in fp8 (one kernel call per block), close to the fp8 products'
     output with 16-bit attention; the cross-attention to the text stays ComfyUI's module."""
@@ -152,6 +154,7 @@ def test_wans_self_attention_takes_fp8_attention_under_fp8(comfy_pytorch_attenti
     assert 0 < rel(eight, own) <= 5e-2
 
 
+@pytest.mark.fp8_products(DEVICE)
 def test_weights_stored_in_fp8_take_fp8_attention_under_auto(comfy_pytorch_attention, emulated):
     """ComfyUI's fp8_e4m3fn weight dtype: precision auto makes the projections fp8 products, and the attention
     follows; "16bit" keeps both 16-bit."""
@@ -167,6 +170,7 @@ def test_weights_stored_in_fp8_take_fp8_attention_under_auto(comfy_pytorch_atten
     assert not emulated
 
 
+@pytest.mark.fp8_products(DEVICE)
 def test_where_no_kernel_runs_the_attention_is_16_bit_and_says_why_once(comfy_pytorch_attention, monkeypatch,
                                                                        caplog):
     """Where no kernel runs (here: said to be missing), the fused blocks under precision fp8 attend in 16 bits, exactly
@@ -186,6 +190,7 @@ def test_where_no_kernel_runs_the_attention_is_16_bit_and_says_why_once(comfy_py
     assert torch.equal(out, sixteen) and torch.equal(again, sixteen)
 
 
+@pytest.mark.fp8_products(DEVICE)
 def test_with_flashattention_4_only_head_size_128_takes_fp8_attention(comfy_pytorch_attention, emulated, monkeypatch,
                                                                      caplog):
     """Where FlashAttention-4 is installed, SD3.5's head size (64) keeps the 16-bit attention under precision fp8,

@@ -266,26 +266,32 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
     row = Result("", "", job.world, layout)
     one_gpu = lambda: acc(*args)  # noqa: E731
     call = one_gpu if spread is None else (lambda: spread.run(model, acc, *args))
+    out = None
+
+    def timed_call() -> float:  # the row's output is its last timed call's: no extra step for it
+        def run() -> None:
+            nonlocal out
+            out = call()
+        return _step_ms(run, device)
+
     _peak_reset(device)
     try:
         with torch.inference_mode():
             for _ in range(WARMUP):
-                out = call()
+                call()
             peak = _peak_gb(device) or 0.0
             if spread is None:
-                times, one_gpu_times = [_step_ms(call, device) for _ in range(job.iters)], []
+                times, one_gpu_times = [timed_call() for _ in range(job.iters)], []
             else:
                 for _ in range(WARMUP):
                     one_gpu()
-                one_gpu_times, times = interleaved(lambda: _step_ms(one_gpu, device),
-                                                   lambda: _step_ms(call, device), job.iters)
-            out = call()
+                one_gpu_times, times = interleaved(lambda: _step_ms(one_gpu, device), timed_call, job.iters)
     except BadInput as e:  # the model or the world cannot take this layout; every rank finds the same
         row.note = f"refused: {e}"
         return row, None
     # each figure the slowest rank's: a step ends when its last rank does
-    spreads = [statistics.median(t) if t else 0.0 for t in (times, one_gpu_times)]
-    worst = torch.tensor([peak, spreads[0], min(times), max(times), spreads[1], min(one_gpu_times, default=0.0),
+    medians = [statistics.median(t) if t else 0.0 for t in (times, one_gpu_times)]
+    worst = torch.tensor([peak, medians[0], min(times), max(times), medians[1], min(one_gpu_times, default=0.0),
                           max(one_gpu_times, default=0.0)], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     figures = worst.tolist()

@@ -225,14 +225,20 @@ def load_diffusion_model_file(module, folder: Path, dtype=None):
     """module's weights written as a diffusion-model file (what UNETLoader lists) and loaded by ComfyUI's own loader,
     comfy.sd.load_diffusion_model, as a workflow does: the patcher ComfyUI builds (ModelPatcherDynamic under
     DynamicVRAM), with the weight dtype `dtype` where given (its weight_dtype widget)."""
-    import safetensors.torch
-
     import comfy.sd
+
+    path = write_diffusion_model_file(module, folder)
+    return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype} if dtype is not None else {})
+
+
+def write_diffusion_model_file(module, folder: Path) -> Path:
+    """module's weights as the diffusion-model file load_diffusion_model_file loads."""
+    import safetensors.torch
 
     path = folder / "diffusion_model.safetensors"
     safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()},
                                 str(path))
-    return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype} if dtype is not None else {})
+    return path
 
 
 # The forms of quantized diffusion-model files ComfyUI reads, as published files lay them out (comfy.utils's

@@ -165,6 +165,7 @@ class Harness:
         self._conditioning = self._make_conditioning()
         self.model = None
         self._files: list[Path] = []  # the files full-size models were loaded from, while in use
+        self._file16: Path | None = None  # a 16-bit file the float32 yardstick read, which the 16-bit model reads too
 
     # ------------------------------------------------------------------ models and runs
 
@@ -173,6 +174,7 @@ class Harness:
         in `dtype` (its weights stored in WEIGHTS' dtype where the model has one)."""
         import comfy.model_management as mm
         import comfy.model_patcher
+        import comfy.sd
         import comfy.supported_models
 
         from sd_accel.accel.models import configs
@@ -184,6 +186,8 @@ class Harness:
         config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
         config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
         stored = WEIGHTS.get(self.name)
+        if self.size == "full" and dtype == self.dtype and self._file16 is not None:
+            return comfy.sd.load_diffusion_model(str(self._file16), model_options={"dtype": stored or dtype})
         config.set_inference_dtype(stored or dtype, dtype if stored else None)
         # Full size: the weights of the file ComfyUI loads, made on the CPU (under DynamicVRAM nothing but ComfyUI's
         # loaders may put a model on the GPU: direct allocations there beside comfy-aimdo's arena crashed the process)
@@ -197,7 +201,20 @@ class Harness:
             # resident copy.
             folder = Path(H.temporary_folder("sd-accel-gpu-model-"))
             self._files.append(folder)
-            return H.load_diffusion_model_file(model.diffusion_model, folder, stored or dtype)
+            size = sum(t.numel() * t.element_size() for t in model.diffusion_model.state_dict().values())
+            if dtype == torch.float32 and shutil.disk_usage(folder).free < 1.05 * size:
+                # Qwen-Image's 82 GB in float32 fits no GPU machine's disk: the file holds the 16-bit rounding of the
+                # same weights (those the 16-bit model gets, from this file too: ComfyUI keeps a file it has loaded
+                # mapped, so a second one would not fit either), loaded in float32, so the yardstick measures the
+                # 16-bit arithmetic alone and the limits are tighter, never looser
+                model.diffusion_model.to(self.dtype)
+                self._file16 = folder / "diffusion_model.safetensors"
+                print(f"{self.name}: the float32 yardstick reads {self.dtype} weights ({size / 2**30:.0f} GiB in "
+                      f"float32 > {shutil.disk_usage(folder).free / 2**30:.0f} GiB free)", flush=True)
+            path = H.write_diffusion_model_file(model.diffusion_model, folder)
+            del model  # before ComfyUI loads its own copy: a full-size model's weights twice fill the CPU's memory
+            gc.collect()
+            return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": stored or dtype})
         return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                                 offload_device=mm.unet_offload_device())
 
@@ -342,8 +359,9 @@ class Harness:
         del model32  # ComfyUI holds loaded models by weak reference: this frees it, with no copy to the CPU
         gc.collect()
         mm.cleanup_models()
-        while self._files:  # the float32 file goes before the 16-bit one is written (Flux's: 48 GB)
-            shutil.rmtree(self._files.pop(), ignore_errors=True)
+        for folder in [f for f in self._files if self._file16 is None or f != self._file16.parent]:
+            shutil.rmtree(folder, ignore_errors=True)  # the float32 file goes before the 16-bit one is written
+            self._files.remove(folder)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.model = self.build(self.dtype)

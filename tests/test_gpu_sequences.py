@@ -4,6 +4,7 @@ model's float32 kernels, so each run must equal plain's exactly (the yardstick i
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -30,6 +31,23 @@ def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     assert timed and all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.RUNS for r in timed)
     assert all(r.seconds == r.timed.node.median and r.plain_seconds == r.timed.plain.median for r in timed)
     print(report.table())
+
+
+def test_the_yardstick_measured_alone_serves_a_later_run(tmp_path, monkeypatch):
+    """SD_ACCEL_GPU_YARDSTICK: a call that measures only the yardstick, and a later one that takes it from that call's
+    report; the later run's limits are the given yardstick's, and a report of another model is refused."""
+    monkeypatch.setenv("SD_ACCEL_GPU_YARDSTICK", "only")
+    alone = sequences.run_model("sd15", size="tiny", device="cpu")
+    assert not alone.rows and not alone.sequences and not alone.failures()
+    path = tmp_path / "sd15.json"
+    path.write_text(json.dumps({"model": "sd15", "yardstick": 2e-3}))
+    monkeypatch.setenv("SD_ACCEL_GPU_YARDSTICK", str(path))
+    report = sequences.run_model("sd15", size="tiny", device="cpu", only="no setting: the widget changes alone")
+    assert report.yardstick == 2e-3 and any(str(path) in note for note in report.notes)
+    assert report.rows and {r.limit for r in report.rows} == {2e-3 * 1.5} and not report.failures(), report.table()
+    path.write_text(json.dumps({"model": "flux-dev", "yardstick": 2e-3}))
+    with pytest.raises(SystemExit, match="holds no yardstick of sd15"):
+        sequences.run_model("sd15", size="tiny", device="cpu")
 
 
 def test_the_several_gpu_check_on_cpu_processes():

@@ -562,6 +562,10 @@ class Session:
             return ("hooks", "per-step weight hooks (scheduled LoRA / hook keyframes) change the weights while "
                     "sampling; the plain model runs rather than stale weights.")
         patches = transformer_patches(transformer_options)
+        if transformer_options.get("rope_options"):
+            # ScaleROPE (0.33) and LongCat-Image scale and shift the positions the model's own forward computes from
+            # them: the engine's call does not take them, and would give the unscaled image
+            patches.append("rope_options")
         if transformer_options.get("optimized_attention_override") is not None:
             patches.append("attention override")
         if inner_wrappers:

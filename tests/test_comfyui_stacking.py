@@ -1,6 +1,6 @@
 """The Accelerated UNet node stacked with the ComfyUI core nodes users put around it (issue 55): EasyCache and
-LazyCache, ModelSamplingFlux / ModelSamplingSD3, TorchCompileModel, ControlNet and MultiGPU CFG Split, each applied
-before and after the node, inside the real ComfyUI tree (COMFYUI_ROOT), on tiny seeded models and the CPU.
+LazyCache, ModelSamplingFlux / ModelSamplingSD3, TorchCompileModel, ControlNet, MultiGPU CFG Split and ScaleROPE, each
+applied before and after the node, inside the real ComfyUI tree (COMFYUI_ROOT), on tiny seeded models and the CPU.
 
 What is pinned down: the latents equal plain ComfyUI's with the same stack (exact on the CPU, where the torch path runs
 the plain model's kernels), the caches skip the same steps, and where the node cannot serve a call it runs ComfyUI's
@@ -290,3 +290,31 @@ def test_multigpu_cfg_split_over_two_devices_runs_comfyuis_forward_once_said(pac
     assert H.same(out, plain)
     assert len(said(caplog, "MultiGPU CFG Split")) == 1
     assert status(acc).engine_calls == 0 and status(acc).plain_calls == 8
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_scale_rope_gives_plains_latents_through_comfyuis_forward_once_said(pack, family, order, caplog):
+    """ScaleROPE (ComfyUI 0.33) scales and shifts the positions the transformer's own forward computes, from
+    transformer_options' rope_options, which the engine's call does not take: those calls run ComfyUI's forward, said
+    once, and the latents are plain's with the same node, never the unscaled image."""
+    cls = host_node("nodes_rope", "ScaleROPE")
+    model, (pos, neg) = tiny(family, 50)
+
+    def scaled(m):
+        return run_node(cls, m, scale_x=2.0, shift_x=3.0, scale_y=0.5, shift_y=-2.0, scale_t=1.0, shift_t=0.0)
+
+    def run(m):
+        if family == "wan":
+            return H.sample_frames(m, pos, neg, frames=3, steps=3)
+        return sample(m, pos, neg, 16, steps=3)
+
+    plain = run(scaled(model))
+    assert not torch.allclose(plain, run(model), atol=1e-4)  # the scaling shows
+    caplog.set_level(logging.INFO)
+    acc = stacked(pack, model, order, scaled)
+    assert H.same(run(acc), plain)
+    assert status(acc).engine_calls == 0 and status(acc).plain_calls == 3
+    assert len(said(caplog, "rope_options")) == 1

@@ -17,6 +17,7 @@ while this model samples. Two wrappers:
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 import weakref
 from typing import Any
@@ -346,6 +347,15 @@ def _wait_for(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _named_inputs(forward, args: tuple, kwargs: dict) -> dict:
+    """The inputs a diffusion model's forward(x, timesteps, context, *args, **kwargs) gets after context, by the names
+    its own signature gives the positions."""
+    names = [p.name for p in inspect.signature(forward).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][3:]
+    names += [f"input {i + 4}" for i in range(len(names), len(args))]  # unnamed: given, so the call stays plain
+    return {**dict(zip(names, args)), **kwargs}
+
+
 def session_of(model) -> "Session | None":
     """The Session an Accelerated UNet attached to this model (or to a model it was cloned from)."""
     from comfy.patcher_extension import WrappersMP
@@ -469,14 +479,17 @@ class Session:
         extra = dict(kwargs, clip_fea=clip_fea, time_dim_concat=time_dim_concat)
         return self._serve_wrapped(executor, transformer_options, extra, plain, x, timestep, context, None, None)
 
-    def qwen_image_diffusion_model(self, executor, x, timesteps=None, context=None, attention_mask=None,
-                                   guidance=None, ref_latents=None, transformer_options={},
-                                   **kwargs):  # noqa: B006 (ComfyUI's own signature)
+    def qwen_image_diffusion_model(self, executor, x, timesteps=None, context=None, *args, **kwargs):
+        """ComfyUI passes Qwen-Image's inputs after context by position, in an order that changed: 0.3.6x
+        (attention_mask, guidance, ref_latents, transformer_options), 0.33 (attention_mask, ref_latents,
+        additional_t_cond, transformer_options). They are read by the names of the forward they go to, so that
+        Qwen-Image-Edit's reference latents are never taken for guidance."""
         def plain(run=executor):
-            return run(x, timesteps, context, attention_mask, guidance, ref_latents, transformer_options, **kwargs)
+            return run(x, timesteps, context, *args, **kwargs)
 
-        extra = dict(kwargs, attention_mask=attention_mask, ref_latents=ref_latents)
-        control = extra.pop("control", None)
+        extra = _named_inputs(executor.original, args, kwargs)
+        transformer_options = extra.pop("transformer_options", {})
+        guidance, control = extra.pop("guidance", None), extra.pop("control", None)
         return self._serve_wrapped(executor, transformer_options, extra, plain, x, timesteps, context, None, control,
                                    guidance)
 

@@ -158,11 +158,12 @@ def with_reference(node, conditioning, latent: torch.Tensor):
     return out
 
 
-@pytest.mark.parametrize("family", ["flux"], ids=["Flux Kontext"])
+@pytest.mark.parametrize("family", ["qwen-image", "flux"], ids=["Qwen-Image-Edit", "Flux Kontext"])
 def test_reference_latents_are_plains_served_or_said_once(pack, family, caplog):
     """Qwen-Image-Edit and Flux Kontext: the image to edit as reference latents in both conditionings (ReferenceLatent,
     as TextEncodeQwenImageEdit and Kontext workflows put them), which the model gets as ref_latents: its own forward
-    puts their tokens beside the image's."""
+    puts their tokens beside the image's. ComfyUI 0.33 passes Qwen-Image's inputs in another order than 0.3.6x
+    (ref_latents where guidance was): the node reads them by name, so the reference latents never reach the engine."""
     node = host_node("nodes_edit_model", "ReferenceLatent")
     model = H.tiny_dit(family, 40)
     pos, neg = H.tiny_dit_conditioning(family, 41)

@@ -115,23 +115,49 @@ WAN_I2V = {
 WAN_I2V_WHY = {"2.1 with CLIP vision": "clip_fea", "2.1 without CLIP vision": None, "2.2 A14B": None}
 
 
-@pytest.mark.parametrize("case", WAN_I2V)
-def test_wan_image_to_video_is_plains_served_or_said_once(pack, case, caplog):
-    """WanImageToVideo's conditioning (the start image's latents and mask as concat_latent_image / concat_mask, which
-    ComfyUI concatenates to the noise: 36 channels; CLIP vision's output as clip_fea where given)."""
+def wan_i2v(case: str, seed: int):
+    """(model, positive, negative, latent) of WAN_I2V's case, the conditioning WanImageToVideo gives (the start
+    image's latents and mask as concat_latent_image / concat_mask, which ComfyUI concatenates to the noise: 36
+    channels; CLIP vision's output, given as clip_fea, where the case has it)."""
     cls_name, changes, with_clip = WAN_I2V[case]
     node = host_node("nodes_wan", "WanImageToVideo")
-    model = tiny_wan(cls_name, 20, **changes)
+    model = tiny_wan(cls_name, seed, **changes)
     assert model.model.diffusion_model.patch_embedding.weight.shape[1] == 36
-    pos, neg = H.tiny_dit_conditioning("wan", 21)
-    pos, neg, latent = outputs(node, positive=pos, negative=neg, vae=EncodingVAE(16, 8, 22), width=64, height=64,
-                               length=9, batch_size=1, start_image=start_image(23),
-                               clip_vision_output=clip_vision_output(24) if with_clip else None)
+    pos, neg = H.tiny_dit_conditioning("wan", seed + 1)
+    pos, neg, latent = outputs(node, positive=pos, negative=neg, vae=EncodingVAE(16, 8, seed + 2), width=64,
+                               height=64, length=9, batch_size=1, start_image=start_image(seed + 3),
+                               clip_vision_output=clip_vision_output(seed + 4) if with_clip else None)
     assert "concat_latent_image" in pos[0][1] and ("clip_vision_output" in pos[0][1]) == with_clip
+    return model, pos, neg, latent
+
+
+@pytest.mark.parametrize("case", WAN_I2V)
+def test_wan_image_to_video_is_plains_served_or_said_once(pack, case, caplog):
+    model, pos, neg, latent = wan_i2v(case, 20)
     plain, out, s, lines = plain_and_node(pack, model, pos, neg, latent, caplog)
     no_image = sample(model, *H.tiny_dit_conditioning("wan", 21), latent)
     assert not torch.allclose(plain, no_image, atol=1e-4)  # the start image reaches the model
     check(plain, out, s, lines, WAN_I2V_WHY[case])
+
+
+@pytest.mark.parametrize("case", [c for c, why in WAN_I2V_WHY.items() if why is None])
+def test_wan_image_to_video_the_engine_serves_runs_fused_within_rounding_of_plain(pack, comfy_pytorch_attention,
+                                                                                 case, monkeypatch):
+    """The image-to-video calls the engine serves, with the fused kernels (Triton's interpreter on the CPU): every
+    block fused, the 36-channel patch embedding and the image cross-attention ComfyUI's own, the latents within float32
+    rounding of plain ComfyUI's."""
+    from sd_accel.accel.engine.fusions import wan
+    from sd_accel.nodes import accelerated_unet
+
+    model, pos, neg, latent = wan_i2v(case, 25)
+    plain = sample(model, pos, neg, latent)
+    acc = accelerate(pack, model)
+    accelerated_unet.session_of(acc).slot.options["triton_kernels"] = True
+    fused = []
+    monkeypatch.setattr(wan, "_block_forward", lambda *a, f=wan._block_forward, **k: fused.append(1) or f(*a, **k))
+    out = sample(acc, pos, neg, latent)
+    assert len(fused) == 2 * STEPS  # 2 blocks, one call a step
+    assert H.rel(out, plain) <= 1e-5 and status(acc).engine_calls == STEPS and status(acc).plain_calls == 0
 
 
 # ------------------------------------------------------------------------------------------- Wan 2.2 TI2V 5B

@@ -584,10 +584,9 @@ class Session:
         if inner_wrappers:
             patches.append(f"diffusion-model wrappers added after this node ({', '.join(inner_wrappers)})")
         given = sorted(k for k, v in kwargs.items() if v is not None)  # an input passed as None carries nothing
-        if given:
-            patches.append("extra inputs " + ", ".join(given))
-        if patches:
-            names = ", ".join(patches)
-            return (f"patches:{names}", f"other nodes patch the model ({names}); calls that carry these run on "
+        reasons = ([f"other nodes patch the model ({', '.join(patches)})"] if patches else []) \
+            + ([f"the calls have inputs the engine does not take ({', '.join(given)})"] if given else [])
+        if reasons:
+            return (f"patches:{', '.join(patches + given)}", f"{'; '.join(reasons)}: calls that carry these run on "
                     "ComfyUI's own forward, which applies them (no engine, no CUDA graph).")
         return None

@@ -16,6 +16,7 @@ while this model samples. Two wrappers:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import time
@@ -347,11 +348,17 @@ def _wait_for(device) -> None:
         torch.cuda.synchronize(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _positional_names(function) -> tuple[str, ...]:
+    return tuple(p.name for p in inspect.signature(function).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
 def _named_inputs(forward, args: tuple, kwargs: dict) -> dict:
     """The inputs a diffusion model's forward(x, timesteps, context, *args, **kwargs) gets after context, by the names
-    its own signature gives the positions."""
-    names = [p.name for p in inspect.signature(forward).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][3:]
+    its own signature gives the positions (read once per function: ComfyUI hands a new bound method every call)."""
+    function = getattr(forward, "__func__", forward)
+    names = list(_positional_names(function)[3 if function is forward else 4:])  # a bound method's self too
     names += [f"input {i + 4}" for i in range(len(names), len(args))]  # unnamed: given, so the call stays plain
     return {**dict(zip(names, args)), **kwargs}
 
@@ -575,10 +582,6 @@ class Session:
             return ("hooks", "per-step weight hooks (scheduled LoRA / hook keyframes) change the weights while "
                     "sampling; the plain model runs rather than stale weights.")
         patches = transformer_patches(transformer_options)
-        if transformer_options.get("rope_options"):
-            # ScaleROPE (0.33) and LongCat-Image scale and shift the positions the model's own forward computes from
-            # them: the engine's call does not take them, and would give the unscaled image
-            patches.append("rope_options")
         if transformer_options.get("optimized_attention_override") is not None:
             patches.append("attention override")
         if inner_wrappers:

@@ -225,9 +225,13 @@ def load_diffusion_model_file(module, folder: Path, dtype=None):
     """module's weights written as a diffusion-model file (what UNETLoader lists) and loaded by ComfyUI's own loader,
     comfy.sd.load_diffusion_model, as a workflow does: the patcher ComfyUI builds (ModelPatcherDynamic under
     DynamicVRAM), with the weight dtype `dtype` where given (its weight_dtype widget)."""
+    return load_diffusion_model_path(write_diffusion_model_file(module, folder), dtype)
+
+
+def load_diffusion_model_path(path: Path, dtype=None):
+    """A diffusion-model file loaded as UNETLoader loads it, with the weight dtype `dtype` where given."""
     import comfy.sd
 
-    path = write_diffusion_model_file(module, folder)
     return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype} if dtype is not None else {})
 
 

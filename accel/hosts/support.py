@@ -98,9 +98,11 @@ class _Collect(logging.Handler):
 
 def transformer_patches(transformer_options: dict) -> list[str]:
     """The per-step patches a ComfyUI-style transformer_options carries (ComfyUI's and Forge's): a call that carries
-    any must run on the host's own forward, which applies them; an engine or CUDA graph would not."""
+    any must run on the host's own forward, which applies them; an engine or CUDA graph would not. rope_options
+    (ComfyUI 0.33's ScaleROPE, LongCat-Image) scale and shift the positions the model's own forward computes."""
     names = sorted(k for k, v in transformer_options.get("patches", {}).items() if v)
-    return names + sorted(f"{k} replace" for k, v in transformer_options.get("patches_replace", {}).items() if v)
+    names += sorted(f"{k} replace" for k, v in transformer_options.get("patches_replace", {}).items() if v)
+    return names + (["rope_options"] if transformer_options.get("rope_options") else [])
 
 
 def refit(acc) -> str | None:

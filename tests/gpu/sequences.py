@@ -182,7 +182,6 @@ class Harness:
         in `dtype` (its weights stored in WEIGHTS' dtype where the model has one)."""
         import comfy.model_management as mm
         import comfy.model_patcher
-        import comfy.sd
         import comfy.supported_models
 
         from sd_accel.accel.models import configs
@@ -195,7 +194,7 @@ class Harness:
         config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
         stored = WEIGHTS.get(self.name)
         if self.size == "full" and dtype == self.dtype and self._file16 is not None:
-            return comfy.sd.load_diffusion_model(str(self._file16), model_options={"dtype": stored or dtype})
+            return H.load_diffusion_model_path(self._file16, stored or dtype)
         config.set_inference_dtype(stored or dtype, dtype if stored else None)
         # Full size: the weights of the file ComfyUI loads, made on the CPU (under DynamicVRAM nothing but ComfyUI's
         # loaders may put a model on the GPU: direct allocations there beside comfy-aimdo's arena crashed the process)
@@ -222,7 +221,7 @@ class Harness:
             path = H.write_diffusion_model_file(model.diffusion_model, folder)
             del model  # before ComfyUI loads its own copy: a full-size model's weights twice fill the CPU's memory
             gc.collect()
-            return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": stored or dtype})
+            return H.load_diffusion_model_path(path, stored or dtype)
         return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                                 offload_device=mm.unet_offload_device())
 

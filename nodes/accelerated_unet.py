@@ -178,7 +178,7 @@ def _plan(backend: str, options: dict):
 
 
 def _kind(model) -> str:
-    """"unet", "flux", "chroma" or "sd3": which forward the node's wrappers serve (unsupported() has accepted the
+    """"unet", "flux", "chroma", "sd3", "wan", "qwen-image" or "z-image": which forward the node's wrappers serve (unsupported() has accepted the
     model)."""
     unet = model.model.diffusion_model
     return inspect_dit(unet).family if is_dit(unet) else "unet"
@@ -197,6 +197,10 @@ def unsupported(model) -> str | None:
             transformers.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):
             pass
+    try:  # ComfyUI 0.33's Z-Image is Lumina 2's class in another form: only that form is accelerated
+        from comfy.ldm.lumina.model import NextDiT
+    except ImportError:
+        NextDiT = None
     base = getattr(model, "model", None)
     unet = getattr(base, "diffusion_model", None)
     # ComfyUI's name for the model (supported_models: ZImage), which its BaseModel class (Lumina2) may not say
@@ -204,14 +208,15 @@ def unsupported(model) -> str | None:
     what = type(base if config is None else config).__name__ + ("" if unet is None else f" ({type(unet).__name__})")
     # Subclasses (SVD's VideoUNet, Chroma Radiance's Chroma, VACE's and the camera models' Wan) take other inputs or
     # have other blocks.
-    if type(unet) in transformers:
+    if type(unet) in transformers or (type(unet) is NextDiT and is_dit(unet)):
         try:
             inspect_dit(unet)
         except AccelError as e:
             return f"{e} It passes through unaccelerated."
     elif type(unet) is not UNetModel:
         return (f"{what} is not accelerated (yet): sd-accel takes SD1.x, SD2.x and SDXL UNets and the Flux.1, Flux.2, "
-                "Chroma, SD3, Wan 2.1/2.2 and Qwen-Image transformers; it passes through to ComfyUI's own forward.")
+                "Chroma, SD3, Wan 2.1/2.2, Qwen-Image and Z-Image transformers; it passes through to ComfyUI's own "
+                "forward.")
     else:
         try:
             family = inspect_unet(unet).family
@@ -286,6 +291,7 @@ def attach(model, session: "Session") -> None:
              "chroma": (WrappersMP.DIFFUSION_MODEL, session.chroma_diffusion_model),
              "wan": (WrappersMP.DIFFUSION_MODEL, session.wan_diffusion_model),
              "qwen-image": (WrappersMP.DIFFUSION_MODEL, session.qwen_image_diffusion_model),
+             "z-image": (WrappersMP.DIFFUSION_MODEL, session.z_image_diffusion_model),
              "sd3": (WrappersMP.APPLY_MODEL, session.apply_model)}[_kind(model)]
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, KEY)
@@ -382,6 +388,16 @@ def status_payload(session: "Session") -> dict[str, Any]:
     return {"kind": "status", "backend": status.backend, "source": status.source,
             "engine_calls": engine_calls, "plain_calls": plain_calls,
             "gpus": gpu_side.gpus_line(status, spread_calls, engine_calls), "messages": list(status.messages)}
+
+
+def _other_count(num_tokens, context) -> Any:
+    """num_tokens where it is not the context's token count (a masked text's: ComfyUI gives it as a float), else
+    None."""
+    try:
+        same = num_tokens is None or context is None or int(num_tokens) == context.shape[1]
+    except (TypeError, ValueError, RuntimeError):
+        same = False
+    return None if same else num_tokens
 
 
 class Session:
@@ -499,6 +515,20 @@ class Session:
         guidance, control = extra.pop("guidance", None), extra.pop("control", None)
         return self._serve_wrapped(executor, transformer_options, extra, plain, x, timesteps, context, None, control,
                                    guidance)
+
+    def z_image_diffusion_model(self, executor, x, timesteps=None, context=None, num_tokens=None,
+                                attention_mask=None, transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's)
+        def plain(run=executor):
+            return run(x, timesteps, context, num_tokens, attention_mask, transformer_options=transformer_options,
+                       **kwargs)
+
+        # The engine calls the model with the context's token count and no mask, which ComfyUI 0.33's NextDiT reads
+        # neither of; another count, a mask, a rope_options (ScaleROPE, read from transformer_options) or reference
+        # images (Z-Image Omni) run ComfyUI's own forward.
+        extra = dict(kwargs, attention_mask=attention_mask, num_tokens=_other_count(num_tokens, context),
+                     rope_options=transformer_options.get("rope_options"))
+        control = extra.pop("control", None)
+        return self._serve_wrapped(executor, transformer_options, extra, plain, x, timesteps, context, None, control)
 
     def apply_model(self, executor, *args, **kwargs):
         """SD3: ComfyUI's MMDiT has no diffusion-model wrapper point, so for this call only its instance gets a

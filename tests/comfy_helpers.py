@@ -256,7 +256,8 @@ def write_diffusion_model_file(module, folder: Path) -> Path:
 # - "quantization_metadata": the same with the layers' formats in the file's `_quantization_metadata` header instead.
 QUANTIZED_FORMS = ("scaled_fp8", "comfy_quant", "quantization_metadata")
 # The ComfyUI model class of each tiny_dit family, whose unet_config the model detection matches a file against
-DIT_CLASSES = {"flux": "Flux", "chroma": "Chroma", "sd3": "SD3", "wan": "WAN21_T2V", "qwen-image": "QwenImage"}
+DIT_CLASSES = {"flux": "Flux", "chroma": "Chroma", "sd3": "SD3", "wan": "WAN21_T2V", "qwen-image": "QwenImage",
+               "z-image": "ZImage"}
 
 
 def reads_quantized_form(form: str) -> str | None:
@@ -283,29 +284,37 @@ def tiny_dit_weights(family: str, seed: int = 0):
 
 
 @contextlib.contextmanager
-def detected_as(cls_name: str, config: dict):
+def detected_as(cls_name: str, config: dict, identify: dict | None = None):
     """Within: ComfyUI's model detection gives a file it takes for a model of supported_models.<cls_name> the unet
     config `config` (a tiny model's). It reads a published model's widths (heads, text width, ...) from constants or
     from head sizes of 128, which a tiny file does not fit; its loader does all else as it does for any file (the
-    model class, its dtypes, layers and quantized weights)."""
+    model class, its dtypes, layers and quantized weights). identify: the detected entries that make a file such a
+    model (the class's unet_config where not given); where the class itself would not match the tiny config (Z-Image:
+    a Lumina 2 file 3840 wide), the tiny config gets the class too."""
     import comfy.model_detection as md
     import comfy.supported_models
 
-    own = md.detect_unet_config
+    own, own_config = md.detect_unet_config, md.model_config_from_unet_config
     cls = getattr(comfy.supported_models, cls_name)
     tiny = {**cls.unet_config, **config}
+    identify = cls.unet_config if identify is None else identify
 
     def detect(state_dict, key_prefix, *args, **kwargs):
         found = own(state_dict, key_prefix, *args, **kwargs)
-        if found is not None and all(found.get(k) == v for k, v in cls.unet_config.items()):
+        if found is not None and all(found.get(k) == v for k, v in identify.items()):
             return dict(tiny)
         return found
 
-    md.detect_unet_config = detect
+    def config_of(unet_config, *args, **kwargs):
+        if unet_config == tiny and not all(tiny.get(k) == v for k, v in cls.unet_config.items()):
+            return cls(dict(unet_config))
+        return own_config(unet_config, *args, **kwargs)
+
+    md.detect_unet_config, md.model_config_from_unet_config = detect, config_of
     try:
         yield
     finally:
-        md.detect_unet_config = own
+        md.detect_unet_config, md.model_config_from_unet_config = own, own_config
 
 
 def quantize_per_tensor(w, fmt: str):
@@ -447,7 +456,7 @@ def tiny_dit_conditioning(family: str = "flux", seed: int = 0, tokens: int = 7):
     _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
     flow = family in ("flux", "chroma")
     ctx = (cfg["context_in_dim"] if flow else cfg.get("text_dim") or cfg.get("joint_attention_dim")
-           or cfg["context_embedder_config"]["params"]["in_features"])
+           or cfg.get("cap_feat_dim") or cfg["context_embedder_config"]["params"]["in_features"])
     pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
     g = torch.Generator().manual_seed(seed)
 

@@ -1,11 +1,13 @@
 """The models people moved to since late 2025, which ComfyUI 0.33 runs (issue 56): Flux.2, Z-Image, LTX-2 (video with
 audio) and HunyuanVideo 1.5, through the Accelerated UNet node, on tiny seeded models of ComfyUI's own classes (model
 configs from comfy.supported_models, as its model detection makes them for the published files, at a tiny width).
-A model the node does not accelerate yet passes through untouched, said in one console line that names it. Skipped
-where the ComfyUI under test (0.3.64) has no such class."""
+Flux.2 and Z-Image run on the torch path's fused blocks; a model the node does not accelerate yet (LTX-2,
+HunyuanVideo 1.5, and Lumina 2 in its own form, whose class Z-Image shares) passes through untouched, said in one
+console line that names it. Skipped where the ComfyUI under test (0.3.64) has no such class."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -17,10 +19,10 @@ pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.
 
 # supported_models class -> the unet_config its detection sets (comfy/model_detection.py), at a tiny width
 PASSED_THROUGH = {
-    "ZImage": dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=32, n_layers=1,
-                   qk_norm=True, n_heads=2, n_kv_heads=2, axes_dims=[8, 12, 12], axes_lens=[64, 64, 64],
-                   rope_theta=256.0, ffn_dim_multiplier=8 / 3, z_image_modulation=True, time_scale=1000.0,
-                   pad_tokens_multiple=32),
+    # Lumina 2's own form of the class Z-Image is built from (grouped k/v heads, SiLU before its modulation)
+    "Lumina2": dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=32, n_layers=1,
+                    qk_norm=True, n_heads=4, n_kv_heads=2, axes_dims=[4, 6, 6], axes_lens=[64, 64, 64],
+                    rope_theta=10000.0, ffn_dim_multiplier=4.0),
     "LTXAV": dict(image_model="ltxav", num_layers=1, attention_head_dim=16, num_attention_heads=2,
                   cross_attention_dim=32, audio_attention_head_dim=8, audio_num_attention_heads=2,
                   audio_cross_attention_dim=16, caption_channels=32, connector_attention_head_dim=8,
@@ -149,24 +151,43 @@ def test_flux2_loaded_from_its_file_runs_fused_in_comfyuis_sampling_and_equals_p
     assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
 
 
-def test_flux2_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention):
-    """Flux.2's blocks (modulations shared by all blocks of a kind, SiLU-gated MLPs, no biases) through the Flux
-    fusion against ComfyUI's own forward, in float32; undone, the model is ComfyUI's again."""
-    pytest.importorskip("triton")
-    _flux2_class()
+def _fused_and_own(name: str) -> tuple:
+    """(ComfyUI's own forward's output, the fused forward's, the fusions' counts, the own forward's after undo, the
+    model) of the tiny DiT `name` in float32."""
     from sd_accel.accel.engine import fusions
     from sd_accel.accel.models import configs
     from sd_accel.accel.models.dit import CanonicalDiT
 
-    model = configs.build_dit("tiny-flux2", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
-    inp = configs.dit_example_inputs("tiny-flux2", batch=2, latent=(8, 10), device=DEVICE)
+    model = configs.build_dit(name, "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    inp = configs.dit_example_inputs(name, batch=2, latent=(8, 10), device=DEVICE)
     canon = CanonicalDiT(model)
     with torch.no_grad():
         ref = canon(**inp)
         undo, counts = fusions.apply(model)
         out = canon(**inp)
         undo()
-        back = canon(**inp)
+        return ref, out, counts, canon(**inp), model
+
+
+def _fp8_and_16bit(name: str) -> tuple:
+    """((output, counts) with precision auto, the same with precision fp8) of the tiny DiT `name` in bfloat16, fused."""
+    from sd_accel.accel.models import configs
+    from test_dit import _fused_output
+
+    model = configs.build_dit(name, "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16, device=DEVICE)
+    inp = configs.dit_example_inputs(name, batch=2, device=DEVICE)
+    inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
+    return _fused_output(model, inp, "auto"), _fused_output(model, inp, "fp8")
+
+
+def test_flux2_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention):
+    """Flux.2's blocks (modulations shared by all blocks of a kind, SiLU-gated MLPs, no biases) through the Flux
+    fusion against ComfyUI's own forward, in float32; undone, the model is ComfyUI's again."""
+    pytest.importorskip("triton")
+    _flux2_class()
+    from sd_accel.accel.engine import fusions
+
+    ref, out, counts, back, model = _fused_and_own("tiny-flux2")
     assert counts == {f: 5 if f == "flux" else 0 for f in fusions.DIT}  # 2 double, 2 single blocks, the last layer
     assert H.rel(out, ref) <= FUSED_TOL
     assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
@@ -178,16 +199,158 @@ def test_flux2_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_
     16-bit), the SiLU-gated MLPs' too, and stays close to the 16-bit fused forward; auto leaves 16-bit weights."""
     pytest.importorskip("triton")
     _flux2_class()
-    from sd_accel.accel.models import configs
-    from test_dit import _fused_output
-
-    model = configs.build_dit("tiny-flux2", "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16,
-                              device=DEVICE)
-    inp = configs.dit_example_inputs("tiny-flux2", batch=2, device=DEVICE)
-    inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
-
-    ref, counts = _fused_output(model, inp, "auto")
+    (ref, counts), (out, counts8) = _fp8_and_16bit("tiny-flux2")
     assert counts["flux"] == 5 and counts["fp8"] == 0
-    out, counts = _fused_output(model, inp, "fp8")
-    assert counts["fp8"] == 2 * 8 + 2 * 2  # per double block 2 streams x (qkv, proj, 2 MLP); per single 2
+    assert counts8["fp8"] == 2 * 8 + 2 * 2  # per double block 2 streams x (qkv, proj, 2 MLP); per single 2
+    assert 1e-4 < H.rel(out, ref) <= 5e-2
+
+
+# ------------------------------------------------------------------------------------------------------ Z-Image
+
+@contextlib.contextmanager
+def _z_image_detected():
+    """ComfyUI's detection takes a Lumina 2 file 3840 wide for Z-Image and sets its heads and rotary axes from
+    constants: within, a file of tiny-z-image's weights is given that config and supported_models.ZImage, and its
+    loader does all else as for the published file."""
+    from sd_accel.accel.models import configs
+
+    _config_class("ZImage")
+    with H.detected_as("ZImage", configs.COMFY_DIT_CONFIGS["tiny-z-image"][1], identify={"image_model": "lumina2"}):
+        yield
+
+
+def _z_image_file(folder, seed: int = 0):
+    """tiny-z-image's weights (seeded louder where blocks add to the stream: H.tiny_dit_weights) written as a file and
+    loaded by ComfyUI's own loader."""
+    with _z_image_detected():
+        model = H.load_diffusion_model_file(H.tiny_dit_weights("z-image", seed), folder)
+    assert type(model.model.model_config).__name__ == "ZImage"
+    return model
+
+
+def _sample_z_image(model, positive, negative, size: int = 8):
+    import comfy.sample
+
+    shape = (1, 16, size, size)
+    noise = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    return comfy.sample.sample(model, noise, 2, 3.0, "euler", "simple", positive, negative, torch.zeros(shape),
+                               disable_pbar=True, seed=1)
+
+
+def _fused_z_image(pack, model, fused: bool = True):
+    """The node's output on model, its fused kernels asked for (Triton's interpreter on the CPU; else the CPU's torch
+    path runs the plain model's own kernels), and its slot."""
+    from sd_accel.nodes import accelerated_unet
+
+    node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
+    out = node.apply(model, "torch", True, False, **H.PROFILE, unique_id="56")
+    acc = out["result"][0]
+    assert acc is not model and "backend: torch" in out["ui"]["text"][0]
+    slot = accelerated_unet.session_of(acc).slot
+    slot.options["triton_kernels"] = fused
+    return acc, slot
+
+
+def _counted_attention(monkeypatch) -> list:
+    """The fused Z-Image blocks' attentions, one per block call."""
+    from sd_accel.accel.engine.fusions import z_image
+
+    calls = []
+    monkeypatch.setattr(z_image, "_attention", lambda *a, f=z_image._attention: calls.append(1) or f(*a))
+    return calls
+
+
+def test_z_image_loaded_from_its_file_runs_fused_in_comfyuis_sampling_and_equals_plain(pack, comfy_pytorch_attention,
+                                                                                       tmp_path, monkeypatch):
+    """A Z-Image file loaded by ComfyUI's own loader (supported_models.ZImage), through the node with the fused
+    kernels: every block fused (context refiner, noise refiner and main layers), every call the engine's, the latents
+    plain ComfyUI's; the host's model is left as it was."""
+    pytest.importorskip("triton")
+    model = _z_image_file(tmp_path)
+    pos, neg = H.tiny_dit_conditioning("z-image", 3)
+    plain = _sample_z_image(model, pos, neg)
+    acc, slot = _fused_z_image(pack, model)
+    calls = _counted_attention(monkeypatch)
+    out = _sample_z_image(acc, pos, neg)
+    # 2 steps, conditional and unconditional in one batch: 2 calls of 2 + 2 refiner blocks and 2 layers
+    assert len(calls) == 12, calls
+    assert H.rel(out, plain) <= FUSED_TOL
+    assert slot.status.engine_calls == 2 and slot.status.plain_calls == 0
+    assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
+
+
+def test_z_image_lora_after_the_node_changes_its_latents_as_plain_and_goes_again(pack, comfy_pytorch_attention,
+                                                                               tmp_path):
+    """A LoRA on the attention's qkv and the MLP's w1 (packed with w3 into one product by the fusion) after the node:
+    the fused run's latents move as plain ComfyUI's do; without it, they are plain's again."""
+    pytest.importorskip("triton")
+    import comfy.sd
+
+    model = _z_image_file(tmp_path, seed=4)
+    pos, neg = H.tiny_dit_conditioning("z-image", 5)
+    lora = H.lora_patches(model, 6, take=lambda key: key.endswith(("attention.qkv.weight", "feed_forward.w1.weight")))
+    assert lora
+
+    def with_lora(m):
+        return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0.0)[0]
+
+    plain, plain_lora = _sample_z_image(model, pos, neg), _sample_z_image(with_lora(model), pos, neg)
+    assert H.rel(plain_lora, plain) > 1e-3  # the LoRA reaches the blocks
+    acc, slot = _fused_z_image(pack, model)
+    assert H.rel(_sample_z_image(acc, pos, neg), plain) <= FUSED_TOL
+    assert H.rel(_sample_z_image(with_lora(acc), pos, neg), plain_lora) <= FUSED_TOL
+    assert H.rel(_sample_z_image(acc, pos, neg), plain) <= FUSED_TOL
+    assert slot.status.engine_calls == 6 and slot.status.plain_calls == 0
+
+
+def test_z_image_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention):
+    """Z-Image's blocks (sandwich RMSNorms, scale-only modulation, tanh gates, w1/w3 SiLU-gated MLP; the context
+    refiner's without modulation) and output layer through the z_image fusion against ComfyUI's own forward, in
+    float32; undone, the model is ComfyUI's again."""
+    pytest.importorskip("triton")
+    _config_class("ZImage")
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.models.dit import CanonicalDiT
+
+    ref, out, counts, back, model = _fused_and_own("tiny-z-image")
+    assert CanonicalDiT(model).spec.family == "z-image"
+    assert counts == {f: 7 if f == "z_image" else 0 for f in fusions.DIT}  # 6 blocks and the final layer
+    assert H.rel(out, ref) <= FUSED_TOL
+    assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
+
+
+def test_z_image_calls_with_a_mask_or_rope_options_run_comfyuis_own_forward_and_say_so(pack, caplog):
+    """Calls with inputs the engine does not pass on (a text attention mask with its token count; ScaleROPE's
+    rope_options; likewise Z-Image Omni's reference images) run ComfyUI's own forward, said once in words; the other
+    calls of the run are the engine's (on the CPU, the plain model's own kernels: the latents are plain's exactly)."""
+    _config_class("ZImage")
+    model = H.tiny_dit("z-image", 2)
+    pos, neg = H.tiny_dit_conditioning("z-image", 6)
+    mask = torch.ones(1, 7)
+    mask[:, 5:] = 0
+    masked = ([[pos[0][0], dict(pos[0][1], attention_mask=mask)]], neg)
+    acc, slot = _fused_z_image(pack, model, fused=False)
+    with caplog.at_level(logging.INFO, logger="sd-accel"):
+        assert torch.equal(_sample_z_image(acc, *masked), _sample_z_image(model, *masked))
+        scaled, plain_scaled = acc.clone(), model.clone()
+        for m in (scaled, plain_scaled):
+            m.set_model_rope_options(1.5, 0.0, 1.5, 0.0, 1.0, 0.0)
+        assert torch.equal(_sample_z_image(scaled, pos, neg), _sample_z_image(plain_scaled, pos, neg))
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and "extra inputs" in r.getMessage()]
+    assert any("attention_mask" in s and "num_tokens" in s for s in said), said
+    assert any("rope_options" in s for s in said), said
+    # the masked positive's 2 calls (its conditioning does not batch with the negative's, whose 2 the engine serves),
+    # then both halves of 2 calls with rope_options
+    assert slot.status.plain_calls == 4 and slot.status.engine_calls == 2, slot.status
+
+
+@pytest.mark.fp8_products(DEVICE)
+def test_z_image_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_attention):
+    """precision fp8 takes every block projection of Z-Image (qkv, out, w1, w2, w3; the modulations stay 16-bit) and
+    stays close to the 16-bit fused forward; auto leaves 16-bit weights."""
+    pytest.importorskip("triton")
+    _config_class("ZImage")
+    (ref, counts), (out, counts8) = _fp8_and_16bit("tiny-z-image")
+    assert counts["z_image"] == 7 and counts["fp8"] == 0
+    assert counts8["fp8"] == 6 * 5  # per block qkv, out, w1, w2, w3
     assert 1e-4 < H.rel(out, ref) <= 5e-2

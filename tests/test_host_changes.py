@@ -89,6 +89,14 @@ def _flux2() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     return _dit("tiny-flux2")()
 
 
+def _z_image() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "ZImage"):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no Z-Image (supported_models.ZImage)")
+    return _dit("tiny-z-image")()
+
+
 # Per family: the model, the fusions applied (None: all of the model's kind), and per host class the attribute its
 # fusion reads that the changed host renames. A class a fusion reaches through another (Wan's self-attention, through
 # its block) is a family of its own, so that the block that holds it is not declined first.
@@ -110,6 +118,10 @@ FAMILIES = {
     "wan": (_dit("tiny-wan"), None, {"WanAttentionBlock": "ffn", "Head": "head"}),
     "wan self-attention": (_dit("tiny-wan"), None, {"WanSelfAttention": "norm_q", "Head": "head"}),
     "qwen_image": (_dit("tiny-qwen-image"), None, {"QwenImageTransformerBlock": "txt_mlp", "LastLayer": "linear"}),
+    # Z-Image's block reads its attention's and MLP's classes too: families of their own, as Wan's self-attention
+    "z_image": (_z_image, None, {"JointTransformerBlock": "ffn_norm2", "FinalLayer": "norm_final"}),
+    "z_image attention": (_z_image, None, {"JointAttention": "qkv", "FinalLayer": "adaLN_modulation"}),
+    "z_image mlp": (_z_image, None, {"FeedForward": "w3", "FinalLayer": "linear"}),
 }
 
 

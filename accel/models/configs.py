@@ -331,6 +331,13 @@ _COMFY_WAN21_14B = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2
 _COMFY_QWEN_IMAGE = dict(image_model="qwen_image", patch_size=2, in_channels=64, out_channels=16, num_layers=60,
                          attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
                          pooled_projection_dim=768, axes_dims_rope=(16, 56, 56))
+# Z-Image (Tongyi-MAI/Z-Image-Turbo transformer/config.json: dim 3840, 30 layers, 30 heads, 2 refiner layers, caption
+# width 2560, rope theta 256, t_scale 1000), as ComfyUI 0.33's model detection configures its NextDiT (Lumina 2's
+# class) for the published file: its supported_models.ZImage.
+_COMFY_Z_IMAGE = dict(image_model="lumina2", patch_size=2, in_channels=16, dim=3840, cap_feat_dim=2560, n_layers=30,
+                      qk_norm=True, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512],
+                      rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0,
+                      pad_tokens_multiple=32)
 
 COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     "flux-dev": ("flux", _COMFY_FLUX_DEV),
@@ -357,6 +364,11 @@ COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
                          "num_layers": 2}),
     "tiny-qwen-image": ("qwen-image", {**_COMFY_QWEN_IMAGE, "num_layers": 2, "attention_head_dim": 16,
                                        "num_attention_heads": 4, "joint_attention_dim": 32, "axes_dims_rope": (4, 6, 6)}),
+    "z-image": ("z-image", _COMFY_Z_IMAGE),
+    # its two refiner layers of each kind as published; at least 256 wide (its blocks' modulation reads the time
+    # embedding's 256 channels as min(dim, 256)), heads of 64 channels (its rotary axes' sum)
+    "tiny-z-image": ("z-image", {**_COMFY_Z_IMAGE, "dim": 256, "cap_feat_dim": 32, "n_layers": 2, "n_heads": 4,
+                                 "n_kv_heads": 4, "axes_dims": [16, 24, 24], "axes_lens": [64, 64, 64]}),
 }
 
 # diffusers' form: the transformer/config.json of black-forest-labs/FLUX.1-dev and stabilityai/stable-diffusion-3.5-*.
@@ -386,13 +398,13 @@ DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": 
               "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8),
               "wan21-14b": (512, (60, 104)), "wan21-1.3b": (512, (60, 104)), "wan22-5b": (512, (44, 80)),
               "qwen-image": (512, 166), "tiny-wan": (7, 8), "tiny-qwen-image": (7, 8), "flux2-dev": (512, 64),
-              "tiny-flux2": (7, 8)}
+              "tiny-flux2": (7, 8), "z-image": (512, 128), "tiny-z-image": (7, 8)}
 
 
 def cfg_batch(name: str) -> int:
     """The batch one sampling step of the DiT `name` runs: 2 (the conditional and unconditional halves of
-    classifier-free guidance), 1 for guidance-distilled Flux."""
-    return 1 if COMFY_DIT_CONFIGS[name][0] == "flux" else 2
+    classifier-free guidance), 1 for guidance-distilled Flux and for Z-Image(-Turbo), which runs at CFG 1."""
+    return 1 if COMFY_DIT_CONFIGS[name][0] in ("flux", "z-image") else 2
 
 
 # Latent frames of a video DiT's native clip: Wan 2.1's 81 frames at 480x832 (its VAE keeps 1 + 80/4), Wan 2.2 5B's
@@ -513,6 +525,12 @@ def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -
         from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel as cls
     elif family == "chroma":
         from comfy.ldm.chroma.model import Chroma as cls
+    elif family == "z-image":
+        from comfy.ldm.lumina.model import NextDiT as cls
+
+        if "z_image_modulation" not in inspect.signature(cls.__init__).parameters:
+            raise ValueError(f"{name} needs a ComfyUI with Z-Image (0.33 and later); this one's NextDiT has no "
+                             "z_image_modulation.")
     else:
         from comfy.ldm.modules.diffusionmodules.mmdit import OpenAISignatureMMDITWrapper as cls
     return cls(**cfg, dtype=dtype, device=device, operations=ops)
@@ -571,6 +589,10 @@ def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] 
     h, w = (latent, latent) if isinstance(latent, int) else (latent or native)
     g = torch.Generator().manual_seed(seed)
     move = lambda v: v.to(device=device, dtype=dtype)  # noqa: E731
+    if family == "z-image":
+        return {"x": move(torch.randn(batch, cfg["in_channels"], h, w, generator=g)),
+                "timesteps": torch.full((batch,), 0.6, device=device),
+                "context": move(torch.randn(batch, tokens, cfg["cap_feat_dim"], generator=g))}
     if family in ("wan", "qwen-image"):
         ctx_dim = cfg["text_dim"] if family == "wan" else cfg["joint_attention_dim"]
         shape = (batch, cfg["in_dim"], VIDEO_FRAMES[name], h, w) if family == "wan" else (batch, 16, 1, h, w)

@@ -10,7 +10,9 @@ packed-token call the adapter makes. Chroma is Flux's architecture without the p
 modulation computed once per call by a small network (the "approximator") instead of a projection in every block.
 Wan (ComfyUI's comfy.ldm.wan.model.WanModel) takes video latents (batch, channels, frames, height, width) and
 Qwen-Image (comfy.ldm.qwen_image.model.QwenImageTransformer2DModel) latents of one frame, (batch, channels, 1, height,
-width) as ComfyUI passes them, or (batch, channels, height, width).
+width) as ComfyUI passes them, or (batch, channels, height, width). Z-Image (ComfyUI 0.33's comfy.ldm.lumina.model.NextDiT
+in the form its supported_models.ZImage builds: Lumina 2's class with Z-Image's modulation) takes the text tokens and
+their count, which the canonical call gives as the context's (ComfyUI 0.33's forward reads neither count nor mask).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .spec import Canonical
 @dataclass(frozen=True)
 class DiTSpec:
     form: str  # "comfy" | "diffusers"
-    family: str  # "flux" | "chroma" | "sd3" | "wan" | "qwen-image"
+    family: str  # "flux" | "chroma" | "sd3" | "wan" | "qwen-image" | "z-image"
     in_channels: int  # latent channels
     hidden_size: int
     heads: int
@@ -65,11 +67,24 @@ def _kind(m: nn.Module) -> tuple[str, str] | None:
     if name == "QwenImageTransformer2DModel" and hasattr(m, "transformer_blocks") and hasattr(m, "txt_in") \
             and not hasattr(m, "config"):
         return "comfy", "qwen-image"
+    if name == "NextDiT" and type(m).__module__ == "comfy.ldm.lumina.model" and _z_image(m):
+        return "comfy", "z-image"
     if name == "FluxTransformer2DModel":
         return "diffusers", "flux"
     if name == "SD3Transformer2DModel":
         return "diffusers", "sd3"
     return None
+
+
+def _z_image(m: nn.Module) -> bool:
+    """A NextDiT of Z-Image's form: its blocks' modulation a projection of the 256-wide time embedding with no SiLU
+    before it (z_image_modulation), no pooled text input. Lumina 2's own form (and NewBie's) is not accelerated."""
+    layers = getattr(m, "layers", None)
+    if not layers or not all(hasattr(m, a) for a in ("x_embedder", "cap_embedder", "final_layer", "dim", "n_heads")):
+        return False
+    modulation = getattr(layers[0], "adaLN_modulation", None)
+    return (isinstance(modulation, nn.Sequential) and len(modulation) == 1
+            and getattr(m, "clip_text_pooled_proj", None) is None)
 
 
 def inspect_dit(m: nn.Module) -> DiTSpec:
@@ -78,7 +93,7 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
     if kind is None:
         raise UnsupportedModel(
             f"{type(m).__name__} is not a supported diffusion transformer (Flux.1, Chroma or SD3/SD3.5, in "
-            "ComfyUI's or diffusers' form; Wan 2.1/2.2 or Qwen-Image in ComfyUI's).", "Other model types run "
+            "ComfyUI's or diffusers' form; Wan 2.1/2.2, Qwen-Image or Z-Image in ComfyUI's).", "Other model types run "
             "unaccelerated.")
     n = sum(p.numel() for p in m.parameters())
     form, family = kind
@@ -97,6 +112,9 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
         block = m.transformer_blocks[0]
         return DiTSpec(form, family, m.in_channels // m.patch_size ** 2, m.inner_dim, block.num_attention_heads,
                        len(m.transformer_blocks), 0, m.txt_in.in_features, 0, False, m.patch_size, n)
+    if family == "z-image":  # single-stream blocks over the text and image tokens (Lumina's JointTransformerBlock)
+        return DiTSpec(form, family, m.in_channels, m.dim, m.n_heads, len(m.layers), 0, m.cap_embedder[-1].in_features,
+                       0, False, m.patch_size, n)
     if form == "comfy":
         hidden = m.x_embedder.proj.out_features if hasattr(m.x_embedder.proj, "out_features") \
             else m.x_embedder.proj.out_channels
@@ -151,6 +169,8 @@ class CanonicalDiT(Canonical):
             return self.unet(x, timesteps, context, guidance, control=control, **kwargs)
         if s.family == "wan":
             return self.unet(x, timesteps, context, **kwargs)
+        if s.family == "z-image":
+            return self.unet(x, timesteps, context, context.shape[1], **kwargs)
         if s.family == "qwen-image":
             extra = {"control": control} if control is not None else {}
             image = x.dim() == 4  # ComfyUI's class takes one frame's latents as (batch, channels, 1, height, width)

@@ -204,8 +204,14 @@ def project(m: nn.Module, x: torch.Tensor, context: torch.Tensor) -> tuple[torch
 
 
 def pack_qkv(model: nn.Module, layers: list[nn.Module], undo: Undo) -> bool:
-    """Pack a stream's q, k and v projections, kept under its q projection for `packed`, where they are packable and
-    of one output width (the form kernels/qk_rope.py reads a packed projection in). Returns whether they were."""
+    """Pack a stream's q, k and v projections (the form kernels/qk_rope.py reads a packed projection in):
+    pack_same_width."""
+    return pack_same_width(model, layers, undo)
+
+
+def pack_same_width(model: nn.Module, layers: list[nn.Module], undo: Undo) -> bool:
+    """Pack layers of one input and one output width (a stream's q, k and v; a SiLU-gated MLP's two first
+    projections), kept under the first layer for `packed`, where they are packable. Returns whether they were."""
     if not packable(layers) or len({layer.out_features for layer in layers}) != 1:
         return False
     set_projections(layers[0], Projections(pack(model, layers), 0), undo)

@@ -1,4 +1,4 @@
-"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan, qwen_image) share: the call
+"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan, qwen_image, z_image) share: the call
 conditions, the attention over the joint sequence (in fp8 where accel/engine/fp8_attention.py takes it), the gated
 residual / modulated MLP steps of a DiT block, the double-stream block of joint text+image attention (Flux, Chroma,
 Qwen-Image) and Flux's single block."""
@@ -313,15 +313,21 @@ def _layers(s: Stream) -> tuple[nn.Module, ...]:
 
 def project_qkv(qkv: nn.Module | tuple[nn.Module, nn.Module, nn.Module],
                 h: torch.Tensor | fp8.Rows) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """q, k and v of h in a form qk_norm_rope takes: one layer's (..., 3C) product; three layers' as one GEMM where
-    the fusion packed them (packing.pack_qkv), the pack still holds every weight and no layer makes fp8 products
-    (their fp8 copies are per layer: h is quantized once, for a product each), else as three products."""
+    """q, k and v of h in a form qk_norm_rope takes: one layer's (..., 3C) product; three layers' as project_packed
+    gives them (packing.pack_qkv)."""
     if not isinstance(qkv, tuple):
         return fp8.project(qkv, h)
-    pack = packing.packed(*qkv)
-    if pack is not None and pack.intact() and not any(fp8.marked(layer) for layer in qkv):
-        return pack.linear(h, 0, 3)
-    return tuple(fp8.project(layer, h) for layer in qkv)
+    return project_packed(qkv, h)
+
+
+def project_packed(layers: tuple[nn.Module, ...], h: torch.Tensor | fp8.Rows) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The products of layers of one input h: side by side from one GEMM where the fusion packed them
+    (packing.pack_same_width), the pack still holds every weight and no layer makes fp8 products (their fp8 copies
+    are per layer: h is quantized once, for a product each), else a product per layer, as a tuple."""
+    pack = packing.packed(*layers)
+    if pack is not None and pack.intact() and not any(fp8.marked(layer) for layer in layers):
+        return pack.linear(h, 0, len(layers))
+    return tuple(fp8.project(layer, h) for layer in layers)
 
 
 def joint_block(streams: Sequence[Stream], heads: int, module_name: str | None, pe: torch.Tensor | None,

@@ -19,8 +19,14 @@ import timing
 pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 
-@pytest.mark.parametrize("name", ["sd15", "sdxl-fp8weights", "flux-dev", "chroma", "wan21-1.3b", "qwen-image"])
+@pytest.mark.parametrize("name", ["sd15", "sdxl-fp8weights", "flux-dev", "chroma", "wan21-1.3b", "qwen-image",
+                                  "z-image"])
 def test_every_run_of_the_sequence_equals_plain_comfyui(name):
+    H.import_comfy()
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, sequences.MODELS[name][0]):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no supported_models.{sequences.MODELS[name][0]}")
     report = sequences.run_model(name, size="tiny", device="cpu")
     runs, settings = {r.run for r in report.rows}, {r.setting for r in report.rows}
     assert {"20 steps again", "LoRA 0.4", "LoRA removed", "after unload", "other size", "batch 2"} <= runs

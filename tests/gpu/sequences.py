@@ -53,15 +53,18 @@ MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int
     # A short clip keeps a sequence of runs within minutes: 17 frames (5 latent frames) at 480p.
     "wan21-1.3b": ("WAN21_T2V", "wan21-1.3b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
     "qwen-image": ("QwenImage", "qwen-image", torch.bfloat16, 2.5, (1024, 1024), (1024, 768), 512),
+    # Z-Image-Turbo (ComfyUI 0.33 and later) as its workflows run it: CFG 1, one call per step
+    "z-image": ("ZImage", "z-image", torch.bfloat16, 1.0, (1024, 1024), (1024, 768), 512),
     # Wan 2.1's native clip, 81 frames (21 latent frames) at 480p: the several-GPU check's model (tests/gpu/gpus.py)
     "wan21-14b": ("WAN21_T2V", "wan21-14b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
 }
 TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "sdxl-fp8weights": "tiny-sdxl", "flux-dev": "tiny-flux",
         "sd35-medium": "tiny-sd3", "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image",
-        "wan21-14b": "tiny-wan"}
+        "wan21-14b": "tiny-wan", "z-image": "tiny-z-image"}
 FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21}  # latent frames; the others are images (Qwen-Image's: one frame)
 QUICK = ("sd15", "flux-dev")
-NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b")  # named alone until their first GPU run has been read
+# named alone until their first GPU run has been read
+NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image")
 UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
 # Models whose weights are stored in another dtype than they compute in: ComfyUI's cast-on-the-fly layers widen each
 # weight per call to the dtype the model runs in (the 16-bit one, or float32 for the yardstick's reference, which so
@@ -235,7 +238,8 @@ class Harness:
         else:
             family, cfg = configs.COMFY_DIT_CONFIGS[self.config]
             dim = {"sd3": lambda: cfg["context_embedder_config"]["params"]["in_features"],
-                   "wan": lambda: cfg["text_dim"], "qwen-image": lambda: cfg["joint_attention_dim"]}.get(
+                   "wan": lambda: cfg["text_dim"], "qwen-image": lambda: cfg["joint_attention_dim"],
+                   "z-image": lambda: cfg["cap_feat_dim"]}.get(
                 family, lambda: cfg["context_in_dim"])()
             pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
 
@@ -260,7 +264,8 @@ class Harness:
         key_map = comfy.lora.model_lora_keys_unet(model.model, {})
         g = torch.Generator().manual_seed(_seed(self.name, "lora"))
         names = ("attn1.to_", "attn2.to_", "ff.net", "img_attn.", "txt_attn.", "linear1", "linear2", "attn.qkv",
-                 "attn.proj", "img_mlp.", "mlp.fc", "self_attn.", "cross_attn.", "ffn.", "attn.to_")
+                 "attn.proj", "img_mlp.", "mlp.fc", "self_attn.", "cross_attn.", "ffn.", "attn.to_",
+                 "attention.qkv", "attention.out", "feed_forward.")
         sd, taken = {}, 0
         for key, w in model.model.diffusion_model.state_dict().items():
             if w.dim() != 2 or not key.endswith(".weight") or not any(n in key for n in names) or taken >= 48:

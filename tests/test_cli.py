@@ -309,6 +309,7 @@ def test_bench_runs_comfyuis_classes_with_the_attention_its_flags_choose(tmp_pat
 def test_bench_times_z_image_in_comfyuis_class(tmp_path):
     """bench --models z-image builds ComfyUI 0.33's NextDiT in Z-Image's form (tiny-z-image with --tiny) and times it
     at batch 1 (Z-Image-Turbo runs at CFG 1); the torch path's output is the fp32 reference's."""
+    H.import_comfy()
     if "class ZImage(" not in (H.comfy_root() / "comfy" / "supported_models.py").read_text():
         pytest.skip(f"ComfyUI {H.comfy_version()} has no Z-Image (supported_models.ZImage)")
     out = tmp_path / "bench.json"

@@ -22,7 +22,7 @@ PASSED_THROUGH = {
     # Lumina 2's own form of the class Z-Image is built from (grouped k/v heads, SiLU before its modulation)
     "Lumina2": dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=32, n_layers=1,
                     qk_norm=True, n_heads=4, n_kv_heads=2, axes_dims=[4, 6, 6], axes_lens=[64, 64, 64],
-                    rope_theta=10000.0, ffn_dim_multiplier=4.0),
+                    ffn_dim_multiplier=4.0),
     "LTXAV": dict(image_model="ltxav", num_layers=1, attention_head_dim=16, num_attention_heads=2,
                   cross_attention_dim=32, audio_attention_head_dim=8, audio_num_attention_heads=2,
                   audio_cross_attention_dim=16, caption_channels=32, connector_attention_head_dim=8,

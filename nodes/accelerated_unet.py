@@ -178,8 +178,8 @@ def _plan(backend: str, options: dict):
 
 
 def _kind(model) -> str:
-    """"unet", "flux", "chroma", "sd3", "wan", "qwen-image" or "z-image": which forward the node's wrappers serve (unsupported() has accepted the
-    model)."""
+    """"unet", "flux", "chroma", "sd3", "wan", "qwen-image" or "z-image": which forward the node's wrappers serve
+    (unsupported() has accepted the model)."""
     unet = model.model.diffusion_model
     return inspect_dit(unet).family if is_dit(unet) else "unet"
 
@@ -523,10 +523,8 @@ class Session:
                        **kwargs)
 
         # The engine calls the model with the context's token count and no mask, which ComfyUI 0.33's NextDiT reads
-        # neither of; another count, a mask, a rope_options (ScaleROPE, read from transformer_options) or reference
-        # images (Z-Image Omni) run ComfyUI's own forward.
-        extra = dict(kwargs, attention_mask=attention_mask, num_tokens=_other_count(num_tokens, context),
-                     rope_options=transformer_options.get("rope_options"))
+        # neither of; another count, a mask or reference images (Z-Image Omni) run ComfyUI's own forward.
+        extra = dict(kwargs, attention_mask=attention_mask, num_tokens=_other_count(num_tokens, context))
         control = extra.pop("control", None)
         return self._serve_wrapped(executor, transformer_options, extra, plain, x, timesteps, context, None, control)
 

@@ -36,6 +36,12 @@ def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     timed = [r for r in report.rows if r.run == sequences.TIMED]
     assert timed and all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.RUNS for r in timed)
     assert all(r.seconds == r.timed.node.median and r.plain_seconds == r.timed.plain.median for r in timed)
+    fp8_rows = [r for r in report.rows if r.setting.startswith("fp8")]
+    if name in sequences.UNETS:
+        assert report.fp8_yardstick is None and not fp8_rows
+    else:  # plain ComfyUI's own fp8 weight dtype rounds the weights to e4m3: its latents move, and bound fp8's
+        assert report.fp8_yardstick > 1e-3 and fp8_rows, report.table()
+        assert all(r.limit == 1.5 * report.fp8_yardstick for r in fp8_rows)
     print(report.table())
 
 

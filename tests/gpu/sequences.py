@@ -14,7 +14,11 @@ compared once, as every run's are.
 
 The yardstick is how far plain ComfyUI's own 16-bit run lies from its fp32 run of the same model (1 step and 20
 steps; the larger): an accelerated run may differ from plain's by 1.5 times that in 16 bits, 3 times with fp8
-products, and never hold a NaN or inf. SD_ACCEL_GPU_YARDSTICK splits it from the sequences where both do not fit
+products, and never hold a NaN or inf. A transformer whose fp8 settings run also gets an fp8 yardstick: how far plain
+ComfyUI with the same file loaded in weight dtype fp8_e4m3fn (its own fp8 mode: the weights rounded to e4m3) lies
+from its 16-bit run, the same two runs; fp8 products may differ by 1.5 times that where it is the larger bound. Which
+bound the rounding to e4m3 reaches depends on the model: where a block's output is RMS-normalized before its residual
+add (Z-Image's sandwich norms), the seeded weights' quiet projections do not damp it. SD_ACCEL_GPU_YARDSTICK splits it from the sequences where both do not fit
 one call (Qwen-Image's 20 float32 steps take most of ten minutes): "only" measures it alone, and the path of the JSON
 report that run wrote (tests/gpu/reporting.py) gives its value to a later run, which then builds the 16-bit model
 alone and says where its yardstick came from.
@@ -130,6 +134,7 @@ class Report:
     cpu: str = ""  # the host's CPU model and cores (timing.host_cpu)
     load: float | None = None  # its 1-minute load average when the model's runs began
     yardstick: float = 0.0
+    fp8_yardstick: float | None = None  # plain with its weights in e4m3 against plain 16-bit, where measured
     lora_effect: float = 0.0  # how far plain's LoRA run lies from its run without: a LoRA must change the image
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -142,8 +147,10 @@ class Report:
         return bad + ([] if self.lora_effect > 1e-3 else [f"the LoRA changed plain's image by {self.lora_effect:.1e}"])
 
     def table(self) -> str:
-        lines = [f"== {self.model}: yardstick (plain 16-bit vs fp32) {self.yardstick:.2e}; LoRA's effect on plain "
-                 f"{self.lora_effect:.2e}; CPU {self.cpu}, load {timing.load_text(self.load)}",
+        fp8 = ("" if self.fp8_yardstick is None
+               else f"; fp8 yardstick (plain, weights in e4m3, vs 16-bit) {self.fp8_yardstick:.2e}")
+        lines = [f"== {self.model}: yardstick (plain 16-bit vs fp32) {self.yardstick:.2e}{fp8}; LoRA's effect on "
+                 f"plain {self.lora_effect:.2e}; CPU {self.cpu}, load {timing.load_text(self.load)}",
                  f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "
                  f"{'calls':>7}  ok"]
         legend = (f"   node s, plain s: one run each (plain's: its first of that run's configuration); {TIMED}: the "
@@ -176,13 +183,15 @@ class Harness:
         self._conditioning = self._make_conditioning()
         self.model = None
         self._files: list[Path] = []  # the files full-size models were loaded from, while in use
-        self._file16: Path | None = None  # a 16-bit file the float32 yardstick read, which the 16-bit model reads too
+        # the 16-bit model's file (where the float32 yardstick read 16-bit weights, that file), which later builds in
+        # 16 bits or e4m3 read
+        self._file16: Path | None = None
 
     # ------------------------------------------------------------------ models and runs
 
-    def build(self, dtype: torch.dtype):
+    def build(self, dtype: torch.dtype, stored: torch.dtype | None = None):
         """A ModelPatcher around ComfyUI's own model of this architecture, seeded (same seed: same weights), computing
-        in `dtype` (its weights stored in WEIGHTS' dtype where the model has one)."""
+        in `dtype` (its weights stored in `stored`, else in WEIGHTS' dtype where the model has one)."""
         import comfy.model_management as mm
         import comfy.model_patcher
         import comfy.supported_models
@@ -195,7 +204,7 @@ class Harness:
             unet_config = dict(configs.comfy_dit_config(self.config)[1])
         config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
         config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
-        stored = WEIGHTS.get(self.name)
+        stored = stored or WEIGHTS.get(self.name)
         if self.size == "full" and dtype == self.dtype and self._file16 is not None:
             return H.load_diffusion_model_path(self._file16, stored or dtype)
         config.set_inference_dtype(stored or dtype, dtype if stored else None)
@@ -222,6 +231,8 @@ class Harness:
                 print(f"{self.name}: the float32 yardstick reads {self.dtype} weights ({size / 2**30:.0f} GiB in "
                       f"float32 > {shutil.disk_usage(folder).free / 2**30:.0f} GiB free)", flush=True)
             path = H.write_diffusion_model_file(model.diffusion_model, folder)
+            if dtype == self.dtype and stored is None:
+                self._file16 = path  # the fp8 yardstick loads it again, in e4m3: no second file
             del model  # before ComfyUI loads its own copy: a full-size model's weights twice fill the CPU's memory
             gc.collect()
             return H.load_diffusion_model_path(path, stored or dtype)
@@ -332,7 +343,9 @@ class Harness:
         timed = self.timed(model, run) if run.label == TIMED else None
         if timed:
             seconds, plain_seconds = timed.node.median, timed.plain.median
-        limit = self.report.yardstick * (3.0 if fp8 else 1.5)
+        limit = self.report.yardstick * 1.5
+        if fp8:
+            limit = max(self.report.yardstick * 3.0, (self.report.fp8_yardstick or 0.0) * 1.5)
         self.report.rows.append(Row(self.name, setting, run.label, H.rel(out, ref), limit,
                                     bool(torch.isfinite(out).all()), seconds, plain_seconds, *calls, timed))
         print("\n".join(self.report.rows[-1].lines()), flush=True)  # as it goes: a run that hangs or dies shows where
@@ -380,6 +393,23 @@ class Harness:
         self.report.yardstick = max(H.rel(self.plain(r)[0], ref) for r, ref in zip(runs, ref32))
         print(f"{self.name}: yardstick {self.report.yardstick:.2e} (plain {self.dtype} vs float32)", flush=True)
 
+    def measure_fp8_yardstick(self) -> None:
+        """Plain ComfyUI with this model's file loaded in weight dtype fp8_e4m3fn against its 16-bit runs (1 step and
+        20 steps), the e4m3-rounded model built after the 16-bit one and freed before the sequences."""
+        import comfy.model_management as mm
+
+        runs = [Run("1 step", 1), Run("20 steps", 20)]
+        model8 = self.build(self.dtype, torch.float8_e4m3fn)
+        out8 = [self.sample(model8, r)[0] for r in runs]
+        del model8
+        gc.collect()
+        mm.cleanup_models()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.report.fp8_yardstick = max(H.rel(self.plain(r)[0], o) for r, o in zip(runs, out8))
+        print(f"{self.name}: fp8 yardstick {self.report.fp8_yardstick:.2e} (plain, weights in e4m3, vs {self.dtype})",
+              flush=True)
+
     def run_all(self, quick: bool = False, only: str = "") -> Report:
         """Every setting's sequence, then the widget changes; only: just the settings whose label contains it."""
         import comfy.model_management as mm
@@ -394,6 +424,9 @@ class Harness:
         if given == "only":
             self.report.sequences = False
             return self.report
+        if not self.unet and self.name not in WEIGHTS and any(p == "fp8" and only in label
+                                                                for label, p, _ in self.settings(quick)):
+            self.measure_fp8_yardstick()
         lora = Run("LoRA 1.0", 7, lora=1.0)
         self.report.lora_effect = H.rel(self.plain(lora)[0], self.plain(Run("7 steps", 7))[0])
         try:

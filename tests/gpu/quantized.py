@@ -94,16 +94,6 @@ class QuantizedHarness(sequences.Harness):
         with self._detected():
             return comfy.sd.load_diffusion_model(str(path))
 
-    def _detected(self):
-        """A tiny model's widths for ComfyUI's detection (comfy_helpers.detected_as); the published ones it reads."""
-        import contextlib
-
-        if self.size != "tiny":
-            return contextlib.nullcontext()
-        from sd_accel.accel.models import configs
-
-        return H.detected_as(self.cls, configs.comfy_dit_config(self.config)[1])
-
     def settings(self, quick: bool = False) -> list[tuple[str, str, bool]]:
         """precision auto (the e4m3 layers as fp8 products), graphs on and, unless quick, off; and 16bit, where the
         quantized layers run ComfyUI's own kernels inside the fused blocks."""

@@ -15,10 +15,12 @@ compared once, as every run's are.
 The yardstick is how far plain ComfyUI's own 16-bit run lies from its fp32 run of the same model (1 step and 20
 steps; the larger): an accelerated run may differ from plain's by 1.5 times that in 16 bits, 3 times with fp8
 products, and never hold a NaN or inf. A transformer whose fp8 settings run also gets an fp8 yardstick: how far plain
-ComfyUI with the same file loaded in weight dtype fp8_e4m3fn (its own fp8 mode: the weights rounded to e4m3) lies
-from its 16-bit run, the same two runs; fp8 products may differ by 1.5 times that where it is the larger bound. Which
-bound the rounding to e4m3 reaches depends on the model: where a block's output is RMS-normalized before its residual
-add (Z-Image's sandwich norms), the seeded weights' quiet projections do not damp it. SD_ACCEL_GPU_YARDSTICK splits it from the sequences where both do not fit
+ComfyUI running the same weights as a scaled fp8 checkpoint (every Linear weight in e4m3 with a per-tensor scale, as
+published *_fp8_scaled files store them) lies from its 16-bit run, the same two runs; fp8 products may differ by 1.5
+times that where it is the larger bound. How far rounding to e4m3 moves the latents depends on the model: where a
+block's output is RMS-normalized before its residual add (Z-Image's sandwich norms), the seeded weights' quiet
+projections do not damp it. (ComfyUI's weight dtype fp8_e4m3fn casts without a scale: the seeded weights, most below
+e4m3's smallest normal, lose far more there, so it is no yardstick.) SD_ACCEL_GPU_YARDSTICK splits it from the sequences where both do not fit
 one call (Qwen-Image's 20 float32 steps take most of ten minutes): "only" measures it alone, and the path of the JSON
 report that run wrote (tests/gpu/reporting.py) gives its value to a later run, which then builds the 16-bit model
 alone and says where its yardstick came from.
@@ -134,7 +136,7 @@ class Report:
     cpu: str = ""  # the host's CPU model and cores (timing.host_cpu)
     load: float | None = None  # its 1-minute load average when the model's runs began
     yardstick: float = 0.0
-    fp8_yardstick: float | None = None  # plain with its weights in e4m3 against plain 16-bit, where measured
+    fp8_yardstick: float | None = None  # plain on a scaled fp8 checkpoint against plain 16-bit, where measured
     lora_effect: float = 0.0  # how far plain's LoRA run lies from its run without: a LoRA must change the image
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -148,7 +150,7 @@ class Report:
 
     def table(self) -> str:
         fp8 = ("" if self.fp8_yardstick is None
-               else f"; fp8 yardstick (plain, weights in e4m3, vs 16-bit) {self.fp8_yardstick:.2e}")
+               else f"; fp8 yardstick (plain, scaled fp8 file, vs 16-bit) {self.fp8_yardstick:.2e}")
         lines = [f"== {self.model}: yardstick (plain 16-bit vs fp32) {self.yardstick:.2e}{fp8}; LoRA's effect on "
                  f"plain {self.lora_effect:.2e}; CPU {self.cpu}, load {timing.load_text(self.load)}",
                  f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "
@@ -183,15 +185,13 @@ class Harness:
         self._conditioning = self._make_conditioning()
         self.model = None
         self._files: list[Path] = []  # the files full-size models were loaded from, while in use
-        # the 16-bit model's file (where the float32 yardstick read 16-bit weights, that file), which later builds in
-        # 16 bits or e4m3 read
-        self._file16: Path | None = None
+        self._file16: Path | None = None  # a 16-bit file the float32 yardstick read, which the 16-bit model reads too
 
     # ------------------------------------------------------------------ models and runs
 
-    def build(self, dtype: torch.dtype, stored: torch.dtype | None = None):
+    def build(self, dtype: torch.dtype):
         """A ModelPatcher around ComfyUI's own model of this architecture, seeded (same seed: same weights), computing
-        in `dtype` (its weights stored in `stored`, else in WEIGHTS' dtype where the model has one)."""
+        in `dtype` (its weights stored in WEIGHTS' dtype where the model has one)."""
         import comfy.model_management as mm
         import comfy.model_patcher
         import comfy.supported_models
@@ -204,7 +204,7 @@ class Harness:
             unet_config = dict(configs.comfy_dit_config(self.config)[1])
         config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
         config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
-        stored = stored or WEIGHTS.get(self.name)
+        stored = WEIGHTS.get(self.name)
         if self.size == "full" and dtype == self.dtype and self._file16 is not None:
             return H.load_diffusion_model_path(self._file16, stored or dtype)
         config.set_inference_dtype(stored or dtype, dtype if stored else None)
@@ -231,8 +231,6 @@ class Harness:
                 print(f"{self.name}: the float32 yardstick reads {self.dtype} weights ({size / 2**30:.0f} GiB in "
                       f"float32 > {shutil.disk_usage(folder).free / 2**30:.0f} GiB free)", flush=True)
             path = H.write_diffusion_model_file(model.diffusion_model, folder)
-            if dtype == self.dtype and stored is None:
-                self._file16 = path  # the fp8 yardstick loads it again, in e4m3: no second file
             del model  # before ComfyUI loads its own copy: a full-size model's weights twice fill the CPU's memory
             gc.collect()
             return H.load_diffusion_model_path(path, stored or dtype)
@@ -394,21 +392,60 @@ class Harness:
         print(f"{self.name}: yardstick {self.report.yardstick:.2e} (plain {self.dtype} vs float32)", flush=True)
 
     def measure_fp8_yardstick(self) -> None:
-        """Plain ComfyUI with this model's file loaded in weight dtype fp8_e4m3fn against its 16-bit runs (1 step and
-        20 steps), the e4m3-rounded model built after the 16-bit one and freed before the sequences."""
+        """Plain ComfyUI running this model's weights as a scaled fp8 checkpoint (H.write_quantized_file's
+        "scaled_fp8", loaded by ComfyUI's own loader) against its 16-bit runs (1 step and 20 steps); the file and
+        model go before the sequences. Skipped, said in the notes, where the file would not fit the disk."""
         import comfy.model_management as mm
+        import comfy.sd
+        import comfy.supported_models
 
-        runs = [Run("1 step", 1), Run("20 steps", 20)]
-        model8 = self.build(self.dtype, torch.float8_e4m3fn)
-        out8 = [self.sample(model8, r)[0] for r in runs]
-        del model8
-        gc.collect()
-        mm.cleanup_models()
+        from sd_accel.accel.models import configs
+
+        unet_config = dict(configs.comfy_dit_config(self.config)[1])
+        config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
+        config.unet_config.update(unet_config)
+        config.set_inference_dtype(self.dtype, None)
+        with H.layers_with_weights():
+            module = config.get_model({}, device="cpu").diffusion_model
+        configs.seed_dit_parameters(module, 0).requires_grad_(False)
+        folder = Path(H.temporary_folder("sd-accel-gpu-fp8-"))
+        need = sum(t.numel() for t in module.state_dict().values())  # at most a byte each, and the 16-bit rest
+        if self.size == "full" and shutil.disk_usage(folder).free < 1.2 * need:
+            del module
+            shutil.rmtree(folder, ignore_errors=True)
+            self.report.notes.append(f"no fp8 yardstick: its file ({need / 2**30:.0f} GiB) does not fit the disk "
+                                     "beside the 16-bit one")
+            return
+        try:
+            path = H.write_quantized_file(module, folder, "scaled_fp8", dtype=self.dtype)
+            del module
+            gc.collect()
+            with self._detected():
+                model8 = comfy.sd.load_diffusion_model(str(path))
+            runs = [Run("1 step", 1), Run("20 steps", 20)]
+            out8 = [self.sample(model8, r)[0] for r in runs]
+            del model8
+            gc.collect()
+            mm.cleanup_models()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.report.fp8_yardstick = max(H.rel(self.plain(r)[0], o) for r, o in zip(runs, out8))
-        print(f"{self.name}: fp8 yardstick {self.report.fp8_yardstick:.2e} (plain, weights in e4m3, vs {self.dtype})",
-              flush=True)
+        print(f"{self.name}: fp8 yardstick {self.report.fp8_yardstick:.2e} (plain on a scaled fp8 file, vs "
+              f"{self.dtype})", flush=True)
+
+    def _detected(self):
+        """A tiny model's widths for ComfyUI's detection of a file (comfy_helpers.detected_as); the published ones it
+        reads. Z-Image's tiny file is identified as Lumina 2's class, which ZImage shares."""
+        import contextlib
+
+        if self.size != "tiny":
+            return contextlib.nullcontext()
+        from sd_accel.accel.models import configs
+
+        identify = {"image_model": "lumina2"} if self.cls == "ZImage" else None
+        return H.detected_as(self.cls, configs.comfy_dit_config(self.config)[1], identify)
 
     def run_all(self, quick: bool = False, only: str = "") -> Report:
         """Every setting's sequence, then the widget changes; only: just the settings whose label contains it."""

@@ -4,8 +4,8 @@ on the CPU (tests/comfy_server.py's, with the pack and the test nodes linked in,
 1. the node menu's Show Advanced / Hide Advanced (right-click on the node's title): the nine advanced widgets appear
    and the node grows to fit them, then go and the node shrinks back; the state and size are saved with the workflow
    (serialized and loaded again, and after a page reload);
-2. copy and paste (Ctrl+C / Ctrl+V on the canvas), the node menu's Clone and (1.49) the selection toolbox's More
-   Options > Duplicate, with the advanced widgets hidden and shown: the new node keeps the widget values, the state and the size; changing backend on one changes only it;
+2. copy and paste (Ctrl+C / Ctrl+V on the canvas), the node menu's Clone and the selection toolbox's More Options >
+   Duplicate, with the advanced widgets hidden and shown: the new node keeps the widget values, the state and the size; changing backend on one changes only it;
 3. a workflow run from the browser (Ctrl+Enter) on a tiny seeded SD1.5 model (tests/test_comfyui_server.py's
    base_prompt): the node keeps its widgets and grows by its text box, Accel Info shows its report, no error toast or
    dialog, and nothing sd_accel.js throws; Show/Hide Advanced on the node with its text box.
@@ -124,21 +124,23 @@ class Checker:
         return items
 
     def more_options(self, node_id, label: str) -> bool | None:
-        """Select the node and click `label` in the selection toolbox's More Options menu (front end 1.49; None
-        where there is no such button, False where the menu has no such item)."""
+        """Select the node and click `label` in the selection toolbox's More Options menu (None where there is no
+        such button, False where the menu has no such item: 1.27's has no Show Advanced)."""
         self.page.mouse.click(*self.title(node_id))
         self.settle()
-        button = self.page.locator("[data-testid=more-options-button]")
-        if not button.count():
+        button = self.page.locator("[data-testid=more-options-button]").first
+        try:
+            button.wait_for(timeout=3000)  # the toolbox shows a moment after the selection
+        except Exception:  # noqa: BLE001 - no toolbox
             return None
         try:
-            button.first.click(timeout=5000)
+            button.click(timeout=5000)
         except Exception as e:  # noqa: BLE001 - said; 1.27's button takes no click here
             self.say(f"  the selection toolbox's More Options button took no click ({type(e).__name__})")
             self.page.keyboard.press("Escape")
             return None
         self.settle()
-        item = self.page.locator("[role=menuitem]").filter(has_text=re.compile(f"^{re.escape(label)}"))
+        item = self.page.get_by_text(label, exact=True)
         if not item.count():
             self.page.keyboard.press("Escape")
             return False
@@ -262,9 +264,13 @@ def check_copy_paste(c: Checker) -> None:
         else:
             c.say(f"no Clone in the node menu ({', '.join(i for i in items if i)})")
         before = set(c.ids())
-        if c.more_options(node, "Duplicate"):  # 1.49's selection toolbox
-            copies += [("duplicated", i) for i in c.ids() if i not in before][:1]
-            c.move(copies[-1][1], (1160, 200))
+        found = c.more_options(node, "Duplicate")
+        duplicated = [i for i in c.ids() if i not in before]
+        if duplicated:
+            copies.append(("duplicated", duplicated[0]))
+            c.move(duplicated[0], (1160, 200))
+        else:
+            c.say(f"More Options > Duplicate made no node (the item {'found' if found else 'not found'})")
         for how, copy in copies:
             s = c.state(copy) if copy is not None else None
             c.expect(s is not None and s["values"] == original["values"] and s["showAdvanced"] == advanced

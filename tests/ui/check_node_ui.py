@@ -31,9 +31,11 @@ SD_ACCEL_UI_SHOTS=DIR keeps a screenshot after each check there.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -45,6 +47,7 @@ REPO = TESTS.parent
 # As tests/conftest.py does: the checkout importable as sd_accel through a link (tests/host_server.py imports it),
 # which the server's environment leaves out (SD_ACCEL_TEST_IMPORT_DIR) so ComfyUI loads the pack from custom_nodes.
 _IMPORT = tempfile.mkdtemp(prefix="sd-accel-ui-import-")
+atexit.register(shutil.rmtree, _IMPORT, ignore_errors=True)
 os.symlink(REPO, os.path.join(_IMPORT, "sd_accel"))
 sys.path[:0] = [_IMPORT, str(TESTS)]
 os.environ["SD_ACCEL_TEST_IMPORT_DIR"] = _IMPORT

@@ -32,7 +32,7 @@ class Server(HostServer):
     name = "ComfyUI"
     probe = "/system_stats"
 
-    def __init__(self, base: Path, startup_timeout: float = 120) -> None:
+    def __init__(self, base: Path, startup_timeout: float = 120, front_end: Path | None = None) -> None:
         super().__init__()
         self.base = base
         custom = base / "custom_nodes"
@@ -42,8 +42,10 @@ class Server(HostServer):
         env = server_env(base)
         # The tests talk to the API only: an empty web root stands in for the browser front end, so the server
         # starts without the comfyui-frontend-package wheel (it exits when that is missing and no root is given).
-        front_end = base / "front_end"
-        front_end.mkdir(exist_ok=True)
+        # front_end: a front end's static files, for a browser (tests/ui/check_node_ui.py).
+        if front_end is None:
+            front_end = base / "front_end"
+            front_end.mkdir(exist_ok=True)
         cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", str(base), "--disable-auto-launch", "--disable-api-nodes",
                "--database-url", "sqlite:///:memory:", "--disable-metadata", "--front-end-root", str(front_end)]

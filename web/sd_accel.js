@@ -118,14 +118,23 @@ function markAdvanced(node) {
   }
 }
 
+// change() shows or hides the advanced widgets: the node grows or shrinks by what they take, keeping any room the user
+// or the text box added.
+function resizeAround(node, change) {
+  const before = node.computeSize()[1];
+  const height = node.size[1];
+  const r = change();
+  const after = node.computeSize()[1];
+  node.setSize([node.size[0], Math.max(after, height + after - before)]);
+  node.setDirtyCanvas(true, true);
+  return r;
+}
+
 function showAdvanced(node, show) {
   if (!!node.showAdvanced === show) return;
-  const before = node.computeSize()[1];
-  node.showAdvanced = show;
-  const after = node.computeSize()[1];
-  // grow or shrink by what the widgets take, keeping any room the user or the text box added
-  node.setSize([node.size[0], Math.max(after, node.size[1] + after - before)]);
-  node.setDirtyCanvas(true, true);
+  resizeAround(node, () => {
+    node.showAdvanced = show;
+  });
 }
 
 function backendWidget(node) {
@@ -154,6 +163,14 @@ app.registerExtension({
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name === UNET) {
+      // The node menu's Show/Hide Advanced (toggleAdvanced, 1.27 and 1.49) only ever grows the node
+      // (expandToFitContent): Hide would leave the room the nine widgets took.
+      const toggleAdvanced = nodeType.prototype.toggleAdvanced;
+      if (toggleAdvanced) {
+        nodeType.prototype.toggleAdvanced = function () {
+          return resizeAround(this, () => toggleAdvanced.apply(this, arguments));
+        };
+      }
       const onConfigure = nodeType.prototype.onConfigure;
       nodeType.prototype.onConfigure = function (info) {
         const r = onConfigure?.apply(this, arguments);

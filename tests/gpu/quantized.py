@@ -65,18 +65,8 @@ class QuantizedHarness(sequences.Harness):
         """The seeded model loaded by ComfyUI from a file: in float32 (the yardstick's reference) an ordinary file whose
         quantized layers hold the values the quantized file stores; in 16 bits the quantized file."""
         import comfy.sd
-        import comfy.supported_models
 
-        from sd_accel.accel.models import configs
-
-        unet_config = (dict(configs.LDM_UNET_CONFIGS[self.config]) if self.unet
-                       else dict(configs.comfy_dit_config(self.config)[1]))
-        config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
-        config.unet_config.update(unet_config)
-        config.set_inference_dtype(dtype, None)
-        with H.layers_with_weights():
-            module = config.get_model({}, device="cpu").diffusion_model
-        configs.seed_dit_parameters(module, 0).requires_grad_(False)
+        module = self.seeded(dtype).diffusion_model
         # the file stays while the model is in use: under DynamicVRAM ComfyUI loads it again for a resident copy
         folder = Path(H.temporary_folder("sd-accel-gpu-quantized-"))
         self._files.append(folder)

@@ -189,11 +189,9 @@ class Harness:
 
     # ------------------------------------------------------------------ models and runs
 
-    def build(self, dtype: torch.dtype):
-        """A ModelPatcher around ComfyUI's own model of this architecture, seeded (same seed: same weights), computing
-        in `dtype` (its weights stored in WEIGHTS' dtype where the model has one)."""
-        import comfy.model_management as mm
-        import comfy.model_patcher
+    def seeded(self, dtype: torch.dtype, compute: torch.dtype | None = None, device: str | torch.device = "cpu"):
+        """ComfyUI's own model (BaseModel) of this architecture, its weights in `dtype` computing in `compute` (None:
+        the same), seeded: the same seed gives the same weights."""
         import comfy.supported_models
 
         from sd_accel.accel.models import configs
@@ -204,16 +202,25 @@ class Harness:
             unet_config = dict(configs.comfy_dit_config(self.config)[1])
         config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
         config.unet_config.update(unet_config)  # the classes add their own entries (head counts)
+        config.set_inference_dtype(dtype, compute)
+        with H.layers_with_weights():
+            model = config.get_model({}, device=device)
+        # no gradients, as a loaded checkpoint's (ComfyUI's fp8 LoRA patching writes its rounding into out= tensors)
+        configs.seed_dit_parameters(model.diffusion_model, 0).requires_grad_(False)
+        return model
+
+    def build(self, dtype: torch.dtype):
+        """A ModelPatcher around ComfyUI's own model of this architecture, seeded (same seed: same weights), computing
+        in `dtype` (its weights stored in WEIGHTS' dtype where the model has one)."""
+        import comfy.model_management as mm
+        import comfy.model_patcher
+
         stored = WEIGHTS.get(self.name)
         if self.size == "full" and dtype == self.dtype and self._file16 is not None:
             return H.load_diffusion_model_path(self._file16, stored or dtype)
-        config.set_inference_dtype(stored or dtype, dtype if stored else None)
         # Full size: the weights of the file ComfyUI loads, made on the CPU (under DynamicVRAM nothing but ComfyUI's
         # loaders may put a model on the GPU: direct allocations there beside comfy-aimdo's arena crashed the process)
-        with H.layers_with_weights():
-            model = config.get_model({}, device="cpu" if self.size == "full" else self.device)
-        # no gradients, as a loaded checkpoint's (ComfyUI's fp8 LoRA patching writes its rounding into out= tensors)
-        configs.seed_dit_parameters(model.diffusion_model, 0).requires_grad_(False)
+        model = self.seeded(stored or dtype, dtype if stored else None, "cpu" if self.size == "full" else self.device)
         if self.size == "full":
             # as a user runs it: its file loaded by ComfyUI's own loader (under DynamicVRAM, the patcher it builds
             # is the only kind ComfyUI runs). The file stays while the model is in use: ComfyUI loads it again for a
@@ -397,17 +404,8 @@ class Harness:
         model go before the sequences. Skipped, said in the notes, where the file would not fit the disk."""
         import comfy.model_management as mm
         import comfy.sd
-        import comfy.supported_models
 
-        from sd_accel.accel.models import configs
-
-        unet_config = dict(configs.comfy_dit_config(self.config)[1])
-        config = getattr(comfy.supported_models, self.cls)(dict(unet_config))
-        config.unet_config.update(unet_config)
-        config.set_inference_dtype(self.dtype, None)
-        with H.layers_with_weights():
-            module = config.get_model({}, device="cpu").diffusion_model
-        configs.seed_dit_parameters(module, 0).requires_grad_(False)
+        module = self.seeded(self.dtype).diffusion_model
         folder = Path(H.temporary_folder("sd-accel-gpu-fp8-"))
         need = sum(t.numel() for t in module.state_dict().values())  # at most a byte each, and the 16-bit rest
         if self.size == "full" and shutil.disk_usage(folder).free < 1.2 * need:

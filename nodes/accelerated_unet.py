@@ -63,8 +63,8 @@ class AcceleratedUNetNode:
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
-    DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1, Chroma, SD3/SD3.5, Wan "
-                   "2.1/2.2 or Qwen-Image (transformer) checkpoint through the fastest path for this GPU (fused torch "
+    DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1, Flux.2, Chroma, SD3/SD3.5, "
+                   "Wan 2.1/2.2, Qwen-Image, Z-Image or HunyuanVideo 1.5 (transformer) checkpoint through the fastest path for this GPU (fused torch "
                    "kernels with CUDA graphs; ONNX Runtime for UNets), built on the first sampling step and cached. LoRA, ControlNet and other "
                    "nodes' patches keep working: calls an engine cannot serve run on the torch path or the plain "
                    "model, and the node says why.")
@@ -73,8 +73,9 @@ class AcceleratedUNetNode:
     def INPUT_TYPES(cls) -> dict:
         return {
             "required": {
-                "model": ("MODEL", {"tooltip": "The model to accelerate (SD1.x, SD2.x, SDXL, Flux.1, Chroma, "
-                                    "SD3/SD3.5, Wan 2.1/2.2, Qwen-Image); it is not changed: the output is an accelerated copy."}),
+                "model": ("MODEL", {"tooltip": "The model to accelerate (SD1.x, SD2.x, SDXL, Flux.1, Flux.2, Chroma, "
+                                    "SD3/SD3.5, Wan 2.1/2.2, Qwen-Image, Z-Image, HunyuanVideo 1.5); it is not changed: "
+                                    "the output is an accelerated copy."}),
                 "backend": (BACKENDS, {"default": "auto", "tooltip": (
                     "auto: the torch path (fused kernels, a CUDA graph per shape), or what SD_ACCEL_BACKEND "
                     "names. onnxruntime (SD1.x, SD2.x and SDXL UNets): an ONNX Runtime engine, built once into the "
@@ -178,7 +179,8 @@ def _plan(backend: str, options: dict):
 
 
 def _kind(model) -> str:
-    """"unet", "flux", "chroma", "sd3", "wan", "qwen-image" or "z-image": which forward the node's wrappers serve
+    """"unet", "flux", "chroma", "sd3", "wan", "qwen-image", "z-image" or "hunyuan-video": which forward the node's
+    wrappers serve
     (unsupported() has accepted the model)."""
     unet = model.model.diffusion_model
     return inspect_dit(unet).family if is_dit(unet) else "unet"
@@ -197,10 +199,14 @@ def unsupported(model) -> str | None:
             transformers.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):
             pass
-    try:  # ComfyUI 0.33's Z-Image is Lumina 2's class in another form: only that form is accelerated
-        from comfy.ldm.lumina.model import NextDiT
-    except ImportError:
-        NextDiT = None
+    # Classes accelerated in one form only: ComfyUI 0.33's Z-Image is Lumina 2's NextDiT in another form, HunyuanVideo
+    # 1.5 the HunyuanVideo of 1.0 and HunyuanImage 2.1 in its own (accel/models/dit.py says which)
+    in_one_form = []
+    for module, name in (("comfy.ldm.lumina.model", "NextDiT"), ("comfy.ldm.hunyuan_video.model", "HunyuanVideo")):
+        try:
+            in_one_form.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
     base = getattr(model, "model", None)
     unet = getattr(base, "diffusion_model", None)
     # ComfyUI's name for the model (supported_models: ZImage), which its BaseModel class (Lumina2) may not say
@@ -208,15 +214,15 @@ def unsupported(model) -> str | None:
     what = type(base if config is None else config).__name__ + ("" if unet is None else f" ({type(unet).__name__})")
     # Subclasses (SVD's VideoUNet, Chroma Radiance's Chroma, VACE's and the camera models' Wan) take other inputs or
     # have other blocks.
-    if type(unet) in transformers or (type(unet) is NextDiT and is_dit(unet)):
+    if type(unet) in transformers or (type(unet) in in_one_form and is_dit(unet)):
         try:
             inspect_dit(unet)
         except AccelError as e:
             return f"{e} It passes through unaccelerated."
     elif type(unet) is not UNetModel:
         return (f"{what} is not accelerated (yet): sd-accel takes SD1.x, SD2.x and SDXL UNets and the Flux.1, Flux.2, "
-                "Chroma, SD3, Wan 2.1/2.2, Qwen-Image and Z-Image transformers; it passes through to ComfyUI's own "
-                "forward.")
+                "Chroma, SD3, Wan 2.1/2.2, Qwen-Image, Z-Image and HunyuanVideo 1.5 transformers; it passes through "
+                "to ComfyUI's own forward.")
     else:
         try:
             family = inspect_unet(unet).family
@@ -292,6 +298,7 @@ def attach(model, session: "Session") -> None:
              "wan": (WrappersMP.DIFFUSION_MODEL, session.wan_diffusion_model),
              "qwen-image": (WrappersMP.DIFFUSION_MODEL, session.qwen_image_diffusion_model),
              "z-image": (WrappersMP.DIFFUSION_MODEL, session.z_image_diffusion_model),
+             "hunyuan-video": (WrappersMP.DIFFUSION_MODEL, session.hunyuan_video_diffusion_model),
              "sd3": (WrappersMP.APPLY_MODEL, session.apply_model)}[_kind(model)]
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, KEY)
@@ -527,6 +534,23 @@ class Session:
         extra = dict(kwargs, attention_mask=attention_mask, num_tokens=_other_count(num_tokens, context))
         control = extra.pop("control", None)
         return self._serve_wrapped(executor, transformer_options, extra, plain, x, timesteps, context, None, control)
+
+    def hunyuan_video_diffusion_model(self, executor, x, timestep=None, context=None, *args, **kwargs):
+        """HunyuanVideo 1.5's inputs after context, read by the names of ComfyUI's forward (ComfyUI passes them by
+        position). The engine calls the model with the latents, timestep, text, pooled text, guidance and ControlNet;
+        a call that carries anything else runs ComfyUI's own forward (why_plain says so once): ByT5's glyph text
+        (txt_byt5), image-to-video's CLIP vision features (clip_fea), a text attention mask (whose padding the
+        model's blocks mask), HunyuanVideo's guiding frame (per-token modulation) or reference latents."""
+        def plain(run=executor):
+            return run(x, timestep, context, *args, **kwargs)
+
+        extra = _named_inputs(executor.original, args, kwargs)
+        transformer_options = extra.pop("transformer_options", None) or {}
+        y, guidance, control = extra.pop("y", None), extra.pop("guidance", None), extra.pop("control", None)
+        # False, its default, changes nothing: the node serves no MeanFlow model, whose forward alone reads it
+        extra["disable_time_r"] = extra.get("disable_time_r") or None
+        return self._serve_wrapped(executor, transformer_options, extra, plain, x, timestep, context, y, control,
+                                   guidance)
 
     def apply_model(self, executor, *args, **kwargs):
         """SD3: ComfyUI's MMDiT has no diffusion-model wrapper point, so for this call only its instance gets a

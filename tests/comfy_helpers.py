@@ -257,7 +257,13 @@ def write_diffusion_model_file(module, folder: Path) -> Path:
 QUANTIZED_FORMS = ("scaled_fp8", "comfy_quant", "quantization_metadata")
 # The ComfyUI model class of each tiny_dit family, whose unet_config the model detection matches a file against
 DIT_CLASSES = {"flux": "Flux", "chroma": "Chroma", "sd3": "SD3", "wan": "WAN21_T2V", "qwen-image": "QwenImage",
-               "z-image": "ZImage"}
+               "z-image": "ZImage", "hunyuan-video": "HunyuanVideo15"}
+
+
+def tiny_name(family: str) -> str:
+    """The tiny config (accel/models/configs.py) of a tiny_dit family: tiny-<family>, or the one version of it the
+    pack accelerates (HunyuanVideo 1.5)."""
+    return {"hunyuan-video": "tiny-hunyuan-video15"}.get(family, f"tiny-{family}")
 
 
 def reads_quantized_form(form: str) -> str | None:
@@ -275,7 +281,7 @@ def tiny_dit_weights(family: str, seed: int = 0):
 
     from sd_accel.accel.models import configs
 
-    _, cfg = configs.comfy_dit_config(f"tiny-{family}")
+    _, cfg = configs.comfy_dit_config(tiny_name(family))
     config = getattr(comfy.supported_models, DIT_CLASSES[family])(dict(cfg))
     config.unet_config.update(cfg)
     with layers_with_weights():
@@ -437,7 +443,7 @@ def tiny_dit(family: str = "flux", seed: int = 0):
 
     from sd_accel.accel.models import configs
 
-    _, cfg = configs.comfy_dit_config(f"tiny-{family}")
+    _, cfg = configs.comfy_dit_config(tiny_name(family))
     config = getattr(comfy.supported_models, DIT_CLASSES[family])(dict(cfg))
     config.unet_config.update(cfg)
     model = config.get_model({})
@@ -453,9 +459,8 @@ def tiny_dit_conditioning(family: str = "flux", seed: int = 0, tokens: int = 7):
 
     from sd_accel.accel.models import configs
 
-    _, cfg = configs.COMFY_DIT_CONFIGS[f"tiny-{family}"]
-    flow = family in ("flux", "chroma")
-    ctx = (cfg["context_in_dim"] if flow else cfg.get("text_dim") or cfg.get("joint_attention_dim")
+    _, cfg = configs.COMFY_DIT_CONFIGS[tiny_name(family)]
+    ctx = (cfg.get("context_in_dim") or cfg.get("text_dim") or cfg.get("joint_attention_dim")
            or cfg.get("cap_feat_dim") or cfg["context_embedder_config"]["params"]["in_features"])
     pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
     g = torch.Generator().manual_seed(seed)

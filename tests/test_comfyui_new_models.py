@@ -1,14 +1,16 @@
 """The models people moved to since late 2025, which ComfyUI 0.33 runs (issue 56): Flux.2, Z-Image, LTX-2 (video with
 audio) and HunyuanVideo 1.5, through the Accelerated UNet node, on tiny seeded models of ComfyUI's own classes (model
 configs from comfy.supported_models, as its model detection makes them for the published files, at a tiny width).
-Flux.2 and Z-Image run on the torch path's fused blocks; a model the node does not accelerate yet (LTX-2,
-HunyuanVideo 1.5, and Lumina 2 in its own form, whose class Z-Image shares) passes through untouched, said in one
-console line that names it. Skipped where the ComfyUI under test (0.3.64) has no such class."""
+Flux.2, Z-Image and HunyuanVideo 1.5 run on the torch path's fused blocks; a model the node does not accelerate yet
+(LTX-2, Lumina 2 in its own form, whose class Z-Image shares, HunyuanVideo 1.0 and HunyuanVideo 1.5's MeanFlow-distilled
+super-resolution model, of 1.5's class) passes through untouched, said in one console line that names it. Skipped
+where the ComfyUI under test (0.3.64) has no such class."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import types
 
 import pytest
 import torch
@@ -27,12 +29,22 @@ PASSED_THROUGH = {
                   cross_attention_dim=32, audio_attention_head_dim=8, audio_num_attention_heads=2,
                   audio_cross_attention_dim=16, caption_channels=32, connector_attention_head_dim=8,
                   connector_num_attention_heads=2, connector_num_layers=1),
-    "HunyuanVideo15": dict(image_model="hunyuan_video", in_channels=32, out_channels=32, patch_size=[1, 1, 1],
-                           vec_in_dim=None, axes_dim=[16, 56, 56], meanflow=False, context_in_dim=32, hidden_size=256,
-                           mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, theta=256, qkv_bias=True,
-                           byt5=False, guidance_embed=False, use_cond_type_embedding=True, vision_in_dim=None,
-                           meanflow_sum=False),
+    # HunyuanVideo 1.0 (Llama text, CLIP-L's pooled vector, guidance, 1x2x2 patches) in 0.33's HunyuanVideo
+    "HunyuanVideo": dict(image_model="hunyuan_video", in_channels=16, out_channels=16, patch_size=[1, 2, 2],
+                         vec_in_dim=768, axes_dim=[16, 56, 56], meanflow=False, context_in_dim=32, hidden_size=256,
+                         mlp_ratio=4.0, num_heads=2, depth=1, depth_single_blocks=1, theta=256, qkv_bias=True,
+                         byt5=False, guidance_embed=True, use_cond_type_embedding=False, vision_in_dim=None,
+                         meanflow_sum=False),
+    # HunyuanVideo 1.5's MeanFlow-distilled super-resolution model: its forward reads the sampler's sigmas
+    "HunyuanVideo15_SR_Distilled": dict(image_model="hunyuan_video", in_channels=98, out_channels=32,
+                                        patch_size=[1, 1, 1], vec_in_dim=None, axes_dim=[16, 56, 56], meanflow=True,
+                                        context_in_dim=32, hidden_size=256, mlp_ratio=4.0, num_heads=2, depth=1,
+                                        depth_single_blocks=0, theta=256, qkv_bias=True, byt5=False,
+                                        guidance_embed=False, use_cond_type_embedding=True, vision_in_dim=1152,
+                                        meanflow_sum=True),
 }
+# The class whose ComfyUI a config needs, where it is not its own: 0.33's HunyuanVideo takes 1.5's fields
+NEEDS = {"HunyuanVideo": "HunyuanVideo15"}
 
 
 def _config_class(name: str):
@@ -70,6 +82,7 @@ def _hooks(model) -> tuple:
 def test_a_model_not_accelerated_yet_passes_through_said_in_one_line(pack, name, caplog):
     """The node returns ComfyUI's own model, with nothing of sd-accel on it (so ComfyUI's forward computes every
     call, unchanged), and says so in one console line naming the model."""
+    _config_class(NEEDS.get(name, name))
     model = _tiny(name, PASSED_THROUGH[name])
     before = _hooks(model)
     node = pack.NODE_CLASS_MAPPINGS["SDAccelAcceleratedUNet"]()
@@ -237,7 +250,7 @@ def _sample_z_image(model, positive, negative, size: int = 8):
                                disable_pbar=True, seed=1)
 
 
-def _fused_z_image(pack, model, fused: bool = True):
+def _accelerated(pack, model, fused: bool = True):
     """The node's output on model, its fused kernels asked for (Triton's interpreter on the CPU; else the CPU's torch
     path runs the plain model's own kernels), and its slot."""
     from sd_accel.nodes import accelerated_unet
@@ -249,6 +262,37 @@ def _fused_z_image(pack, model, fused: bool = True):
     slot = accelerated_unet.session_of(acc).slot
     slot.options["triton_kernels"] = fused
     return acc, slot
+
+
+def _lora_follows_plain(pack, model, sample, lora: dict) -> None:
+    """A LoRA after the node: the fused run's latents (sample(model): a short sampling run's) move as plain ComfyUI's
+    do; without it, they are plain's again; every call the engine's."""
+    import comfy.sd
+
+    def with_lora(m):
+        return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0.0)[0]
+
+    assert lora
+    plain, plain_lora = sample(model), sample(with_lora(model))
+    assert H.rel(plain_lora, plain) > 1e-3  # the LoRA reaches the blocks
+    acc, slot = _accelerated(pack, model)
+    assert H.rel(sample(acc), plain) <= FUSED_TOL
+    assert H.rel(sample(with_lora(acc)), plain_lora) <= FUSED_TOL
+    assert H.rel(sample(acc), plain) <= FUSED_TOL
+    assert slot.status.engine_calls == 6 and slot.status.plain_calls == 0
+
+
+def _positive_with(conditioning: tuple, **entries) -> tuple:
+    """(positive, negative) with `entries` in the positive's options, as a node that sets them gives it."""
+    pos, neg = conditioning
+    return [[pos[0][0], dict(pos[0][1], **entries)]], neg
+
+
+def _text_mask() -> torch.Tensor:
+    """A text encoder's attention mask over 7 tokens, the last 2 padding."""
+    mask = torch.ones(1, 7)
+    mask[:, 5:] = 0
+    return mask
 
 
 def _counted_attention(monkeypatch) -> list:
@@ -269,7 +313,7 @@ def test_z_image_loaded_from_its_file_runs_fused_in_comfyuis_sampling_and_equals
     model = _z_image_file(tmp_path)
     pos, neg = H.tiny_dit_conditioning("z-image", 3)
     plain = _sample_z_image(model, pos, neg)
-    acc, slot = _fused_z_image(pack, model)
+    acc, slot = _accelerated(pack, model)
     calls = _counted_attention(monkeypatch)
     out = _sample_z_image(acc, pos, neg)
     # 2 steps, conditional and unconditional in one batch: 2 calls of 2 + 2 refiner blocks and 2 layers
@@ -284,23 +328,10 @@ def test_z_image_lora_after_the_node_changes_its_latents_as_plain_and_goes_again
     """A LoRA on the attention's qkv and the MLP's w1 (packed with w3 into one product by the fusion) after the node:
     the fused run's latents move as plain ComfyUI's do; without it, they are plain's again."""
     pytest.importorskip("triton")
-    import comfy.sd
-
     model = _z_image_file(tmp_path, seed=4)
     pos, neg = H.tiny_dit_conditioning("z-image", 5)
     lora = H.lora_patches(model, 6, take=lambda key: key.endswith(("attention.qkv.weight", "feed_forward.w1.weight")))
-    assert lora
-
-    def with_lora(m):
-        return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0.0)[0]
-
-    plain, plain_lora = _sample_z_image(model, pos, neg), _sample_z_image(with_lora(model), pos, neg)
-    assert H.rel(plain_lora, plain) > 1e-3  # the LoRA reaches the blocks
-    acc, slot = _fused_z_image(pack, model)
-    assert H.rel(_sample_z_image(acc, pos, neg), plain) <= FUSED_TOL
-    assert H.rel(_sample_z_image(with_lora(acc), pos, neg), plain_lora) <= FUSED_TOL
-    assert H.rel(_sample_z_image(acc, pos, neg), plain) <= FUSED_TOL
-    assert slot.status.engine_calls == 6 and slot.status.plain_calls == 0
+    _lora_follows_plain(pack, model, lambda m: _sample_z_image(m, pos, neg), lora)
 
 
 def test_z_image_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention):
@@ -326,10 +357,8 @@ def test_z_image_calls_with_a_mask_or_rope_options_run_comfyuis_own_forward_and_
     _config_class("ZImage")
     model = H.tiny_dit("z-image", 2)
     pos, neg = H.tiny_dit_conditioning("z-image", 6)
-    mask = torch.ones(1, 7)
-    mask[:, 5:] = 0
-    masked = ([[pos[0][0], dict(pos[0][1], attention_mask=mask)]], neg)
-    acc, slot = _fused_z_image(pack, model, fused=False)
+    masked = _positive_with((pos, neg), attention_mask=_text_mask())
+    acc, slot = _accelerated(pack, model, fused=False)
     with caplog.at_level(logging.INFO, logger="sd-accel"):
         assert torch.equal(_sample_z_image(acc, *masked), _sample_z_image(model, *masked))
         scaled, plain_scaled = acc.clone(), model.clone()
@@ -353,4 +382,124 @@ def test_z_image_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorc
     (ref, counts), (out, counts8) = _fp8_and_16bit("tiny-z-image")
     assert counts["z_image"] == 7 and counts["fp8"] == 0
     assert counts8["fp8"] == 6 * 5  # per block qkv, out, w1, w2, w3
+    assert 1e-4 < H.rel(out, ref) <= 5e-2
+
+
+# -------------------------------------------------------------------------------------------- HunyuanVideo 1.5
+# ComfyUI 0.33's supported_models.HunyuanVideo15: its HunyuanVideo class with a vision input, whose blocks are Flux's
+# classes (comfy.ldm.flux.layers' DoubleStreamBlock and LastLayer), served by the flux fusion as they are.
+
+HUNYUAN_LATENT = 32  # its latent channels; its in_channels add the image condition's 32 and a mask
+
+
+def _hunyuan_video15_class() -> None:
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "HunyuanVideo15"):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no HunyuanVideo 1.5 (supported_models.HunyuanVideo15, 0.33 "
+                    "and later)")
+
+
+def _hunyuan_video15_file(folder, seed: int = 0):
+    """tiny-hunyuan-video15's weights (seeded louder where blocks add to the stream: H.tiny_dit_weights) written as a
+    file and loaded by ComfyUI's own loader; its detection reads the tiny file's widths as the published file's (heads
+    of 128, the vision input 1152 wide), so no detected_as."""
+    _hunyuan_video15_class()
+    model = H.load_diffusion_model_file(H.tiny_dit_weights("hunyuan-video", seed), folder)
+    assert type(model.model.model_config).__name__ == "HunyuanVideo15"
+    return model
+
+
+def _sample_hunyuan_video(model, positive, negative, frames: int = 2, size: int = 4):
+    import comfy.sample
+
+    shape = (1, HUNYUAN_LATENT, frames, size, size)
+    noise = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    return comfy.sample.sample(model, noise, 2, 6.0, "euler", "simple", positive, negative, torch.zeros(shape),
+                               disable_pbar=True, seed=1)
+
+
+def test_hunyuan_video15_loaded_from_its_file_runs_fused_in_comfyuis_sampling_and_equals_plain(
+        pack, comfy_pytorch_attention, tmp_path, monkeypatch):
+    """A HunyuanVideo 1.5 file loaded by ComfyUI's own loader, through the node with the fused kernels: every double
+    block fused (the flux fusion), every call the engine's, the latents plain ComfyUI's; the host's model is left as it
+    was."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.models.dit import inspect_dit
+
+    model = _hunyuan_video15_file(tmp_path)
+    spec = inspect_dit(model.model.diffusion_model)
+    assert (spec.family, spec.in_channels, spec.depth, spec.single_depth) == ("hunyuan-video", 65, 2, 0)
+    pos, neg = H.tiny_dit_conditioning("hunyuan-video", 3)
+    plain = _sample_hunyuan_video(model, pos, neg)
+    acc, slot = _accelerated(pack, model)
+    calls = _counted_blocks(monkeypatch)
+    out = _sample_hunyuan_video(acc, pos, neg)
+    # 2 steps, conditional and unconditional in one batch: 2 calls of each of 2 double blocks (it has no single ones)
+    assert calls == ["double_block"] * 4, calls
+    assert H.rel(out, plain) <= FUSED_TOL
+    assert slot.status.engine_calls == 2 and slot.status.plain_calls == 0
+    assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
+
+
+def test_hunyuan_video15_lora_after_the_node_changes_its_latents_as_plain_and_goes_again(
+        pack, comfy_pytorch_attention, tmp_path):
+    """A LoRA on the double blocks' qkv and first MLP projections after the node."""
+    pytest.importorskip("triton")
+    model = _hunyuan_video15_file(tmp_path, seed=4)
+    pos, neg = H.tiny_dit_conditioning("hunyuan-video", 5)
+    lora = H.lora_patches(model, 6, take=lambda key: key.startswith("double_blocks.")
+                          and key.endswith(("attn.qkv.weight", "mlp.0.weight")))
+    _lora_follows_plain(pack, model, lambda m: _sample_hunyuan_video(m, pos, neg), lora)
+
+
+def test_hunyuan_video15_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention):
+    """Its double blocks and last layer through the flux fusion against ComfyUI's own forward, in float32; undone, the
+    model is ComfyUI's again."""
+    pytest.importorskip("triton")
+    _hunyuan_video15_class()
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.models.dit import CanonicalDiT
+
+    ref, out, counts, back, model = _fused_and_own("tiny-hunyuan-video15")
+    assert CanonicalDiT(model).spec.family == "hunyuan-video"
+    assert counts == {f: 3 if f == "flux" else 0 for f in fusions.DIT}  # 2 double blocks and the last layer
+    assert H.rel(out, ref) <= FUSED_TOL
+    assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
+
+
+def test_hunyuan_video15_calls_with_inputs_the_engine_does_not_take_run_comfyuis_own_forward_and_say_so(pack,
+                                                                                                       caplog):
+    """Image-to-video's CLIP vision features (clip_fea) and a text attention mask are inputs the engine does not take
+    (likewise ByT5's glyph text, a guiding frame, reference latents): such calls run ComfyUI's own forward, said once in
+    words each; the other calls of the run are the engine's (on the CPU, the plain model's own kernels: the latents are
+    plain's exactly)."""
+    _hunyuan_video15_class()
+    model = H.tiny_dit("hunyuan-video", 2)
+    pos, neg = H.tiny_dit_conditioning("hunyuan-video", 6)
+    features = torch.randn(1, 5, 1152, generator=torch.Generator().manual_seed(7))  # SigLIP's width
+    with_vision = _positive_with((pos, neg), clip_vision_output=types.SimpleNamespace(last_hidden_state=features))
+    masked = _positive_with((pos, neg), attention_mask=_text_mask())
+    acc, slot = _accelerated(pack, model, fused=False)
+    with caplog.at_level(logging.INFO, logger="sd-accel"):
+        assert torch.equal(_sample_hunyuan_video(acc, *with_vision), _sample_hunyuan_video(model, *with_vision))
+        assert torch.equal(_sample_hunyuan_video(acc, *masked), _sample_hunyuan_video(model, *masked))
+        assert torch.equal(_sample_hunyuan_video(acc, pos, neg), _sample_hunyuan_video(model, pos, neg))
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and "own forward" in r.getMessage()]
+    assert sum("inputs the engine does not take (clip_fea)" in s for s in said) == 1, said
+    assert sum("inputs the engine does not take (attention_mask)" in s for s in said) == 1, said
+    # a positive with an input of its own runs apart from the negative (2 steps: 2 plain calls, 2 engine calls),
+    # twice; then both halves of 2 calls together through the engine
+    assert slot.status.plain_calls == 4 and slot.status.engine_calls == 6, slot.status
+
+
+@pytest.mark.fp8_products(DEVICE)
+def test_hunyuan_video15_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_attention):
+    """precision fp8 takes every double-block projection (qkv, proj and the MLP's two, per stream; the modulations and
+    the text refiner stay 16-bit) and stays close to the 16-bit fused forward; auto leaves 16-bit weights."""
+    pytest.importorskip("triton")
+    _hunyuan_video15_class()
+    (ref, counts), (out, counts8) = _fp8_and_16bit("tiny-hunyuan-video15")
+    assert counts["flux"] == 3 and counts["fp8"] == 0
+    assert counts8["fp8"] == 2 * 8  # per double block 2 streams x (qkv, proj, 2 MLP)
     assert 1e-4 < H.rel(out, ref) <= 5e-2

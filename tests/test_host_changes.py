@@ -97,6 +97,14 @@ def _z_image() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     return _dit("tiny-z-image")()
 
 
+def _hunyuan_video15() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "HunyuanVideo15"):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no HunyuanVideo 1.5 (supported_models.HunyuanVideo15)")
+    return _dit("tiny-hunyuan-video15")()
+
+
 # Per family: the model, the fusions applied (None: all of the model's kind), and per host class the attribute its
 # fusion reads that the changed host renames. A class a fusion reaches through another (Wan's self-attention, through
 # its block) is a family of its own, so that the block that holds it is not declined first.
@@ -122,6 +130,8 @@ FAMILIES = {
     "z_image": (_z_image, None, {"JointTransformerBlock": "ffn_norm2", "FinalLayer": "norm_final"}),
     "z_image attention": (_z_image, None, {"JointAttention": "qkv", "FinalLayer": "adaLN_modulation"}),
     "z_image mlp": (_z_image, None, {"FeedForward": "w3", "FinalLayer": "linear"}),
+    # HunyuanVideo 1.5's blocks are Flux's classes, which the flux fusion checks as it does in Flux
+    "hunyuan_video15": (_hunyuan_video15, None, {"DoubleStreamBlock": "txt_attn", "LastLayer": "linear"}),
 }
 
 

@@ -339,6 +339,20 @@ _COMFY_Z_IMAGE = dict(image_model="lumina2", patch_size=2, in_channels=16, dim=3
                       rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True, time_scale=1000.0,
                       pad_tokens_multiple=32)
 
+# HunyuanVideo 1.5's 480p text-to-video transformer (tencent/HunyuanVideo-1.5 transformer/480p_t2v/config.json:
+# hidden_size 2048, heads_num 16, mm_double_blocks_depth 54, mm_single_blocks_depth 0, mlp_width_ratio 4, patch_size
+# [1, 1, 1], in/out_channels 32 with concat_condition (the latent, the image condition's 32 channels and a mask: 65
+# in), rope_dim_list [16, 56, 56], rope_theta 256, text_states_dim 3584 (Qwen2.5-VL-7B), glyph ByT5 and
+# vision_states_dim 1152 (SigLIP), use_cond_type_embedding, guidance_embed and use_meanflow false), as ComfyUI 0.33's
+# model detection configures its HunyuanVideo class for the published file (comfy/model_detection.py, image_model
+# "hunyuan_video": no vector_in, so vec_in_dim None; byt5 from byt5_in; vision_in_dim from vision_in.proj.0; meanflow
+# from time_r_in; theta 256 and heads of 128 as constants): its supported_models.HunyuanVideo15.
+_COMFY_HUNYUAN_VIDEO15 = dict(image_model="hunyuan_video", in_channels=65, out_channels=32, patch_size=[1, 1, 1],
+                              vec_in_dim=None, axes_dim=[16, 56, 56], meanflow=False, context_in_dim=3584,
+                              hidden_size=2048, mlp_ratio=4.0, num_heads=16, depth=54, depth_single_blocks=0,
+                              theta=256, qkv_bias=True, byt5=True, guidance_embed=False, use_cond_type_embedding=True,
+                              vision_in_dim=1152, meanflow_sum=True)
+
 COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     "flux-dev": ("flux", _COMFY_FLUX_DEV),
     "flux-schnell": ("flux", {**_COMFY_FLUX_DEV, "guidance_embed": False}),
@@ -369,6 +383,11 @@ COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     # embedding's 256 channels as min(dim, 256)), heads of 64 channels (its rotary axes' sum)
     "tiny-z-image": ("z-image", {**_COMFY_Z_IMAGE, "dim": 256, "cap_feat_dim": 32, "n_layers": 2, "n_heads": 4,
                                  "n_kv_heads": 4, "axes_dims": [16, 24, 24], "axes_lens": [64, 64, 64]}),
+    "hunyuan-video15": ("hunyuan-video", _COMFY_HUNYUAN_VIDEO15),
+    # heads of 128 channels (the rotary axes' sum), which the model detection assumes; the vision input 1152 wide, by
+    # which ComfyUI tells version 1.5 (supported_models.HunyuanVideo15); no ByT5 mapper (2048 wide whatever the model)
+    "tiny-hunyuan-video15": ("hunyuan-video", {**_COMFY_HUNYUAN_VIDEO15, "context_in_dim": 32, "hidden_size": 256,
+                                               "num_heads": 2, "depth": 2, "byt5": False}),
 }
 
 # diffusers' form: the transformer/config.json of black-forest-labs/FLUX.1-dev and stabilityai/stable-diffusion-3.5-*.
@@ -398,7 +417,9 @@ DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": 
               "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8),
               "wan21-14b": (512, (60, 104)), "wan21-1.3b": (512, (60, 104)), "wan22-5b": (512, (44, 80)),
               "qwen-image": (512, 166), "tiny-wan": (7, 8), "tiny-qwen-image": (7, 8), "flux2-dev": (512, 64),
-              "tiny-flux2": (7, 8), "z-image": (512, 128), "tiny-z-image": (7, 8)}
+              "tiny-flux2": (7, 8), "z-image": (512, 128), "tiny-z-image": (7, 8),
+              # a long prompt's Qwen2.5-VL tokens (ComfyUI passes a prompt's own count, unpadded); 848x480 at 16x
+              "hunyuan-video15": (256, (30, 53)), "tiny-hunyuan-video15": (7, 8)}
 
 
 def cfg_batch(name: str) -> int:
@@ -409,7 +430,9 @@ def cfg_batch(name: str) -> int:
 
 # Latent frames of a video DiT's native clip: Wan 2.1's 81 frames at 480x832 (its VAE keeps 1 + 80/4), Wan 2.2 5B's
 # 121 frames at 704x1280 (1 + 120/4); its VAE compresses 16x in space, so 44x80.
-VIDEO_FRAMES = {"wan21-14b": 21, "wan21-1.3b": 21, "wan22-5b": 31, "tiny-wan": 3}
+VIDEO_FRAMES = {"wan21-14b": 21, "wan21-1.3b": 21, "wan22-5b": 31, "tiny-wan": 3,
+                # HunyuanVideo 1.5's VAE keeps 1 + frames/4 too: a short clip of 33 frames (its native one has 121)
+                "hunyuan-video15": 9, "tiny-hunyuan-video15": 3}
 
 # Trained DiTs start each block near the identity: the adaLN modulation and the projections back into the residual
 # stream are small. Drawn like the other matrices, 57 blocks amplify rounding until bf16 and fp32 disagree entirely,
@@ -525,6 +548,13 @@ def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -
         from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel as cls
     elif family == "chroma":
         from comfy.ldm.chroma.model import Chroma as cls
+    elif family == "hunyuan-video":
+        from comfy.ldm.hunyuan_video.model import HunyuanVideo as cls
+        from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
+
+        if "vision_in_dim" not in HunyuanVideoParams.__dataclass_fields__:
+            raise ValueError(f"{name} needs a ComfyUI with HunyuanVideo 1.5 (0.33 and later); this one's HunyuanVideo "
+                             "has no vision_in_dim.")
     elif family == "z-image":
         from comfy.ldm.lumina.model import NextDiT as cls
 
@@ -593,6 +623,10 @@ def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] 
         return {"x": move(torch.randn(batch, cfg["in_channels"], h, w, generator=g)),
                 "timesteps": torch.full((batch,), 0.6, device=device),
                 "context": move(torch.randn(batch, tokens, cfg["cap_feat_dim"], generator=g))}
+    if family == "hunyuan-video":  # in_channels: the latent's and the image condition's with its mask
+        return {"x": move(torch.randn(batch, cfg["in_channels"], VIDEO_FRAMES[name], h, w, generator=g)),
+                "timesteps": torch.full((batch,), 0.6, device=device),
+                "context": move(torch.randn(batch, tokens, cfg["context_in_dim"], generator=g))}
     if family in ("wan", "qwen-image"):
         ctx_dim = cfg["text_dim"] if family == "wan" else cfg["joint_attention_dim"]
         shape = (batch, cfg["in_dim"], VIDEO_FRAMES[name], h, w) if family == "wan" else (batch, 16, 1, h, w)

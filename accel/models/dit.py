@@ -13,6 +13,9 @@ Qwen-Image (comfy.ldm.qwen_image.model.QwenImageTransformer2DModel) latents of o
 width) as ComfyUI passes them, or (batch, channels, height, width). Z-Image (ComfyUI 0.33's comfy.ldm.lumina.model.NextDiT
 in the form its supported_models.ZImage builds: Lumina 2's class with Z-Image's modulation) takes the text tokens and
 their count, which the canonical call gives as the context's (ComfyUI 0.33's forward reads neither count nor mask).
+HunyuanVideo 1.5 (ComfyUI 0.33's comfy.ldm.hunyuan_video.model.HunyuanVideo in the form its supported_models.
+HunyuanVideo15 builds: a vision input, 3-D patches) is Flux's double-stream blocks over video latents (batch, channels,
+frames, height, width), its channels the latent's with the image condition's and its mask.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .spec import Canonical
 @dataclass(frozen=True)
 class DiTSpec:
     form: str  # "comfy" | "diffusers"
-    family: str  # "flux" | "chroma" | "sd3" | "wan" | "qwen-image" | "z-image"
+    family: str  # "flux" | "chroma" | "sd3" | "wan" | "qwen-image" | "z-image" | "hunyuan-video"
     in_channels: int  # latent channels
     hidden_size: int
     heads: int
@@ -69,6 +72,8 @@ def _kind(m: nn.Module) -> tuple[str, str] | None:
         return "comfy", "qwen-image"
     if name == "NextDiT" and type(m).__module__ == "comfy.ldm.lumina.model" and _z_image(m):
         return "comfy", "z-image"
+    if name == "HunyuanVideo" and type(m).__module__ == "comfy.ldm.hunyuan_video.model" and _hunyuan_video15(m):
+        return "comfy", "hunyuan-video"
     if name == "FluxTransformer2DModel":
         return "diffusers", "flux"
     if name == "SD3Transformer2DModel":
@@ -87,13 +92,25 @@ def _z_image(m: nn.Module) -> bool:
             and getattr(m, "clip_text_pooled_proj", None) is None)
 
 
+def _hunyuan_video15(m: nn.Module) -> bool:
+    """A HunyuanVideo of version 1.5's form: a vision input (what ComfyUI tells 1.5 by), 3-D patches, Flux's double
+    blocks. Not its MeanFlow-distilled forms (time_r_in), whose forward reads the sampler's sigmas from the
+    transformer_options that an engine call does not carry; nor HunyuanVideo 1.0 or HunyuanImage 2.1, the same class
+    in forms not tested here."""
+    params = getattr(m, "params", None)
+    return (getattr(m, "vision_in", None) is not None and getattr(m, "time_r_in", None) is None
+            and hasattr(m, "double_blocks") and hasattr(m, "single_blocks") and hasattr(m, "txt_in")
+            and len(getattr(params, "patch_size", ())) == 3)
+
+
 def inspect_dit(m: nn.Module) -> DiTSpec:
     """The DiTSpec of a Flux or SD3 transformer in ComfyUI's or diffusers' form; UnsupportedModel otherwise."""
     kind = _kind(m)
     if kind is None:
         raise UnsupportedModel(
             f"{type(m).__name__} is not a supported diffusion transformer (Flux.1, Chroma or SD3/SD3.5, in "
-            "ComfyUI's or diffusers' form; Wan 2.1/2.2, Qwen-Image or Z-Image in ComfyUI's).", "Other model types run "
+            "ComfyUI's or diffusers' form; Wan 2.1/2.2, Qwen-Image, Z-Image or HunyuanVideo 1.5 in ComfyUI's).",
+            "Other model types run "
             "unaccelerated.")
     n = sum(p.numel() for p in m.parameters())
     form, family = kind
@@ -115,6 +132,10 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
     if family == "z-image":  # single-stream blocks over the text and image tokens (Lumina's JointTransformerBlock)
         return DiTSpec(form, family, m.in_channels, m.dim, m.n_heads, len(m.layers), 0, m.cap_embedder[-1].in_features,
                        0, False, m.patch_size, n)
+    if family == "hunyuan-video":  # its in_channels: the latent's, the image condition's and its mask's
+        p = m.params
+        return DiTSpec(form, family, p.in_channels, p.hidden_size, p.num_heads, p.depth, p.depth_single_blocks,
+                       p.context_in_dim, p.vec_in_dim or 0, bool(p.guidance_embed), p.patch_size[-1], n)
     if form == "comfy":
         hidden = m.x_embedder.proj.out_features if hasattr(m.x_embedder.proj, "out_features") \
             else m.x_embedder.proj.out_channels
@@ -146,9 +167,9 @@ class CanonicalDiT(Canonical):
 
     def check(self, x: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None) -> None:
         s = self.spec
-        dims = {"wan": (5,), "qwen-image": (4, 5)}.get(s.family, (4,))
+        dims = {"wan": (5,), "hunyuan-video": (5,), "qwen-image": (4, 5)}.get(s.family, (4,))
         if x.dim() not in dims or x.shape[1] != s.in_channels:
-            frames = "frames, " if s.family == "wan" else ""
+            frames = "frames, " if dims == (5,) else ""
             raise BadInput(f"latent has shape {tuple(x.shape)}; this {s.family} transformer takes (batch, "
                            f"{s.in_channels}, {frames}height, width).", "Feed it latents made for this model's VAE.")
         if context.dim() != 3 or context.shape[-1] != s.context_dim:
@@ -171,6 +192,8 @@ class CanonicalDiT(Canonical):
             return self.unet(x, timesteps, context, **kwargs)
         if s.family == "z-image":
             return self.unet(x, timesteps, context, context.shape[1], **kwargs)
+        if s.family == "hunyuan-video":
+            return self.unet(x, timesteps, context, y, guidance=guidance, control=control, **kwargs)
         if s.family == "qwen-image":
             extra = {"control": control} if control is not None else {}
             image = x.dim() == 4  # ComfyUI's class takes one frame's latents as (batch, channels, 1, height, width)

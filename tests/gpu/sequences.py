@@ -61,16 +61,22 @@ MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int
     "qwen-image": ("QwenImage", "qwen-image", torch.bfloat16, 2.5, (1024, 1024), (1024, 768), 512),
     # Z-Image-Turbo (ComfyUI 0.33 and later) as its workflows run it: CFG 1, one call per step
     "z-image": ("ZImage", "z-image", torch.bfloat16, 1.0, (1024, 1024), (1024, 768), 512),
+    # HunyuanVideo 1.5 480p text-to-video (ComfyUI 0.33 and later) at its CFG 6: a short clip, 17 frames (5 latent
+    # frames) at 848x480, which its VAE makes 53x30 latents of 32 channels (LATENT)
+    "hunyuan-video15": ("HunyuanVideo15", "hunyuan-video15", torch.bfloat16, 6.0, (848, 480), (480, 848), 256),
     # Wan 2.1's native clip, 81 frames (21 latent frames) at 480p: the several-GPU check's model (tests/gpu/gpus.py)
     "wan21-14b": ("WAN21_T2V", "wan21-14b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
 }
 TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "sdxl-fp8weights": "tiny-sdxl", "flux-dev": "tiny-flux",
         "sd35-medium": "tiny-sd3", "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image",
-        "wan21-14b": "tiny-wan", "z-image": "tiny-z-image"}
-FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21}  # latent frames; the others are images (Qwen-Image's: one frame)
+        "wan21-14b": "tiny-wan", "z-image": "tiny-z-image", "hunyuan-video15": "tiny-hunyuan-video15"}
+# latent frames; the others are images (Qwen-Image's: one frame)
+FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21, "hunyuan-video15": 5}
+# (latent channels, pixels per latent pixel) of the transformers whose VAE is not 16 channels at 8x
+LATENT = {"hunyuan-video15": (32, 16)}
 QUICK = ("sd15", "flux-dev")
 # named alone until their first GPU run has been read
-NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image")
+NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image", "hunyuan-video15")
 UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
 # Models whose weights are stored in another dtype than they compute in: ComfyUI's cast-on-the-fly layers widen each
 # weight per call to the dtype the model runs in (the 16-bit one, or float32 for the yardstick's reference, which so
@@ -299,9 +305,9 @@ class Harness:
     def noise(self, run: Run) -> torch.Tensor:
         """The run's starting noise (seeded by what decides the latents)."""
         w, h = self.base if run.size == "base" else self.other
-        channels = 4 if self.unet else 16
+        channels, scale = (4, 8) if self.unet else LATENT.get(self.name, (16, 8))
         frames = (FRAMES.get(self.name, 1),) if self.name in FRAMES or self.name == "qwen-image" else ()
-        shape = (run.batch, channels, *frames, h // 8, w // 8)
+        shape = (run.batch, channels, *frames, h // scale, w // scale)
         return torch.randn(shape, generator=torch.Generator().manual_seed(_seed(self.name, run.config())))
 
     def sample(self, model, run: Run, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:

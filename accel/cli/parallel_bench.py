@@ -95,7 +95,8 @@ def parse_gpus(text: str) -> list[int]:
 
 def model_names(models: list[str], tiny: bool) -> list[str]:
     """The models to build: ComfyUI-form DiTs; with tiny, the tiny model of each one's family."""
-    full = [n for n in COMFY_DIT_CONFIGS if not n.startswith("tiny-")]
+    # not HunyuanVideo 1.5, whose class sequence parallelism does not take (accel/parallel/sequence.py)
+    full = [n for n in COMFY_DIT_CONFIGS if not n.startswith("tiny-") and COMFY_DIT_CONFIGS[n][0] != "hunyuan-video"]
     names: list[str] = []
     for name in models:
         if name not in full:

@@ -64,10 +64,10 @@ class AcceleratedUNetNode:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
     DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1, Flux.2, Chroma, SD3/SD3.5, "
-                   "Wan 2.1/2.2, Qwen-Image, Z-Image or HunyuanVideo 1.5 (transformer) checkpoint through the fastest path for this GPU (fused torch "
-                   "kernels with CUDA graphs; ONNX Runtime for UNets), built on the first sampling step and cached. LoRA, ControlNet and other "
-                   "nodes' patches keep working: calls an engine cannot serve run on the torch path or the plain "
-                   "model, and the node says why.")
+                   "Wan 2.1/2.2, Qwen-Image, Z-Image or HunyuanVideo 1.5 (transformer) checkpoint through the fastest "
+                   "path for this GPU (fused torch kernels with CUDA graphs; ONNX Runtime for UNets), built on the "
+                   "first sampling step and cached. LoRA, ControlNet and other nodes' patches keep working: calls an "
+                   "engine cannot serve run on the torch path or the plain model, and the node says why.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
@@ -180,8 +180,7 @@ def _plan(backend: str, options: dict):
 
 def _kind(model) -> str:
     """"unet", "flux", "chroma", "sd3", "wan", "qwen-image", "z-image" or "hunyuan-video": which forward the node's
-    wrappers serve
-    (unsupported() has accepted the model)."""
+    wrappers serve (unsupported() has accepted the model)."""
     unet = model.model.diffusion_model
     return inspect_dit(unet).family if is_dit(unet) else "unet"
 

@@ -110,8 +110,7 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
         raise UnsupportedModel(
             f"{type(m).__name__} is not a supported diffusion transformer (Flux.1, Chroma or SD3/SD3.5, in "
             "ComfyUI's or diffusers' form; Wan 2.1/2.2, Qwen-Image, Z-Image or HunyuanVideo 1.5 in ComfyUI's).",
-            "Other model types run "
-            "unaccelerated.")
+            "Other model types run unaccelerated.")
     n = sum(p.numel() for p in m.parameters())
     form, family = kind
     if form == "comfy" and family == "flux":

@@ -206,6 +206,40 @@ def set_up_like_main() -> str:
     return "ModelPatcherDynamic (DynamicVRAM)"
 
 
+
+def comfy_nodes() -> None:
+    """ComfyUI's own nodes.py as the module `nodes`, which comfy_extras import: the pack's nodes/ package has that name
+    on the tests' path. Its import puts ComfyUI's comfy/ at the front of sys.path; the path is put back."""
+    path = list(sys.path)
+    spec = importlib.util.spec_from_file_location("nodes", comfy_root() / "nodes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["nodes"] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules["nodes"]
+        raise
+    finally:
+        sys.path[:] = path
+
+
+def host_node(module: str, name: str):
+    """(ComfyUI's node class `name` from comfy_extras/`module`.py, None) or (None, why this tree has none)."""
+    if "nodes" not in sys.modules:
+        comfy_nodes()
+    try:
+        found = getattr(importlib.import_module(f"comfy_extras.{module}"), name, None)
+    except ImportError as e:
+        return None, f"ComfyUI {comfy_version()} cannot import comfy_extras.{module} ({e})"
+    return (found, None) if found is not None else (None, f"ComfyUI {comfy_version()} has no {name} node")
+
+
+def run_node(cls, model, **inputs):
+    """The MODEL a host node returns for `model`: its schema-style execute (io.ComfyNode) or its FUNCTION."""
+    if hasattr(cls, "define_schema"):
+        return cls.execute(model, **inputs).result[0]
+    return getattr(cls(), cls.FUNCTION)(model, **inputs)[0]
+
 @contextlib.contextmanager
 def layers_with_weights():
     """Within: ComfyUI's layers are built with their weights, to be seeded in place. Under DynamicVRAM (0.33's

@@ -9,10 +9,8 @@ own forward and says why once. `--fast fp16_accumulation` and `--use-sage-attent
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
-import sys
 
 import pytest
 import torch
@@ -27,40 +25,13 @@ ORDERS = ("before", "after")  # the host node before or after the Accelerated UN
 
 def host_node(module: str, name: str):
     """ComfyUI's node class `name` from comfy_extras/`module`.py, or a skip where this tree has none."""
-    if "nodes" not in sys.modules:
-        comfy_nodes()
-    try:
-        found = getattr(importlib.import_module(f"comfy_extras.{module}"), name, None)
-    except ImportError as e:
-        pytest.skip(f"ComfyUI {H.comfy_version()} cannot import comfy_extras.{module} ({e})")
+    found, why = H.host_node(module, name)
     if found is None:
-        pytest.skip(f"ComfyUI {H.comfy_version()} has no {name} node")
+        pytest.skip(why)
     return found
 
 
-def comfy_nodes() -> None:
-    """ComfyUI's own nodes.py as the module `nodes`, which comfy_extras import: the pack's nodes/ package has that name
-    on the tests' path. Its import puts ComfyUI's comfy/ at the front of sys.path; the path is put back."""
-    import importlib.util
-
-    path = list(sys.path)
-    spec = importlib.util.spec_from_file_location("nodes", H.comfy_root() / "nodes.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nodes"] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception:
-        del sys.modules["nodes"]
-        raise
-    finally:
-        sys.path[:] = path
-
-
-def run_node(cls, model, **inputs):
-    """The MODEL a host node returns for `model`: its schema-style execute (io.ComfyNode) or its FUNCTION."""
-    if hasattr(cls, "define_schema"):
-        return cls.execute(model, **inputs).result[0]
-    return getattr(cls(), cls.FUNCTION)(model, **inputs)[0]
+run_node = H.run_node
 
 
 def accelerate(pack, model):

@@ -91,3 +91,75 @@ def dataclasses_replace(row, **changes):
     import dataclasses
 
     return dataclasses.replace(row, **changes)
+
+
+@pytest.fixture
+def stacking_on_the_cpu(monkeypatch):
+    """tests/gpu/stacking.py on the CPU: TorchCompileModel's torch.compile with dynamo's eager backend (inductor takes
+    minutes on a CPU; what the node meets is dynamo's tracing, whatever the backend), and `--fast fp16_accumulation`
+    run in its own process although ComfyUI leaves it off here (its stack's plumbing is what is tested)."""
+    import torch
+
+    import stacking
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile_(model, **{**kw, "backend": "eager",
+                                                                                "options": None}))
+    own = stacking.unavailable
+    monkeypatch.setattr(stacking, "unavailable",
+                        lambda flag, device: None if flag == "--fast fp16_accumulation" else own(flag, device))
+    return stacking
+
+
+@pytest.mark.parametrize("mode", ["stack-sd15", "stack-sd15-tools", "stack-flux-dev"])
+def test_the_stacks_give_plains_latents_and_skip_the_same_steps(stacking_on_the_cpu, mode):
+    """Each stack of the mode on its tiny model: the node with the stack against plain ComfyUI with it, latents
+    compared within the limit (on the CPU the torch path runs the plain model's kernels: exact in 16-bit settings,
+    within the fp8 bound for Flux's fp8), the caches' skipped steps equal in every run, the compiled model
+    left to ComfyUI with one message, the flag's own process, sage skipped in one line."""
+    stacking = stacking_on_the_cpu
+    reports = stacking.run_mode(mode, size="tiny", device="cpu")
+    tables = "\n".join(r.table() for r in reports)
+    print(tables)
+    by = {r.stack: r for r in reports}
+    assert set(by) == set(stacking.MODES[mode][1]), tables
+    assert not [f for r in reports for f in r.failures()], tables
+    for r in reports:
+        if r.skipped:
+            assert r.table().count("\n") == 0 and "skipped: " in r.table()
+            continue
+        assert r.rows and all(row.ok and row.timed and len(row.timed.node.samples) == timing.RUNS for row in r.rows)
+        assert [row.order for row in r.rows] == list(stacking.STACKS[r.stack].orders)
+        fp8 = stacking.PRECISION.get(r.model) == "fp8"
+        assert all((row.limit > 0 and row.error <= row.limit) if fp8 else row.error == 0.0 for row in r.rows)
+    for cache in set(by) & {"EasyCache", "LazyCache"}:
+        for row in by[cache].rows:
+            assert row.skipped and 0 < row.skipped[0] < row.steps, by[cache].table()
+            assert len(row.skipped) == len(row.plain_skipped) == 1 + timing.RUNS
+    if mode == "stack-sd15":
+        assert by["ControlNet"].effect > 1e-3
+    if mode == "stack-sd15-tools":
+        assert "needs a CUDA GPU" in by["--use-sage-attention"].skipped
+        fast = by["--fast fp16_accumulation"]
+        assert fast.rows[0].flag_on is False and "not in effect here" in fast.table()
+        compiled = by["TorchCompileModel"].rows[0]
+        assert compiled.said == 1 and compiled.engine_calls == 0
+
+
+def test_a_node_off_plain_with_the_stack_fails(stacking_on_the_cpu, monkeypatch):
+    """A wrong node: its latents moved (a post-CFG function on the node's output alone scales each step's result),
+    its calls still through the engine: the stack's row fails, naming the distance."""
+    stacking = stacking_on_the_cpu
+    node = sequences.Harness.node
+
+    def moved(self, model, *args, **kwargs):
+        out = node(self, model, *args, **kwargs).clone()
+        out.set_model_sampler_post_cfg_function(lambda a: a["denoised"] * 1.05)
+        return out
+
+    monkeypatch.setattr(sequences.Harness, "node", moved)
+    monkeypatch.setitem(stacking.MODES, "stack-sd15", ("sd15", ("EasyCache",)))
+    (report,) = stacking.run_mode("stack-sd15", size="tiny", device="cpu")
+    print(report.table())
+    assert report.failures() and all("over" in f for f in report.failures()), report.table()
+    assert "FAIL" in report.table()

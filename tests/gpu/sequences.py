@@ -310,14 +310,31 @@ class Harness:
         shape = (run.batch, channels, *frames, h // scale, w // scale)
         return torch.randn(shape, generator=torch.Generator().manual_seed(_seed(self.name, run.config())))
 
-    def sample(self, model, run: Run, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-        """(latents, seconds) of one sampling run, from the run's noise unless given."""
+    @property
+    def conditioning(self):
+        """(positive, negative): the runs' CONDITIONING, as CLIPTextEncode gives it."""
+        return self._conditioning
+
+    def model_file(self) -> Path | None:
+        """The 16-bit file the model was loaded from (full size), which another process may load too (reuse_file)."""
+        if self._file16 is not None:
+            return self._file16
+        return self._files[-1] / "diffusion_model.safetensors" if self._files else None
+
+    def reuse_file(self, path: Path) -> None:
+        """The 16-bit model is to be loaded from `path` (another harness's model_file), not written again."""
+        self._file16 = path
+
+    def sample(self, model, run: Run, noise: torch.Tensor | None = None,
+               conditioning=None) -> tuple[torch.Tensor, float]:
+        """(latents, seconds) of one sampling run, from the run's noise unless given, with the harness's conditioning
+        unless given."""
         import comfy.sample
 
         noise = self.noise(run) if noise is None else noise
         seed = _seed(self.name, run.config())
         latent = torch.zeros(noise.shape)
-        pos, neg = self._conditioning
+        pos, neg = self._conditioning if conditioning is None else conditioning
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -354,10 +371,7 @@ class Harness:
         timed = self.timed(model, run) if run.label == TIMED else None
         if timed:
             seconds, plain_seconds = timed.node.median, timed.plain.median
-        limit = self.report.yardstick * 1.5
-        if fp8:
-            limit = max(self.report.yardstick * 3.0, (self.report.fp8_yardstick or 0.0) * 1.5)
-        self.report.rows.append(Row(self.name, setting, run.label, H.rel(out, ref), limit,
+        self.report.rows.append(Row(self.name, setting, run.label, H.rel(out, ref), self.limit(fp8),
                                     bool(torch.isfinite(out).all()), seconds, plain_seconds, *calls, timed))
         print("\n".join(self.report.rows[-1].lines()), flush=True)  # as it goes: a run that hangs or dies shows where
         for message in status.messages:
@@ -451,10 +465,10 @@ class Harness:
         identify = {"image_model": "lumina2"} if self.cls == "ZImage" else None
         return H.detected_as(self.cls, configs.comfy_dit_config(self.config)[1], identify)
 
-    def run_all(self, quick: bool = False, only: str = "") -> Report:
-        """Every setting's sequence, then the widget changes; only: just the settings whose label contains it."""
-        import comfy.model_management as mm
-
+    def prepare(self, fp8: bool = False) -> bool:
+        """The 16-bit model (self.model) and its yardstick: measured, or given by SD_ACCEL_GPU_YARDSTICK (a report's
+        path), and with fp8 runs to come on a transformer, the fp8 yardstick. False where SD_ACCEL_GPU_YARDSTICK=only
+        asks for the yardstick alone."""
         given = os.environ.get("SD_ACCEL_GPU_YARDSTICK", "")
         if given and given != "only":
             self.report.yardstick = yardstick_from(given, self.name)
@@ -464,10 +478,25 @@ class Harness:
             self.measure_yardstick()
         if given == "only":
             self.report.sequences = False
-            return self.report
-        if not self.unet and self.name not in WEIGHTS and any(p == "fp8" and only in label
-                                                                for label, p, _ in self.settings(quick)):
+            return False
+        if fp8 and not self.unet and self.name not in WEIGHTS:
             self.measure_fp8_yardstick()
+        return True
+
+    def limit(self, fp8: bool) -> float:
+        """How far the node's latents may lie from plain's: 1.5 times the yardstick in 16 bits; with fp8 products 3
+        times it, or 1.5 times the fp8 yardstick where that is the larger."""
+        if fp8:
+            return max(self.report.yardstick * 3.0, (self.report.fp8_yardstick or 0.0) * 1.5)
+        return self.report.yardstick * 1.5
+
+    def run_all(self, quick: bool = False, only: str = "") -> Report:
+        """Every setting's sequence, then the widget changes; only: just the settings whose label contains it."""
+        import comfy.model_management as mm
+
+        fp8 = any(p == "fp8" and only in label for label, p, _ in self.settings(quick))
+        if not self.prepare(fp8):
+            return self.report
         lora = Run("LoRA 1.0", 7, lora=1.0)
         self.report.lora_effect = H.rel(self.plain(lora)[0], self.plain(Run("7 steps", 7))[0])
         try:

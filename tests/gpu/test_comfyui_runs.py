@@ -1,6 +1,7 @@
 """The Accelerated UNet node inside ComfyUI on the GPU, run after run (tests/gpu/sequences.py), and over several GPUs
-(tests/gpu/gpus.py). Run it with tests/gpu/run (quick: SD1.5 and Flux.1-dev; full: the five models; a name: that model
-or check); without a CUDA GPU it is skipped.
+(tests/gpu/gpus.py), and stacked with ComfyUI's own tools (tests/gpu/stacking.py). Run it with tests/gpu/run (quick:
+SD1.5 and Flux.1-dev; full: the five models; stack: the stacks' modes; a name: that model, check or mode); without a
+CUDA GPU it is skipped.
 
 SD_ACCEL_GPU_MODELS picks the models (quick, full, or names separated by commas); SD_ACCEL_GPU_SETTINGS, the node
 settings whose label contains it ("fp8, graphs on"); SD_ACCEL_GPU_REPORT names a folder for each model's table and
@@ -18,6 +19,7 @@ import comfy_helpers as H
 import gpus
 import hosts
 import sequences
+import stacking
 from reporting import report as _report
 
 pytestmark = [
@@ -33,11 +35,13 @@ def _chosen() -> tuple[str, ...]:
         return sequences.QUICK
     if wanted == "full":
         return tuple(n for n in sequences.MODELS if n not in sequences.NOT_IN_FULL)
+    if wanted == "stack":
+        return stacking.STACK
     names = tuple(n.strip() for n in wanted.split(",") if n.strip())
-    unknown = [n for n in names if n not in sequences.MODELS and n not in gpus.CHECKS and n not in hosts.HOSTS]
+    known = (*sequences.MODELS, *gpus.CHECKS, *hosts.HOSTS, *stacking.MODES)
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"SD_ACCEL_GPU_MODELS: unknown {unknown}; use quick, full or "
-                         f"{', '.join([*sequences.MODELS, *gpus.CHECKS, *hosts.HOSTS])}")
+        raise ValueError(f"SD_ACCEL_GPU_MODELS: unknown {unknown}; use quick, full, stack or {', '.join(known)}")
     return names
 
 
@@ -65,3 +69,12 @@ def test_node_over_several_gpus_matches_one_gpu(name):
                           "notes": report.notes})
     failures = report.failures()
     assert not failures, f"off the 1-GPU run: {'; '.join(failures)}\n{table}"
+
+
+@pytest.mark.parametrize("mode", [n for n in _chosen() if n in stacking.MODES])
+def test_node_stacked_with_comfyuis_tools_matches_plain_with_the_same_stack(mode):
+    reports = stacking.run_mode(mode)
+    tables = "\n\n".join(r.table() for r in reports)
+    _report(mode, tables, {"stacks": [r.record() for r in reports]})
+    failures = [f for r in reports for f in r.failures()]
+    assert not failures, f"off plain ComfyUI's with the same stack: {'; '.join(failures)}\n{tables}"

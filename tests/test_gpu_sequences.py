@@ -163,3 +163,20 @@ def test_a_node_off_plain_with_the_stack_fails(stacking_on_the_cpu, monkeypatch)
     print(report.table())
     assert report.failures() and all("over" in f for f in report.failures()), report.table()
     assert "FAIL" in report.table()
+
+
+def test_a_stack_that_raises_fails_naming_the_exception(stacking_on_the_cpu, monkeypatch):
+    """A stack whose set-up raises (on the GPU machine, ComfyUI's nodes.py without PyAV): the stack fails with the
+    exception's first line and no row of made-up figures; the mode's other stacks still run."""
+    stacking = stacking_on_the_cpu
+
+    def broken(self, name):
+        raise ModuleNotFoundError("No module named 'av'")
+
+    monkeypatch.setattr(stacking.Stacker, "stack", broken)
+    monkeypatch.setitem(stacking.MODES, "stack-sd15", ("sd15", ("EasyCache", "LazyCache")))
+    reports = stacking.run_mode("stack-sd15", size="tiny", device="cpu")
+    assert [r.stack for r in reports] == ["EasyCache", "LazyCache"]
+    for r in reports:
+        assert r.failures() == [f"sd15 + {r.stack}: raised ModuleNotFoundError: No module named 'av'"], r.table()
+        assert not r.rows and "FAIL: raised ModuleNotFoundError" in r.table()

@@ -169,9 +169,11 @@ class StackReport:
     notes: list[str] = field(default_factory=list)
     skipped: str = ""  # why the stack did not run here
     effect: float | None = None  # a ControlNet's: how far plain's image with it lies from plain's without
+    raised: str = ""  # the exception that stopped the stack before it compared anything
 
     def failures(self) -> list[str]:
-        bad = [f"{self.model} + {self.stack} ({r.order}): {p}" for r in self.rows for p in r.problems()]
+        bad = [f"{self.model} + {self.stack}: raised {self.raised}"] if self.raised else []
+        bad += [f"{self.model} + {self.stack} ({r.order}): {p}" for r in self.rows for p in r.problems()]
         if self.effect is not None and self.effect <= 1e-3:
             bad.append(f"{self.model} + {self.stack}: it changed plain's image by {self.effect:.1e}: nothing compared")
         return bad
@@ -179,6 +181,9 @@ class StackReport:
     def table(self) -> str:
         if self.skipped:
             return f"== {self.model} + {self.stack}: skipped: {self.skipped}"
+        if self.raised:
+            return "\n".join([f"== {self.model} + {self.stack}: FAIL: raised {self.raised}"]
+                              + [f"   note: {n}" for n in self.notes])
         effect = "" if self.effect is None else f"; its effect on plain {self.effect:.2e}"
         head = (f"== {self.model} + {self.stack}: node {self.setting}, {self.rows[0].steps if self.rows else 0} "
                 f"steps, node+stack vs plain+stack; yardstick {self.yardstick:.2e}{effect}")
@@ -478,10 +483,9 @@ def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackR
         try:
             reports.append(s.stack(stack))
         except Exception as e:  # one broken stack is its failure, and the others still run
-            report = StackReport(name, stack, s.precision, h.report.yardstick)
-            report.rows.append(StackRow("-", float("inf"), 0.0, False, s.run.steps, 0, 0, cuda=s.cuda))
-            report.notes.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            reports.append(report)
+            first = str(e).splitlines()[0] if str(e) else ""
+            reports.append(StackReport(name, stack, s.precision, h.report.yardstick,
+                                       raised=f"{type(e).__name__}: {first}"))
         reports[-1].notes.insert(0, f"ComfyUI {H.comfy_version()}, its loaders building {patcher}")
     h.model = None
     gc.collect()

@@ -75,7 +75,8 @@ FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21, "hunyuan-video15": 5}
 # (latent channels, pixels per latent pixel) of the transformers whose VAE is not 16 channels at 8x
 LATENT = {"hunyuan-video15": (32, 16)}
 QUICK = ("sd15", "flux-dev")
-# named alone until their first GPU run has been read
+# named alone: each takes a 10-minute call of its own or more (Qwen-Image and HunyuanVideo 1.5 two: the yardstick,
+# then the sequences), and Z-Image and HunyuanVideo 1.5 need ComfyUI 0.33
 NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image", "hunyuan-video15")
 UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
 # Models whose weights are stored in another dtype than they compute in: ComfyUI's cast-on-the-fly layers widen each

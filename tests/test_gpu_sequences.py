@@ -180,3 +180,44 @@ def test_a_stack_that_raises_fails_naming_the_exception(stacking_on_the_cpu, mon
     for r in reports:
         assert r.failures() == [f"sd15 + {r.stack}: raised ModuleNotFoundError: No module named 'av'"], r.table()
         assert not r.rows and "FAIL: raised ModuleNotFoundError" in r.table()
+
+
+@pytest.mark.parametrize("name", ["two-models-plain", "two-models"])
+def test_a_second_model_in_one_process_leaves_both_as_plain(name):
+    """tests/gpu/two_models.py on tiny models: SD1.5, SDXL, SD1.5 again in one process, each visit's latents equal
+    plain's (exactly on the CPU), every call of the node's visits through the engine."""
+    import two_models
+
+    report = two_models.run_pair(name, size="tiny", device="cpu")
+    assert [v.model for v in report.visits] == list(two_models.MODELS), report.table()
+    assert not report.failures(), report.table()
+    if report.node:
+        assert all(v.engine_calls > 0 and v.plain_calls == 0 for v in report.visits), report.table()
+
+
+def test_a_first_model_served_wrongly_after_the_second_fails(monkeypatch):
+    """A node whose first model comes out moved after the second model ran (its latents scaled on the third visit):
+    that visit fails, naming the distance, and the others pass."""
+    import two_models
+
+    node, sample = sequences.Harness.node, sequences.Harness.sample
+    accelerated, served = [], []
+
+    def tracked(self, model, *args, **kwargs):
+        accelerated.append(node(self, model, *args, **kwargs))
+        return accelerated[-1]
+
+    def moved_on_return(self, model, run, *args, **kwargs):
+        out, seconds = sample(self, model, run, *args, **kwargs)
+        if any(model is m for m in accelerated):
+            served.append(self.name)
+            if served.count("sd15") == 2:
+                out = out * 1.05
+        return out, seconds
+
+    monkeypatch.setattr(sequences.Harness, "node", tracked)
+    monkeypatch.setattr(sequences.Harness, "sample", moved_on_return)
+    report = two_models.run_pair("two-models", size="tiny", device="cpu")
+    failures = report.failures()
+    assert len(accelerated) == 2, "each model gets one node, kept for its later visit"
+    assert len(failures) == 1 and failures[0].startswith("two-models visit 3 (sd15): latents"), report.table()

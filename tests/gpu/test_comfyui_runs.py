@@ -1,5 +1,6 @@
 """The Accelerated UNet node inside ComfyUI on the GPU, run after run (tests/gpu/sequences.py), and over several GPUs
-(tests/gpu/gpus.py), and stacked with ComfyUI's own tools (tests/gpu/stacking.py). Run it with tests/gpu/run (quick:
+(tests/gpu/gpus.py), stacked with ComfyUI's own tools (tests/gpu/stacking.py), and beside a second model in one process
+(tests/gpu/two_models.py). Run it with tests/gpu/run (quick:
 SD1.5 and Flux.1-dev; full: the five models; stack: the stacks' modes; a name: that model, check or mode); without a
 CUDA GPU it is skipped.
 
@@ -20,6 +21,7 @@ import gpus
 import hosts
 import sequences
 import stacking
+import two_models
 from reporting import report as _report
 
 pytestmark = [
@@ -38,7 +40,7 @@ def _chosen() -> tuple[str, ...]:
     if wanted == "stack":
         return stacking.STACK
     names = tuple(n.strip() for n in wanted.split(",") if n.strip())
-    known = (*sequences.MODELS, *gpus.CHECKS, *hosts.HOSTS, *stacking.MODES)
+    known = (*sequences.MODELS, *gpus.CHECKS, *hosts.HOSTS, *stacking.MODES, *two_models.PAIRS)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"SD_ACCEL_GPU_MODELS: unknown {unknown}; use quick, full, stack or {', '.join(known)}")
@@ -78,3 +80,12 @@ def test_node_stacked_with_comfyuis_tools_matches_plain_with_the_same_stack(mode
     _report(mode, tables, {"stacks": [r.record() for r in reports]})
     failures = [f for r in reports for f in r.failures()]
     assert not failures, f"off plain ComfyUI's with the same stack: {'; '.join(failures)}\n{tables}"
+
+
+@pytest.mark.parametrize("name", [n for n in _chosen() if n in two_models.PAIRS])
+def test_a_second_model_in_one_process_leaves_both_right(name):
+    report = two_models.run_pair(name)
+    table = report.table()
+    _report(name, table, {"visits": [dataclasses.asdict(v) for v in report.visits], "notes": report.notes})
+    failures = report.failures()
+    assert not failures, f"two models in one process: {'; '.join(failures)}\n{table}"

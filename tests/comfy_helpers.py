@@ -614,18 +614,21 @@ def tiny_controlnet(seed: int = 0, xl: bool = False):
 def put_comfy_attention(fn, put=setattr) -> None:
     """fn where ComfyUI's start-up puts the attention function its flags choose for the whole host
     (--use-split-cross-attention, --use-sage-attention): attention.py's optimized_attention and
-    optimized_attention_masked, and the modules that imported it (Flux's math, MMDiT, Wan, Qwen-Image).
+    optimized_attention_masked, and every model module that imported one of them by name (Flux's math, MMDiT, Wan,
+    Qwen-Image, Lumina/Z-Image, ...). The model modules are imported first, as ComfyUI's start-up has them before it
+    chooses: one imported later would keep the function of the moment, stale once a test puts the old one back.
     put(module, name, value) sets each (monkeypatch.setattr to have them back after a test)."""
-    import comfy.ldm.flux.math
     import comfy.ldm.modules.attention as attention
-    import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
-    import comfy.ldm.qwen_image.model as qwen
-    import comfy.ldm.wan.model as wan
+    import comfy.model_base  # noqa: F401 (imports every model module ComfyUI's loaders build)
 
-    for module, attr in ((attention, "optimized_attention"), (attention, "optimized_attention_masked"),
-                         (comfy.ldm.flux.math, "optimized_attention"), (mmdit, "optimized_attention"),
-                         (wan, "optimized_attention"), (qwen, "optimized_attention_masked")):
-        put(module, attr, fn)
+    names = ("optimized_attention", "optimized_attention_masked")
+    current = {id(getattr(attention, n)) for n in names}
+    current |= {id(f) for f in getattr(attention, "REGISTERED_ATTENTION_FUNCTIONS", {}).values()}
+    for module in [attention] + [m for name, m in sorted(sys.modules.items())
+                                 if name.startswith("comfy.ldm.") and m is not None and m is not attention]:
+        for attr in names:
+            if id(getattr(module, attr, None)) in current or module is attention:
+                put(module, attr, fn)
 
 
 def use_comfy_attention(name: str, put=setattr) -> list:

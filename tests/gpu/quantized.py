@@ -119,10 +119,9 @@ def speed_failures(report: sequences.Report) -> list[str]:
 
 def run_quantized(name: str, form: str, size: str = "full", device: str = "cuda",
                   quick: bool = False) -> sequences.Report:
-    H.import_comfy()
-    patcher = H.set_up_like_main() if torch.device(device).type == "cuda" else "ModelPatcher"
+    note = sequences.set_up(device)
     harness = QuantizedHarness(name, form, size, device)
-    harness.report.notes.append(f"ComfyUI {H.comfy_version()}, its loaders building {patcher}; a {form} file")
+    harness.report.notes.append(f"{note}; a {form} file")
     report = harness.run_all(quick)
     harness.model = None
     gc.collect()

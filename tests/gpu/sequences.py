@@ -514,8 +514,7 @@ class Harness:
             self.widget_changes()
         except Exception as e:  # a broken run (an illegal address ends the CUDA context) ends the sequence: say where
             self.report.rows.append(Row(self.name, "error", type(e).__name__, float("inf"), 0.0, False))
-            self.report.notes.append(f"stopped after {len(self.report.rows) - 1} runs: {type(e).__name__}: "
-                                     f"{str(e).splitlines()[0] if str(e) else ''}")
+            self.report.notes.append(f"stopped after {len(self.report.rows) - 1} runs: {said(e)}")
         return self.report
 
     def widget_changes(self) -> None:
@@ -549,11 +548,22 @@ def yardstick_from(path: str, name: str) -> float:
     return float(record["yardstick"])
 
 
-def run_model(name: str, size: str = "full", device: str = "cuda", quick: bool = False, only: str = "") -> Report:
+def set_up(device: str) -> str:
+    """ComfyUI imported and, on a GPU, set up as its main.py does; the note that says which ComfyUI and patcher."""
     H.import_comfy()
     patcher = H.set_up_like_main() if torch.device(device).type == "cuda" else "ModelPatcher"
+    return f"ComfyUI {H.comfy_version()}, its loaders building {patcher}"
+
+
+def said(e: BaseException) -> str:
+    """An exception as a report's one line: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def run_model(name: str, size: str = "full", device: str = "cuda", quick: bool = False, only: str = "") -> Report:
+    note = set_up(device)
     harness = Harness(name, size, device)
-    harness.report.notes.append(f"ComfyUI {H.comfy_version()}, its loaders building {patcher}")
+    harness.report.notes.append(note)
     report = harness.run_all(quick, only)
     harness.model = None
     gc.collect()

@@ -471,8 +471,7 @@ def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackR
     """The stacks of `mode` (MODES) on its model: the model and yardstick as the suite's sequences make them, then
     each stack against plain with the same stack."""
     name, stacks = MODES[mode]
-    H.import_comfy()
-    patcher = H.set_up_like_main() if torch.device(device).type == "cuda" else "ModelPatcher"
+    note = sequences.set_up(device)
     h = sequences.Harness(name, size, device)
     s = Stacker(h)
     if not h.prepare(s.fp8):
@@ -483,10 +482,8 @@ def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackR
         try:
             reports.append(s.stack(stack))
         except Exception as e:  # one broken stack is its failure, and the others still run
-            first = str(e).splitlines()[0] if str(e) else ""
-            reports.append(StackReport(name, stack, s.precision, h.report.yardstick,
-                                       raised=f"{type(e).__name__}: {first}"))
-        reports[-1].notes.insert(0, f"ComfyUI {H.comfy_version()}, its loaders building {patcher}")
+            reports.append(StackReport(name, stack, s.precision, h.report.yardstick, raised=sequences.said(e)))
+        reports[-1].notes.insert(0, note)
     h.model = None
     gc.collect()
     return reports

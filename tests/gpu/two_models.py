@@ -69,10 +69,8 @@ def run_pair(name: str, size: str = "full", device: str = "cuda") -> PairReport:
     """The visits of `name` (PAIRS) in this process, each model built once by the suite's harness (its file loaded
     by ComfyUI's loader at full size) and kept while the next runs, as ComfyUI keeps a loaded model."""
     faulthandler.enable()
-    H.import_comfy()
-    patcher = H.set_up_like_main() if torch.device(device).type == "cuda" else "ModelPatcher"
     node = PAIRS[name]
-    report = PairReport(name, node, notes=[f"ComfyUI {H.comfy_version()}, its loaders building {patcher}"])
+    report = PairReport(name, node, notes=[sequences.set_up(device)])
     run = sequences.Run("7 steps", 7)
     harnesses: dict[str, sequences.Harness] = {}
     accelerated: dict[str, object] = {}
@@ -99,8 +97,7 @@ def run_pair(name: str, size: str = "full", device: str = "cuda") -> PairReport:
                                        status.engine_calls - before[0], status.plain_calls - before[1]))
             report.notes += [m for m in status.messages if m not in report.notes]
     except Exception as e:  # a visit that raises ends the check: say which
-        report.notes.append(f"stopped at visit {len(report.visits) + 1}: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}")
+        report.notes.append(f"stopped at visit {len(report.visits) + 1}: {sequences.said(e)}")
     accelerated.clear()
     for h in harnesses.values():
         h.model = None

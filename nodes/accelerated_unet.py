@@ -27,7 +27,7 @@ import torch
 
 from ..accel.errors import AccelError, BadInput
 from ..accel.hosts.support import EngineSlot, shape_profile, transformer_patches
-from ..accel.models.dit import inspect_dit, is_dit
+from ..accel.models.dit import inspect_dit, is_dit, ltx2_outputs
 from ..accel.models.spec import inspect_unet
 from ..accel.parallel.spread import GPUS, SPREAD_OPTIONS, Spread, devices_here
 from ..accel.plan.options import PRECISION
@@ -35,6 +35,8 @@ from . import gpus as gpu_side
 from .comfy_ui import CATEGORY, cache_root, current_prompt, node_progress, publish, say
 
 KEY = "sd-accel"
+# transformer_options entries by which ComfyUI 0.33's LTX-2 nodes change what its blocks run for a call
+LTX2_SWITCHES = ("stg_self_attn_blocks", "run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")
 BACKENDS = ["auto", "torch", "onnxruntime"]
 FAMILIES = ("sd1", "sd2", "sdxl")
 # The nine shape widgets are the range of sizes an ONNX Runtime engine is built for; the torch path (auto's choice)
@@ -179,8 +181,8 @@ def _plan(backend: str, options: dict):
 
 
 def _kind(model) -> str:
-    """"unet", "flux", "chroma", "sd3", "wan", "qwen-image", "z-image" or "hunyuan-video": which forward the node's
-    wrappers serve (unsupported() has accepted the model)."""
+    """"unet", "flux", "chroma", "sd3", "wan", "qwen-image", "z-image", "hunyuan-video" or "ltx2": which forward the
+    node's wrappers serve (unsupported() has accepted the model)."""
     unet = model.model.diffusion_model
     return inspect_dit(unet).family if is_dit(unet) else "unet"
 
@@ -199,9 +201,11 @@ def unsupported(model) -> str | None:
         except (ImportError, AttributeError):
             pass
     # Classes accelerated in one form only: ComfyUI 0.33's Z-Image is Lumina 2's NextDiT in another form, HunyuanVideo
-    # 1.5 the HunyuanVideo of 1.0 and HunyuanImage 2.1 in its own (accel/models/dit.py says which)
+    # 1.5 the HunyuanVideo of 1.0 and HunyuanImage 2.1 in its own, LTX-2 the LTXAVModel of LTX-2.3 in its own
+    # (accel/models/dit.py says which)
     in_one_form = []
-    for module, name in (("comfy.ldm.lumina.model", "NextDiT"), ("comfy.ldm.hunyuan_video.model", "HunyuanVideo")):
+    for module, name in (("comfy.ldm.lumina.model", "NextDiT"), ("comfy.ldm.hunyuan_video.model", "HunyuanVideo"),
+                         ("comfy.ldm.lightricks.av_model", "LTXAVModel")):
         try:
             in_one_form.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):
@@ -220,8 +224,8 @@ def unsupported(model) -> str | None:
             return f"{e} It passes through unaccelerated."
     elif type(unet) is not UNetModel:
         return (f"{what} is not accelerated (yet): sd-accel takes SD1.x, SD2.x and SDXL UNets and the Flux.1, Flux.2, "
-                "Chroma, SD3, Wan 2.1/2.2, Qwen-Image, Z-Image and HunyuanVideo 1.5 transformers; it passes through "
-                "to ComfyUI's own forward.")
+                "Chroma, SD3, Wan 2.1/2.2, Qwen-Image, Z-Image, HunyuanVideo 1.5 and LTX-2 transformers; it passes "
+                "through to ComfyUI's own forward.")
     else:
         try:
             family = inspect_unet(unet).family
@@ -298,6 +302,7 @@ def attach(model, session: "Session") -> None:
              "qwen-image": (WrappersMP.DIFFUSION_MODEL, session.qwen_image_diffusion_model),
              "z-image": (WrappersMP.DIFFUSION_MODEL, session.z_image_diffusion_model),
              "hunyuan-video": (WrappersMP.DIFFUSION_MODEL, session.hunyuan_video_diffusion_model),
+             "ltx2": (WrappersMP.DIFFUSION_MODEL, session.ltx2_diffusion_model),
              "sd3": (WrappersMP.APPLY_MODEL, session.apply_model)}[_kind(model)]
     for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, KEY)
@@ -550,6 +555,40 @@ class Session:
         extra["disable_time_r"] = extra.get("disable_time_r") or None
         return self._serve_wrapped(executor, transformer_options, extra, plain, x, timestep, context, y, control,
                                    guidance)
+
+    def ltx2_diffusion_model(self, executor, x, timestep=None, context=None, *args, **kwargs):
+        """LTX-2: ComfyUI passes its latents as [video, audio], the video's timestep (the audio's as a_timestep, the
+        same tensor in a plain call) and its inputs after context by position, read here by the names of its forward.
+        The engine takes the video latent, the timestep, the text, the audio latent and the frame rate; a call that
+        carries anything else runs ComfyUI's own forward (why_plain says so once): a text attention mask, guiding
+        latents or keyframes (keyframe_idxs, guide_attention_entries, generated_keyframes), a denoise mask (image to
+        video: per-token timesteps, and a video timestep not the audio's), reference audio (ID-LoRA); so does a call
+        without an audio latent."""
+        def plain(run=executor):
+            return run(x, timestep, context, *args, **kwargs)
+
+        latents = list(x) if isinstance(x, (list, tuple)) else [x]
+        if len(latents) != 2 or not all(isinstance(t, torch.Tensor) for t in latents) or latents[1].numel() == 0:
+            return self.slot.run_plain("ltx2:video-only", "LTX-2 calls without an audio latent (video alone) run "
+                                       "ComfyUI's own forward.", plain)
+        video, audio = latents
+        extra = _named_inputs(executor.original, args, kwargs)
+        transformer_options = extra.pop("transformer_options", None) or {}
+        rate, control = extra.pop("frame_rate", 25), extra.pop("control", None)
+        # the audio's timestep: the video's own tensor in a plain call, which the engine gives both
+        if extra.get("a_timestep") is timestep:
+            extra.pop("a_timestep")
+        # what nodes set in transformer_options to switch parts of its blocks off or perturb them for a call (STG's
+        # perturbed self-attentions, LTXVModalityGuidance's severed audio-video cross attention), which the engine's
+        # call does not carry
+        extra.update((k, transformer_options[k]) for k in LTX2_SWITCHES if k in transformer_options)
+        try:  # one value per call (ComfyUI's CONDConstant), as a tensor a CUDA graph takes as an input
+            rates = torch.full((video.shape[0],), float(rate), dtype=torch.float64, device=video.device)
+        except (TypeError, ValueError, RuntimeError):
+            rates, extra["frame_rate"] = None, rate
+        out = self._serve_wrapped(executor, transformer_options, extra, plain, video, timestep, context, audio,
+                                  control, rates)
+        return ltx2_outputs(out, video, audio) if isinstance(out, torch.Tensor) else out
 
     def apply_model(self, executor, *args, **kwargs):
         """SD3: ComfyUI's MMDiT has no diffusion-model wrapper point, so for this call only its instance gets a

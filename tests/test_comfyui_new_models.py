@@ -1,10 +1,10 @@
 """The models people moved to since late 2025, which ComfyUI 0.33 runs (issue 56): Flux.2, Z-Image, LTX-2 (video with
 audio) and HunyuanVideo 1.5, through the Accelerated UNet node, on tiny seeded models of ComfyUI's own classes (model
 configs from comfy.supported_models, as its model detection makes them for the published files, at a tiny width).
-Flux.2, Z-Image and HunyuanVideo 1.5 run on the torch path's fused blocks; a model the node does not accelerate yet
-(LTX-2, Lumina 2 in its own form, whose class Z-Image shares, HunyuanVideo 1.0 and HunyuanVideo 1.5's MeanFlow-distilled
-super-resolution model, of 1.5's class) passes through untouched, said in one console line that names it. Skipped
-where the ComfyUI under test (0.3.64) has no such class."""
+Flux.2, Z-Image, HunyuanVideo 1.5 and LTX-2 run on the torch path's fused blocks; a model the node does not accelerate
+yet (Lumina 2 in its own form, whose class Z-Image shares, HunyuanVideo 1.0 and HunyuanVideo 1.5's MeanFlow-distilled
+super-resolution model, of 1.5's class, and LTX-2.3's form of LTX-2's class) passes through untouched, said in one
+console line that names it. Skipped where the ComfyUI under test (0.3.64) has no such class."""
 
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ PASSED_THROUGH = {
     "Lumina2": dict(image_model="lumina2", patch_size=2, in_channels=16, dim=64, cap_feat_dim=32, n_layers=1,
                     qk_norm=True, n_heads=4, n_kv_heads=2, axes_dims=[4, 6, 6], axes_lens=[64, 64, 64],
                     ffn_dim_multiplier=4.0),
+    # LTX-2.3's form of LTX-2's class (gated attention, adaLN on the text cross attention, its caption projected
+    # before the connectors)
     "LTXAV": dict(image_model="ltxav", num_layers=1, attention_head_dim=16, num_attention_heads=2,
                   cross_attention_dim=32, audio_attention_head_dim=8, audio_num_attention_heads=2,
                   audio_cross_attention_dim=16, caption_channels=32, connector_attention_head_dim=8,
-                  connector_num_attention_heads=2, connector_num_layers=1),
+                  connector_num_attention_heads=2, connector_num_layers=1, apply_gated_attention=True,
+                  cross_attention_adaln=True, caption_proj_before_connector=True, rope_type="split"),
     # HunyuanVideo 1.0 (Llama text, CLIP-L's pooled vector, guidance, 1x2x2 patches) in 0.33's HunyuanVideo
     "HunyuanVideo": dict(image_model="hunyuan_video", in_channels=16, out_channels=16, patch_size=[1, 2, 2],
                          vec_in_dim=768, axes_dim=[16, 56, 56], meanflow=False, context_in_dim=32, hidden_size=256,
@@ -264,6 +267,19 @@ def _accelerated(pack, model, fused: bool = True):
     return acc, slot
 
 
+def _fused_equals_plain(pack, model, sample, counted, monkeypatch) -> tuple[list, torch.Tensor]:
+    """A short sampling run's latents (sample(model)) through the node with the fused kernels against plain ComfyUI's:
+    equal within FUSED_TOL, every call the engine's (2 steps, conditional and unconditional in one batch), the host's
+    model left as it was. Returns the fused calls that counted(monkeypatch) lists, and plain's latents."""
+    plain = sample(model)
+    acc, slot = _accelerated(pack, model)
+    calls = counted(monkeypatch)
+    assert H.rel(sample(acc), plain) <= FUSED_TOL
+    assert slot.status.engine_calls == 2 and slot.status.plain_calls == 0
+    assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
+    return calls, plain
+
+
 def _lora_follows_plain(pack, model, sample, lora: dict) -> None:
     """A LoRA after the node: the fused run's latents (sample(model): a short sampling run's) move as plain ComfyUI's
     do; without it, they are plain's again; every call the engine's."""
@@ -312,15 +328,10 @@ def test_z_image_loaded_from_its_file_runs_fused_in_comfyuis_sampling_and_equals
     pytest.importorskip("triton")
     model = _z_image_file(tmp_path)
     pos, neg = H.tiny_dit_conditioning("z-image", 3)
-    plain = _sample_z_image(model, pos, neg)
-    acc, slot = _accelerated(pack, model)
-    calls = _counted_attention(monkeypatch)
-    out = _sample_z_image(acc, pos, neg)
+    calls, _ = _fused_equals_plain(pack, model, lambda m: _sample_z_image(m, pos, neg), _counted_attention,
+                                   monkeypatch)
     # 2 steps, conditional and unconditional in one batch: 2 calls of 2 + 2 refiner blocks and 2 layers
     assert len(calls) == 12, calls
-    assert H.rel(out, plain) <= FUSED_TOL
-    assert slot.status.engine_calls == 2 and slot.status.plain_calls == 0
-    assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
 
 
 def test_z_image_lora_after_the_node_changes_its_latents_as_plain_and_goes_again(pack, comfy_pytorch_attention,
@@ -431,15 +442,10 @@ def test_hunyuan_video15_loaded_from_its_file_runs_fused_in_comfyuis_sampling_an
     spec = inspect_dit(model.model.diffusion_model)
     assert (spec.family, spec.in_channels, spec.depth, spec.single_depth) == ("hunyuan-video", 65, 2, 0)
     pos, neg = H.tiny_dit_conditioning("hunyuan-video", 3)
-    plain = _sample_hunyuan_video(model, pos, neg)
-    acc, slot = _accelerated(pack, model)
-    calls = _counted_blocks(monkeypatch)
-    out = _sample_hunyuan_video(acc, pos, neg)
+    calls, _ = _fused_equals_plain(pack, model, lambda m: _sample_hunyuan_video(m, pos, neg), _counted_blocks,
+                                   monkeypatch)
     # 2 steps, conditional and unconditional in one batch: 2 calls of each of 2 double blocks (it has no single ones)
     assert calls == ["double_block"] * 4, calls
-    assert H.rel(out, plain) <= FUSED_TOL
-    assert slot.status.engine_calls == 2 and slot.status.plain_calls == 0
-    assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
 
 
 def test_hunyuan_video15_lora_after_the_node_changes_its_latents_as_plain_and_goes_again(
@@ -502,4 +508,190 @@ def test_hunyuan_video15_fp8_products_stay_close_to_its_16bit_fused_forward(comf
     (ref, counts), (out, counts8) = _fp8_and_16bit("tiny-hunyuan-video15")
     assert counts["flux"] == 3 and counts["fp8"] == 0
     assert counts8["fp8"] == 2 * 8  # per double block 2 streams x (qkv, proj, 2 MLP)
+    assert 1e-4 < H.rel(out, ref) <= 5e-2
+
+
+# ------------------------------------------------------------------------------------------------------- LTX-2
+# ComfyUI 0.33's supported_models.LTXAV in LTX-2's form: a video and an audio latent denoised together, its
+# BasicAVTransformerBlocks served by the ltx2 fusion.
+
+LTX2_AUDIO = (8, 16)  # an audio latent's channels and frequency bins
+
+
+def _ltx2_class() -> None:
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "LTXAV"):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no LTX-2 (supported_models.LTXAV, 0.33 and later)")
+
+
+def _ltx2_file(folder, seed: int = 0):
+    """tiny-ltx2's weights (its blocks' residual and modulation projections seeded louder, as H.tiny_dit_weights seeds
+    the others) written as a file with its transformer config in the file's metadata, where the published file has
+    LTX-2's, and loaded by ComfyUI's own loader, whose detection reads it."""
+    import json
+
+    import comfy.supported_models
+    import safetensors.torch
+
+    from sd_accel.accel.models import configs
+
+    _ltx2_class()
+    _, cfg = configs.comfy_dit_config("tiny-ltx2")
+    config = comfy.supported_models.LTXAV(dict(cfg))
+    config.unet_config.update(cfg)
+    with H.layers_with_weights():
+        module = config.get_model({}, device="cpu").diffusion_model
+    configs.seed_dit_parameters(module, seed, quiet=0.5)
+    path = folder / "ltx2.safetensors"
+    transformer = {k: v for k, v in cfg.items() if k != "image_model"}
+    safetensors.torch.save_file({k: v.detach().contiguous() for k, v in module.state_dict().items()}, str(path),
+                                metadata={"config": json.dumps({"transformer": transformer})})
+    model = H.load_diffusion_model_path(path)
+    assert type(model.model.model_config).__name__ == "LTXAV"
+    return model
+
+
+def _ltx2_conditioning(seed: int, tokens: int = 7, **entries) -> tuple:
+    """(positive, negative) as LTX-2's text encoder gives them (its connectors' video and audio text side by side,
+    padding trimmed), with `entries` (frame_rate, ...) in both, as LTXVConditioning sets them."""
+    from sd_accel.accel.models import configs
+
+    width = 2 * configs.COMFY_DIT_CONFIGS["tiny-ltx2"][1]["caption_channels"]
+    g = torch.Generator().manual_seed(seed)
+    return tuple([[torch.randn(1, tokens, width, generator=g) * scale, dict(entries)]] for scale in (1.0, 0.5))
+
+
+def _ltx2_latents(frames: int = 2, size: tuple = (4, 6), audio: int = 5):
+    """(noise, empty latent) as nested video and audio latents, as LTXVConcatAVLatent makes them."""
+    import comfy.nested_tensor
+
+    shapes = ((1, 128, frames, *size), (1, LTX2_AUDIO[0], audio, LTX2_AUDIO[1]))
+    g = torch.Generator().manual_seed(1)
+    noise = comfy.nested_tensor.NestedTensor([torch.randn(*s, generator=g) for s in shapes])
+    return noise, comfy.nested_tensor.NestedTensor([torch.zeros(s) for s in shapes])
+
+
+def _sample_ltx2(model, positive, negative, latents=None, **kwargs) -> torch.Tensor:
+    """A 2-step run at CFG 3 on nested video and audio latents; the two latents flattened side by side."""
+    import comfy.sample
+
+    noise, empty = latents or _ltx2_latents()
+    out = comfy.sample.sample(model, noise, 2, 3.0, "euler", "simple", positive, negative, empty, disable_pbar=True,
+                              seed=1, **kwargs)
+    return torch.cat([t.flatten() for t in (out.unbind() if getattr(out, "is_nested", False) else [out])])
+
+
+def _counted_ltx2_blocks(monkeypatch) -> list:
+    """The fused LTX-2 blocks' calls that the fused forward serves (not handed to the block's own)."""
+    from sd_accel.accel.engine.fusions import ltx2
+
+    calls = []
+    monkeypatch.setattr(ltx2, "_mlp", lambda ff, h, f=ltx2._mlp: calls.append(ff) or f(ff, h))
+    return calls
+
+
+def test_ltx2_loaded_from_its_file_runs_fused_in_comfyuis_sampling_and_equals_plain(pack, comfy_pytorch_attention,
+                                                                                    tmp_path, monkeypatch):
+    """An LTX-2 file (its config in its metadata, as published) loaded by ComfyUI's own loader, through the node with
+    the fused kernels: every block fused, every call the engine's, the video and audio latents plain ComfyUI's at the
+    frame rate the conditioning sets (it moves the video's positions: the latents differ at another); the host's model
+    is left as it was."""
+    pytest.importorskip("triton")
+    from sd_accel.accel.models.dit import inspect_dit
+
+    model = _ltx2_file(tmp_path)
+    spec = inspect_dit(model.model.diffusion_model)
+    assert (spec.family, spec.in_channels, spec.depth, spec.context_dim) == ("ltx2", 128, 2, 64)
+    pos, neg = _ltx2_conditioning(3, frame_rate=24.0)
+    calls, plain = _fused_equals_plain(pack, model, lambda m: _sample_ltx2(m, pos, neg), _counted_ltx2_blocks,
+                                       monkeypatch)
+    # 2 steps, conditional and unconditional in one batch: 2 calls of 2 blocks, a video and an audio MLP each
+    assert len(calls) == 8, calls
+    assert H.rel(_sample_ltx2(model, *_ltx2_conditioning(3, frame_rate=25.0)), plain) > 1e-5
+
+
+def test_ltx2_lora_after_the_node_changes_its_latents_as_plain_and_goes_again(pack, comfy_pytorch_attention,
+                                                                            tmp_path):
+    """A LoRA on the video self-attention's q (packed with k and v into one product), the audio cross attention's k
+    (packed with v) and both MLPs' first projections, after the node."""
+    pytest.importorskip("triton")
+    model = _ltx2_file(tmp_path, seed=4)
+    pos, neg = _ltx2_conditioning(5)
+    lora = H.lora_patches(model, 6, take=lambda key: key.startswith("transformer_blocks.") and key.endswith(
+        ("attn1.to_q.weight", "video_to_audio_attn.to_k.weight", "ff.net.0.proj.weight")))
+    _lora_follows_plain(pack, model, lambda m: _sample_ltx2(m, pos, neg), lora)
+
+
+def test_ltx2_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention):
+    """LTX-2's blocks (video and audio streams, their text and each other's cross attention, split rotary embeddings)
+    through the ltx2 fusion against ComfyUI's own forward, in float32; undone, the model is ComfyUI's again."""
+    pytest.importorskip("triton")
+    _ltx2_class()
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.models.dit import CanonicalDiT
+
+    ref, out, counts, back, model = _fused_and_own("tiny-ltx2")
+    assert CanonicalDiT(model).spec.family == "ltx2"
+    assert counts == {f: 2 if f == "ltx2" else 0 for f in fusions.DIT}  # its 2 blocks
+    assert H.rel(out, ref) <= FUSED_TOL
+    assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
+
+
+def test_ltx2_calls_with_inputs_the_engine_does_not_take_run_comfyuis_own_forward_and_say_so(pack, caplog):
+    """A denoise mask (image to video's first frame kept), a text attention mask, LTXVModalityGuidance's extra pass
+    with the audio-video cross attention severed, and video alone: such calls run ComfyUI's own forward, said once in
+    words each; the other calls of the run are the engine's (on the CPU, the plain model's own kernels: the latents
+    are plain's exactly)."""
+    _ltx2_class()
+    from test_comfyui_stacking import host_node
+
+    from sd_accel.accel.models import configs
+
+    _, cfg = configs.comfy_dit_config("tiny-ltx2")
+    model = _tiny("LTXAV", cfg, seed=2)
+    pos, neg = _ltx2_conditioning(6)
+    masked = _positive_with((pos, neg), attention_mask=_text_mask())
+    noise, empty = _ltx2_latents()
+    keep_first = comfy_nested([torch.ones(1, 1, 2, 4, 6), torch.ones(1, 1, 5, 16)])
+    keep_first.tensors[0][:, :, 0] = 0
+    video_only = tuple(t.unbind()[0] for t in (noise, empty))  # a video latent alone, as EmptyLTXVLatentVideo's
+    acc, slot = _accelerated(pack, model, fused=False)
+    guidance = host_node("nodes_lt", "LTXVModalityGuidance")
+    guided, plain_guided = (H.run_node(guidance, m, modality_scale=3.0, start_percent=0.0, end_percent=1.0)
+                            for m in (acc, model))
+    with caplog.at_level(logging.INFO, logger="sd-accel"):
+        assert torch.equal(_sample_ltx2(acc, pos, neg, noise_mask=keep_first),
+                           _sample_ltx2(model, pos, neg, noise_mask=keep_first))
+        assert torch.equal(_sample_ltx2(acc, *masked), _sample_ltx2(model, *masked))
+        assert torch.equal(_sample_ltx2(guided, pos, neg), _sample_ltx2(plain_guided, pos, neg))
+        assert torch.equal(_sample_ltx2(acc, pos, neg, video_only), _sample_ltx2(model, pos, neg, video_only))
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and "own forward" in r.getMessage()]
+    # the mask reaches both latents: the audio's too, and the video's timestep per token is not the audio's
+    assert sum("does not take (a_timestep, audio_denoise_mask, denoise_mask)" in s for s in said) == 1, said
+    assert sum("inputs the engine does not take (attention_mask)" in s for s in said) == 1, said
+    assert sum("inputs the engine does not take (a2v_cross_attn, v2a_cross_attn)" in s for s in said) == 1, said
+    assert sum("without an audio latent" in s for s in said) == 1, said
+    # 2 steps each: the denoise mask's run, both halves in one call (2 plain calls); the masked positive alone (2
+    # plain), its negative (2 engine); the guided run, both halves (2 engine) and its extra pass (2 plain); video alone
+    # (2 plain)
+    assert slot.status.plain_calls == 8 and slot.status.engine_calls == 4, slot.status
+
+
+def comfy_nested(tensors):
+    import comfy.nested_tensor
+
+    return comfy.nested_tensor.NestedTensor(list(tensors))
+
+
+@pytest.mark.fp8_products(DEVICE)
+def test_ltx2_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_attention):
+    """precision fp8 takes every block projection of LTX-2 (four per attention, six attentions, two per MLP, two MLPs;
+    its modulations are tables added to the time projections outside the blocks, which stay 16-bit) and stays close
+    to the 16-bit fused forward; auto leaves 16-bit weights."""
+    pytest.importorskip("triton")
+    _ltx2_class()
+    (ref, counts), (out, counts8) = _fp8_and_16bit("tiny-ltx2")
+    assert counts["ltx2"] == 2 and counts["fp8"] == 0
+    assert counts8["fp8"] == 2 * (6 * 4 + 2 * 2)
     assert 1e-4 < H.rel(out, ref) <= 5e-2

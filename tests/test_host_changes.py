@@ -105,6 +105,14 @@ def _hunyuan_video15() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     return _dit("tiny-hunyuan-video15")()
 
 
+def _ltx2() -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "LTXAV"):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no LTX-2 (supported_models.LTXAV)")
+    return _dit("tiny-ltx2")()
+
+
 # Per family: the model, the fusions applied (None: all of the model's kind), and per host class the attribute its
 # fusion reads that the changed host renames. A class a fusion reaches through another (Wan's self-attention, through
 # its block) is a family of its own, so that the block that holds it is not declined first.
@@ -132,6 +140,10 @@ FAMILIES = {
     "z_image mlp": (_z_image, None, {"FeedForward": "w3", "FinalLayer": "linear"}),
     # HunyuanVideo 1.5's blocks are Flux's classes, which the flux fusion checks as it does in Flux
     "hunyuan_video15": (_hunyuan_video15, None, {"DoubleStreamBlock": "txt_attn", "LastLayer": "linear"}),
+    # LTX-2's block reads its attention's and MLP's classes too (the text connectors' blocks use them as well)
+    "ltx2": (_ltx2, None, {"BasicAVTransformerBlock": "audio_ff"}),
+    "ltx2 attention": (_ltx2, None, {"CrossAttention": "to_v"}),
+    "ltx2 mlp": (_ltx2, None, {"FeedForward": "net"}),
 }
 
 

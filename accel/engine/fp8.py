@@ -48,10 +48,11 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 # The blocks whose projections may run in fp8, and the projections that stay 16-bit (per-sample modulation).
 # ComfyUI's Flux/Chroma, MMDiT, Wan and Qwen-Image blocks, then diffusers' Flux and SD3 blocks; the last name is also
-# ComfyUI's Z-Image (Lumina) block's. (Wan's modulation is a parameter added to the time projection, not a projection
-# of its own.)
+# ComfyUI's Z-Image (Lumina) block's; then ComfyUI's LTX-2 block. (Wan's and LTX-2's modulations are parameters added
+# to the time projection, not projections of their own.)
 BLOCKS = ("DoubleStreamBlock", "SingleStreamBlock", "DismantledBlock", "WanAttentionBlock",
-          "QwenImageTransformerBlock", "FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock")
+          "QwenImageTransformerBlock", "FluxTransformerBlock", "FluxSingleTransformerBlock", "JointTransformerBlock",
+          "BasicAVTransformerBlock")
 MODULATION = ("img_mod", "txt_mod", "modulation", "adaLN_modulation", "norm1", "norm1_context", "norm")
 
 

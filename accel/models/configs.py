@@ -353,6 +353,21 @@ _COMFY_HUNYUAN_VIDEO15 = dict(image_model="hunyuan_video", in_channels=65, out_c
                               theta=256, qkv_bias=True, byt5=True, guidance_embed=False, use_cond_type_embedding=True,
                               vision_in_dim=1152, meanflow_sum=True)
 
+# LTX-2 (Lightricks' ltx-2-19b-dev): ComfyUI 0.33's LTXAVModel as its model detection configures it for the published
+# file, whose "config" metadata holds the transformer's settings (ltx-core's LTXModelConfigurator reads the same):
+# 48 blocks of a video stream (32 heads of 128) and an audio stream (32 heads of 64) with cross attention between them,
+# Gemma 3's 3840-wide text through the model's connectors (30 heads of 128, 2 layers: ComfyUI's defaults) and its
+# caption projections (caption_proj_before_connector false), split rotary embeddings from float64 frequencies, middle
+# indices grids, causal temporal positions, the cross attention's timestep scaled by 1000; no gated attention and no
+# cross-attention adaLN (LTX-2.3's form).
+_COMFY_LTX2 = dict(image_model="ltxav", in_channels=128, audio_in_channels=128, cross_attention_dim=4096,
+                   audio_cross_attention_dim=2048, attention_head_dim=128, audio_attention_head_dim=64,
+                   num_attention_heads=32, audio_num_attention_heads=32, caption_channels=3840, num_layers=48,
+                   positional_embedding_theta=10000.0, positional_embedding_max_pos=[20, 2048, 2048],
+                   audio_positional_embedding_max_pos=[20], causal_temporal_positioning=True,
+                   use_middle_indices_grid=True, timestep_scale_multiplier=1000, av_ca_timestep_scale_multiplier=1000.0,
+                   rope_type="split", frequencies_precision="float64")
+
 COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     "flux-dev": ("flux", _COMFY_FLUX_DEV),
     "flux-schnell": ("flux", {**_COMFY_FLUX_DEV, "guidance_embed": False}),
@@ -388,6 +403,13 @@ COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     # which ComfyUI tells version 1.5 (supported_models.HunyuanVideo15); no ByT5 mapper (2048 wide whatever the model)
     "tiny-hunyuan-video15": ("hunyuan-video", {**_COMFY_HUNYUAN_VIDEO15, "context_in_dim": 32, "hidden_size": 256,
                                                "num_heads": 2, "depth": 2, "byt5": False}),
+    "ltx2": ("ltx2", _COMFY_LTX2),
+    # its text connectors as wide as the caption (heads x head width: the width they hand the caption projections)
+    "tiny-ltx2": ("ltx2", {**_COMFY_LTX2, "cross_attention_dim": 64, "audio_cross_attention_dim": 32,
+                           "attention_head_dim": 16, "audio_attention_head_dim": 8, "num_attention_heads": 4,
+                           "audio_num_attention_heads": 4, "caption_channels": 32, "num_layers": 2,
+                           "connector_attention_head_dim": 16, "connector_num_attention_heads": 2,
+                           "connector_num_layers": 1}),
 }
 
 # diffusers' form: the transformer/config.json of black-forest-labs/FLUX.1-dev and stabilityai/stable-diffusion-3.5-*.
@@ -419,7 +441,9 @@ DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": 
               "qwen-image": (512, 166), "tiny-wan": (7, 8), "tiny-qwen-image": (7, 8), "flux2-dev": (512, 64),
               "tiny-flux2": (7, 8), "z-image": (512, 128), "tiny-z-image": (7, 8),
               # a long prompt's Qwen2.5-VL tokens (ComfyUI passes a prompt's own count, unpadded); 848x480 at 16x
-              "hunyuan-video15": (256, (30, 53)), "tiny-hunyuan-video15": (7, 8)}
+              "hunyuan-video15": (256, (30, 53)), "tiny-hunyuan-video15": (7, 8),
+              # a long prompt's Gemma tokens (ComfyUI passes a prompt's own count, unpadded); 768x512 at 32x
+              "ltx2": (256, (16, 24)), "tiny-ltx2": (7, (4, 6))}
 
 
 def cfg_batch(name: str) -> int:
@@ -432,7 +456,14 @@ def cfg_batch(name: str) -> int:
 # 121 frames at 704x1280 (1 + 120/4); its VAE compresses 16x in space, so 44x80.
 VIDEO_FRAMES = {"wan21-14b": 21, "wan21-1.3b": 21, "wan22-5b": 31, "tiny-wan": 3,
                 # HunyuanVideo 1.5's VAE keeps 1 + frames/4 too: a short clip of 33 frames (its native one has 121)
-                "hunyuan-video15": 9, "tiny-hunyuan-video15": 3}
+                "hunyuan-video15": 9, "tiny-hunyuan-video15": 3,
+                # LTX-2's VAE keeps 1 + frames/8: ComfyUI's default clip, 97 frames (its EmptyLTXVLatentVideo)
+                "ltx2": 13, "tiny-ltx2": 3}
+# Audio latents beside a video DiT's clip (LTX-2: 25 a second, 16 kHz audio in hops of 160 taken 4 at a time; 97
+# frames at 25 fps are 97 of them)
+AUDIO_FRAMES = {"ltx2": 97, "tiny-ltx2": 5}
+LTX2_AUDIO = (8, 16)  # an LTX-2 audio latent's channels and frequency bins (its audio VAE's)
+LTX2_FRAME_RATE = 25.0  # ComfyUI's default frame rate for LTX-2 (its LTXVConditioning and audio latent nodes)
 
 # Trained DiTs start each block near the identity: the adaLN modulation and the projections back into the residual
 # stream are small. Drawn like the other matrices, 57 blocks amplify rounding until bf16 and fp32 disagree entirely,
@@ -447,7 +478,9 @@ _DIT_QUIET = ("mod.lin", "modulation.lin", "adaLN_modulation", "norm1.linear", "
               # Wan (comfy.ldm.wan.model)
               "time_projection.", "self_attn.o.", "cross_attn.o.", "ffn.2.", "head.head.",
               # Qwen-Image (comfy.ldm.qwen_image.model); its attention's outputs and last layers match the above
-              "img_mod.", "txt_mod.", "img_mlp.net.2.", "txt_mlp.net.2.")
+              "img_mod.", "txt_mod.", "img_mlp.net.2.", "txt_mlp.net.2.",
+              # LTX-2 (comfy.ldm.lightricks): every adaLN's projection; its blocks' outputs match the above
+              "adaln_single.linear")
 
 
 def seed_dit_parameters(module: nn.Module, seed: int, quiet: float = 0.1) -> nn.Module:
@@ -555,6 +588,12 @@ def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -
         if "vision_in_dim" not in HunyuanVideoParams.__dataclass_fields__:
             raise ValueError(f"{name} needs a ComfyUI with HunyuanVideo 1.5 (0.33 and later); this one's HunyuanVideo "
                              "has no vision_in_dim.")
+    elif family == "ltx2":
+        try:
+            from comfy.ldm.lightricks.av_model import LTXAVModel as cls
+        except ImportError:
+            raise ValueError(f"{name} needs a ComfyUI with LTX-2 (0.33 and later); this one has no "
+                             "comfy.ldm.lightricks.av_model.") from None
     elif family == "z-image":
         from comfy.ldm.lumina.model import NextDiT as cls
 
@@ -619,6 +658,12 @@ def dit_example_inputs(name: str, batch: int = 1, latent: int | tuple[int, int] 
     h, w = (latent, latent) if isinstance(latent, int) else (latent or native)
     g = torch.Generator().manual_seed(seed)
     move = lambda v: v.to(device=device, dtype=dtype)  # noqa: E731
+    if family == "ltx2":  # y: its audio latent; guidance: its frame rate (CanonicalDiT)
+        return {"x": move(torch.randn(batch, cfg["in_channels"], VIDEO_FRAMES[name], h, w, generator=g)),
+                "timesteps": torch.full((batch,), 0.6, device=device),
+                "context": move(torch.randn(batch, tokens, 2 * cfg["caption_channels"], generator=g)),
+                "y": move(torch.randn(batch, LTX2_AUDIO[0], AUDIO_FRAMES[name], LTX2_AUDIO[1], generator=g)),
+                "guidance": torch.full((batch,), LTX2_FRAME_RATE, device=device, dtype=torch.float64)}
     if family == "z-image":
         return {"x": move(torch.randn(batch, cfg["in_channels"], h, w, generator=g)),
                 "timesteps": torch.full((batch,), 0.6, device=device),

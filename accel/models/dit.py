@@ -16,6 +16,12 @@ their count, which the canonical call gives as the context's (ComfyUI 0.33's for
 HunyuanVideo 1.5 (ComfyUI 0.33's comfy.ldm.hunyuan_video.model.HunyuanVideo in the form its supported_models.
 HunyuanVideo15 builds: a vision input, 3-D patches) is Flux's double-stream blocks over video latents (batch, channels,
 frames, height, width), its channels the latent's with the image condition's and its mask.
+LTX-2 (ComfyUI 0.33's comfy.ldm.lightricks.av_model.LTXAVModel in LTX-2's form) denoises a video and an audio latent
+together: the canonical call's x is the video latent (batch, channels, frames, height, width), y the audio latent
+(batch, 8, frames, 16) and guidance the frame rate (batch,), the one other input of its forward that a call of a plain
+text-to-video-and-audio run carries (it places the video's tokens in time), given as a float64 tensor so that a CUDA
+graph takes it as an input; both latents are denoised with the timestep given, and the output is the two latents
+flattened side by side, (batch, 1, video's values + audio's) as ComfyUI's sampler packs them (ltx2_outputs splits it).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from .spec import Canonical
 @dataclass(frozen=True)
 class DiTSpec:
     form: str  # "comfy" | "diffusers"
-    family: str  # "flux" | "chroma" | "sd3" | "wan" | "qwen-image" | "z-image" | "hunyuan-video"
+    family: str  # "flux" | "chroma" | "sd3" | "wan" | "qwen-image" | "z-image" | "hunyuan-video" | "ltx2"
     in_channels: int  # latent channels
     hidden_size: int
     heads: int
@@ -74,6 +80,8 @@ def _kind(m: nn.Module) -> tuple[str, str] | None:
         return "comfy", "z-image"
     if name == "HunyuanVideo" and type(m).__module__ == "comfy.ldm.hunyuan_video.model" and _hunyuan_video15(m):
         return "comfy", "hunyuan-video"
+    if name == "LTXAVModel" and type(m).__module__ == "comfy.ldm.lightricks.av_model" and _ltx2(m):
+        return "comfy", "ltx2"
     if name == "FluxTransformer2DModel":
         return "diffusers", "flux"
     if name == "SD3Transformer2DModel":
@@ -103,14 +111,24 @@ def _hunyuan_video15(m: nn.Module) -> bool:
             and len(getattr(params, "patch_size", ())) == 3)
 
 
+def _ltx2(m: nn.Module) -> bool:
+    """An LTXAVModel of LTX-2's form: caption projections before its blocks (caption_proj_before_connector false), no
+    gated attention, no cross-attention adaLN, no keyframe embedding. LTX-2.3's form (gated attention, adaLN on the text
+    cross attention, its projection before the connectors) is not accelerated."""
+    return (getattr(m, "caption_proj_before_connector", None) is False and getattr(m, "apply_gated_attention", None)
+            is False and getattr(m, "cross_attention_adaln", None) is False
+            and getattr(m, "keyframes_abs_pos_embedding", None) is None and hasattr(m, "transformer_blocks")
+            and hasattr(m, "audio_patchify_proj"))
+
+
 def inspect_dit(m: nn.Module) -> DiTSpec:
     """The DiTSpec of a Flux or SD3 transformer in ComfyUI's or diffusers' form; UnsupportedModel otherwise."""
     kind = _kind(m)
     if kind is None:
         raise UnsupportedModel(
             f"{type(m).__name__} is not a supported diffusion transformer (Flux.1, Chroma or SD3/SD3.5, in "
-            "ComfyUI's or diffusers' form; Wan 2.1/2.2, Qwen-Image, Z-Image or HunyuanVideo 1.5 in ComfyUI's).",
-            "Other model types run unaccelerated.")
+            "ComfyUI's or diffusers' form; Wan 2.1/2.2, Qwen-Image, Z-Image, HunyuanVideo 1.5 or LTX-2 in "
+            "ComfyUI's).", "Other model types run unaccelerated.")
     n = sum(p.numel() for p in m.parameters())
     form, family = kind
     if form == "comfy" and family == "flux":
@@ -135,6 +153,9 @@ def inspect_dit(m: nn.Module) -> DiTSpec:
         p = m.params
         return DiTSpec(form, family, p.in_channels, p.hidden_size, p.num_heads, p.depth, p.depth_single_blocks,
                        p.context_in_dim, p.vec_in_dim or 0, bool(p.guidance_embed), p.patch_size[-1], n)
+    if family == "ltx2":  # its video stream's; the context holds the video's and the audio's text side by side
+        return DiTSpec(form, family, m.in_channels, m.inner_dim, m.num_attention_heads, len(m.transformer_blocks), 0,
+                       2 * m.caption_channels, 0, False, 1, n)
     if form == "comfy":
         hidden = m.x_embedder.proj.out_features if hasattr(m.x_embedder.proj, "out_features") \
             else m.x_embedder.proj.out_channels
@@ -166,7 +187,7 @@ class CanonicalDiT(Canonical):
 
     def check(self, x: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None) -> None:
         s = self.spec
-        dims = {"wan": (5,), "hunyuan-video": (5,), "qwen-image": (4, 5)}.get(s.family, (4,))
+        dims = {"wan": (5,), "hunyuan-video": (5,), "ltx2": (5,), "qwen-image": (4, 5)}.get(s.family, (4,))
         if x.dim() not in dims or x.shape[1] != s.in_channels:
             frames = "frames, " if dims == (5,) else ""
             raise BadInput(f"latent has shape {tuple(x.shape)}; this {s.family} transformer takes (batch, "
@@ -174,6 +195,9 @@ class CanonicalDiT(Canonical):
         if context.dim() != 3 or context.shape[-1] != s.context_dim:
             raise BadInput(f"conditioning has shape {tuple(context.shape)}; this {s.family} transformer takes "
                            f"(batch, tokens, {s.context_dim}).", "Use the text encoders that belong to this model.")
+        if s.family == "ltx2" and (y is None or y.dim() != 4 or y.shape[0] != x.shape[0]):
+            raise BadInput(f"this LTX-2 transformer takes its audio latent (batch, 8, frames, 16) as y; it was given "
+                           f"{None if y is None else tuple(y.shape)}.", "Pass the audio latent beside the video's.")
         if s.pooled_dim and s.form == "diffusers" and (y is None or y.shape[-1] != s.pooled_dim):
             raise BadInput(f"this {s.family} transformer needs the pooled text embedding y of width {s.pooled_dim}.",
                            "Pass y (ComfyUI does for Flux and SD3 checkpoints).")
@@ -193,6 +217,11 @@ class CanonicalDiT(Canonical):
             return self.unet(x, timesteps, context, context.shape[1], **kwargs)
         if s.family == "hunyuan-video":
             return self.unet(x, timesteps, context, y, guidance=guidance, control=control, **kwargs)
+        if s.family == "ltx2":
+            # the frame rate as one value: a 0-d tensor multiplies the positions as ComfyUI's float does
+            rate = {} if guidance is None else {"frame_rate": guidance.reshape(-1)[0]}
+            out = self.unet([x, y.to(x.dtype)], timesteps, context, control=control, **rate, **kwargs)
+            return torch.cat([t.reshape(t.shape[0], 1, -1) for t in (out if isinstance(out, list) else [out])], -1)
         if s.family == "qwen-image":
             extra = {"control": control} if control is not None else {}
             image = x.dim() == 4  # ComfyUI's class takes one frame's latents as (batch, channels, 1, height, width)
@@ -226,3 +255,10 @@ def _diffusers_flux(model: nn.Module, x, timesteps, context, y, guidance) -> tor
                 encoder_hidden_states=context, txt_ids=txt_ids, img_ids=img_ids.reshape(h * w, 3),
                 return_dict=False)[0]
     return out.view(B, h, w, C, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
+
+
+def ltx2_outputs(out: torch.Tensor, video: torch.Tensor, audio: torch.Tensor) -> list[torch.Tensor]:
+    """LTX-2's canonical output (batch, 1, values) as its forward returns it, [video, audio] in the shapes of the
+    latents given."""
+    n = video[0].numel()
+    return [out[:, :, :n].reshape(video.shape), out[:, :, n:].reshape(audio.shape)]

@@ -24,7 +24,7 @@ from .base import Undo
 # order.
 MODULES = ("layout", "groupnorm", "geglu", "resnet", "skip_layernorm", "sdpa_processor", "upsample", "qkv",
            "cross_attention", "conv_bias", "flux", "chroma", "flux_diffusers", "mmdit", "mmdit_diffusers", "wan",
-           "qwen_image", "z_image")
+           "qwen_image", "z_image", "ltx2")
 for _module in MODULES:
     importlib.import_module(f".{_module}", __name__)
 del _module
@@ -33,7 +33,7 @@ FUSIONS: dict[str, registry.Fusion] = {f.name: f for f in registry.order(registr
 ORDER: tuple[str, ...] = tuple(FUSIONS)
 # The diffusion transformers' fusions; the others are the UNets' and the VAE's. Unnamed, a model gets its kind's.
 DIT: tuple[str, ...] = ("flux", "chroma", "flux_diffusers", "mmdit", "mmdit_diffusers", "wan", "qwen_image",
-                         "z_image")
+                         "z_image", "ltx2")
 
 __all__ = ["FUSIONS", "ORDER", "Undo", "apply", "base", "packing", "registry"]
 

@@ -1,4 +1,5 @@
-"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan, qwen_image, z_image) share: the call
+"""What the diffusion transformers' fusions (flux, chroma, flux_diffusers, mmdit, wan, qwen_image, z_image, ltx2) share: the
+call
 conditions, the attention over the joint sequence (in fp8 where accel/engine/fp8_attention.py takes it), the gated
 residual / modulated MLP steps of a DiT block, the double-stream block of joint text+image attention (Flux, Chroma,
 Qwen-Image) and Flux's single block."""
@@ -168,14 +169,20 @@ def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, 
     input; after a plain 16-bit fc1, in its product's epilogue (linear_gelu). act SWIGLU: fc1 makes the gate and the
     up halves (swiglu)."""
     h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
+    return mlp(h, fc1, fc2, act), x
+
+
+def mlp(h: torch.Tensor | fp8.Rows, fc1: nn.Module, fc2: nn.Module, act: str = GELU_TANH) -> torch.Tensor:
+    """fc2(act(fc1(h))), a block's MLP on its normalized input h: the tanh GELU in fc1's product's epilogue after a plain
+    16-bit fc1 (linear_gelu), in the pass that quantizes fc2's input with fp8 products; SWIGLU between the products."""
     if act == SWIGLU:
-        return fp8.project(fc2, swiglu(fp8.project(fc1, h))), x
+        return fp8.project(fc2, swiglu(fp8.project(fc1, h)))
     if isinstance(h, torch.Tensor) and plain_linear(fc1) and fc1.bias is not None and not fp8.marked(fc1):
-        return fp8.project(fc2, linear_gelu(h, fc1.weight, fc1.bias)), x
+        return fp8.project(fc2, linear_gelu(h, fc1.weight, fc1.bias))
     a = fp8.project(fc1, h)
     if fp8.takes_rows(a, fc2):
-        return fp8.matmul(fp8.quantized(a, gelu=True), fc2), x
-    return fc2(F.gelu(a, approximate="tanh")), x
+        return fp8.matmul(fp8.quantized(a, gelu=True), fc2)
+    return fc2(F.gelu(a, approximate="tanh"))
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,229 @@
+"""LTX-2's blocks (ComfyUI 0.33's comfy.ldm.lightricks.av_model.BasicAVTransformerBlock, as its supported_models.LTXAV
+builds them for LTX-2) with the DiT pieces.
+
+An LTX-2 block runs two streams, video and audio, each with a self-attention, a cross attention to its own text and an
+MLP, and between them two cross attentions (audio to video, video to audio). None of the shared patterns fits it:
+their adaLN pass is a LayerNorm (kernels/adaln.py), where LTX-2 normalizes by the RMS alone; its q/k RMSNorm spans all
+heads (Wan's, but its rotary table is per head and splits each head in halves, which kernels/qk_rope.py does not read);
+its attentions are of four kinds per stream. So it is a pattern of its own (docs/engineering.md), restated in ComfyUI's
+order (the streams are updated in place, so the order is the numerics) from the shared pieces and ComfyUI's own:
+
+- the modulated RMS norms, q/k RMSNorms and rotary embeddings are ComfyUI's own calls (comfy-kitchen's rms_adaln and
+  rope kernels on the GPU, as ComfyUI 0.33 runs them), so the numerics are ComfyUI's;
+- a self-attention's q, k and v are one GEMM and a cross attention's k and v another (packing.pack_same_width), or a
+  product each as fp8 products where accel/engine/fp8.py marked the projections (the `precision` option);
+- the attention is transformer.comfy_sdpa: the fastest 16-bit kernel timed at the shape (PyTorch's SDPA,
+  FlashAttention-4 or -3), or ComfyUI's own attention where it was timed faster;
+- the MLP is transformer.mlp: the tanh GELU in the first product's epilogue (16 bits) or in the pass that quantizes the
+  second's input (fp8);
+- the gated residuals are kernels/adaln.py's gated_add_, in place.
+
+A call it does not cover runs the block's own forward: an attention mask (guiding latents' self-attention mask, a text
+mask), modulation per token or per frame (a denoise mask, keyframes), a stream switched off or empty (audio-only or
+video-only runs, run_vx / run_ax, a2v / v2a cross attention off), STG's perturbed self-attention, an attention override
+or another node's attention function in ComfyUI, a tensor the kernels cannot run on. Blocks of LTX-2.3's form (gated
+attention, cross-attention adaLN), with per-call weight functions (lowvram, a LoRA applied per call) or whose classes
+have changed (host_block: the attention and MLP classes are read too) keep their forward.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from .. import fp8
+from . import packing
+from .base import Undo, comfy_attention, host_block, kernel_module, own_weights, patch_forward, reads_comfy_attention
+from .registry import fusion
+from .transformer import comfy_sdpa, gated_residual_, linears, mlp, project_packed
+
+LTX = "comfy.ldm.lightricks"  # the package of its classes
+AV_MODEL = "comfy.ldm.lightricks.av_model"
+ATTENTION = "comfy.ldm.modules.attention"  # whose optimized_attention its CrossAttention calls
+
+# what the fused forward reads of each class, and the forms of forward it restates
+BLOCK_ATTRS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn", "ff",
+               "audio_ff", "scale_shift_table", "audio_scale_shift_table", "scale_shift_table_a2v_ca_audio",
+               "scale_shift_table_a2v_ca_video", "cross_attention_adaln")
+BLOCK_PARAMS = ("x", "v_context", "a_context", "attention_mask", "v_timestep", "a_timestep", "v_pe", "a_pe",
+                "v_cross_pe", "a_cross_pe", "v_cross_scale_shift_timestep", "a_cross_scale_shift_timestep",
+                "v_cross_gate_timestep", "a_cross_gate_timestep", "transformer_options", "self_attention_mask",
+                "v_prompt_timestep", "a_prompt_timestep")
+ATTENTION_ATTRS = ("heads", "dim_head", "q_norm", "k_norm", "to_q", "to_k", "to_v", "to_out", "to_gate_logits")
+ATTENTION_PARAMS = ("x", "context", "mask", "pe", "k_pe", "transformer_options")
+MLP_ATTRS = ("net",)
+ATTENTIONS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+# transformer_options entries by which nodes switch parts of a block off or perturb them (ComfyUI's defaults: none)
+SWITCHES = ("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn", "stg_skip_self_attn")
+
+
+def _host(name: str):
+    """ComfyUI's module `name` as its blocks call it (comfy.quant_ops's ck, common_dit's rms_norm, model's rope)."""
+    return sys.modules[name]
+
+
+def _per_sample(t) -> bool:
+    """A timestep embedding with one row per sample (a plain call's), (B, 1, n * C): a tensor, or ComfyUI's
+    CompressedTimestep holding one."""
+    data = getattr(t, "data", t) if type(t).__name__ == "CompressedTimestep" else t
+    return isinstance(data, torch.Tensor) and data.dim() == 3 and data.shape[1] == 1 \
+        and getattr(t, "patches_per_frame", 1) == 1
+
+
+def _ada(table: torch.Tensor, t, x: torch.Tensor, indices: slice) -> tuple[torch.Tensor, ...]:
+    """The block's modulation values `indices` of table + t, (B, 1, C) each, as ComfyUI's get_ada_values adds them."""
+    data = t.data if type(t).__name__ == "CompressedTimestep" else t
+    n = table.shape[0]
+    rows = data.reshape(x.shape[0], 1, n, -1)[:, :, indices, :]
+    return (table[indices].unsqueeze(0).unsqueeze(0).to(device=data.device, dtype=data.dtype) + rows).unbind(dim=2)
+
+
+def _fused(vx: torch.Tensor, ax: torch.Tensor, attention_mask, self_attention_mask, timesteps,
+           transformer_options: dict | None) -> bool:
+    """Whether the fused forward serves a block call: both streams present, no mask, modulation per sample, nothing
+    switched off or perturbed, ComfyUI's attention chosen for the whole host, tensors the kernels run on, not training
+    (ComfyUI's forward then takes other paths)."""
+    options = transformer_options or {}
+    mm = _host("comfy.model_management")
+    return (attention_mask is None and self_attention_mask is None and not any(k in options for k in SWITCHES)
+            and vx.dim() == 3 and ax.dim() == 3 and vx.numel() > 0 and ax.numel() > 0
+            and vx.shape[0] == ax.shape[0] and all(_per_sample(t) for t in timesteps)
+            and not mm.in_training and kernel_module("adaln").supported(vx) and kernel_module("adaln").supported(ax)
+            and comfy_attention(ATTENTION, options) is not None)
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, pe, k_pe) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated as ComfyUI's CrossAttention rotates them."""
+    model = _host(f"{LTX}.model")
+    if pe is None:
+        return q, k
+    if k_pe is None and q.shape == k.shape:
+        return model.apply_rotary_emb_qk(q, k, pe)
+    return model.apply_rotary_emb(q, pe), model.apply_rotary_emb(k, pe if k_pe is None else k_pe)
+
+
+def _attention(a: nn.Module, x: torch.Tensor, context: torch.Tensor | None, pe=None, k_pe=None) -> torch.Tensor:
+    """ComfyUI's CrossAttention of x (to context; to itself where None) without mask or gates: the projections packed or
+    in fp8, the norms and rotation ComfyUI's, the attention comfy_sdpa's."""
+    if context is None:  # self-attention: q, k and v of one input
+        projected = project_packed((a.to_q, a.to_k, a.to_v), x)
+        q, k, v = projected.chunk(3, dim=-1) if isinstance(projected, torch.Tensor) else projected
+    else:
+        q = fp8.project(a.to_q, x)
+        projected = project_packed((a.to_k, a.to_v), context)
+        k, v = projected.chunk(2, dim=-1) if isinstance(projected, torch.Tensor) else projected
+    q, k = _rope(a.q_norm(q), a.k_norm(k), pe, k_pe)
+    B, H = q.shape[0], a.heads
+    heads = lambda t: t.reshape(B, t.shape[1], H, -1)  # noqa: E731
+    out = comfy_sdpa(ATTENTION, heads(q), heads(k), heads(v))
+    return fp8.project(a.to_out[0], out)
+
+
+def _rms_adaln(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's modulated RMS norm of the video stream (comfy-kitchen's fused kernel)."""
+    return _host("comfy.quant_ops").ck.rms_adaln(x, scale, shift)
+
+
+def _audio_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's modulated RMS norm of the audio stream (its own rms_norm, then the modulation)."""
+    return _host("comfy.ldm.common_dit").rms_norm(x) * (1 + scale) + shift
+
+
+def _text(a: nn.Module, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """A stream's cross attention to its text (no modulation in LTX-2's form)."""
+    return _attention(a, _host("comfy.ldm.common_dit").rms_norm(x), context)
+
+
+def _block_forward(self, x, v_context=None, a_context=None, attention_mask=None, v_timestep=None, a_timestep=None,
+                   v_pe=None, a_pe=None, v_cross_pe=None, a_cross_pe=None, v_cross_scale_shift_timestep=None,
+                   a_cross_scale_shift_timestep=None, v_cross_gate_timestep=None, a_cross_gate_timestep=None,
+                   transformer_options=None, self_attention_mask=None, v_prompt_timestep=None,
+                   a_prompt_timestep=None):
+    args = (x, v_context, a_context, attention_mask, v_timestep, a_timestep, v_pe, a_pe, v_cross_pe, a_cross_pe,
+            v_cross_scale_shift_timestep, a_cross_scale_shift_timestep, v_cross_gate_timestep, a_cross_gate_timestep,
+            transformer_options, self_attention_mask, v_prompt_timestep, a_prompt_timestep)
+    vx, ax = x
+    timesteps = (v_timestep, a_timestep, v_cross_scale_shift_timestep, a_cross_scale_shift_timestep,
+                 v_cross_gate_timestep, a_cross_gate_timestep)
+    if not _fused(vx, ax, attention_mask, self_attention_mask, timesteps, transformer_options):
+        return type(self).forward(self, *args)
+    rms_norm = _host("comfy.ldm.common_dit").rms_norm
+    # video: self-attention, its text
+    shift, scale, gate = _ada(self.scale_shift_table, v_timestep, vx, slice(0, 3))
+    gated_residual_(vx, gate, _attention(self.attn1, _rms_adaln(vx, scale, shift), None, v_pe))
+    vx.add_(_text(self.attn2, vx, v_context))
+    # audio: self-attention, its text
+    shift, scale, gate = _ada(self.audio_scale_shift_table, a_timestep, ax, slice(0, 3))
+    gated_residual_(ax, gate, _attention(self.audio_attn1, _audio_norm(ax, scale, shift), None, a_pe))
+    ax.add_(_text(self.audio_attn2, ax, a_context))
+    # audio to video, then video to audio (the audio's norm taken before the first)
+    ax_norm = rms_norm(ax)
+    a_scale, a_shift, a_scale2, a_shift2 = _ada(self.scale_shift_table_a2v_ca_audio[:4], a_cross_scale_shift_timestep,
+                                                ax, slice(None))
+    v_scale, v_shift, v_scale2, v_shift2 = _ada(self.scale_shift_table_a2v_ca_video[:4], v_cross_scale_shift_timestep,
+                                                vx, slice(None))
+    a2v = _attention(self.audio_to_video_attn, _rms_adaln(vx, v_scale, v_shift), ax_norm * (1 + a_scale) + a_shift,
+                     v_cross_pe, a_cross_pe)
+    gate = _ada(self.scale_shift_table_a2v_ca_video[4:], v_cross_gate_timestep, vx, slice(None))[0]
+    gated_residual_(vx, gate, a2v)
+    v2a = _attention(self.video_to_audio_attn, ax_norm * (1 + a_scale2) + a_shift2, _rms_adaln(vx, v_scale2, v_shift2),
+                     a_cross_pe, v_cross_pe)
+    gate = _ada(self.scale_shift_table_a2v_ca_audio[4:], a_cross_gate_timestep, ax, slice(None))[0]
+    gated_residual_(ax, gate, v2a)
+    # the MLPs
+    shift, scale, gate = _ada(self.scale_shift_table, v_timestep, vx, slice(3, 6))
+    gated_residual_(vx, gate, _mlp(self.ff, _rms_adaln(vx, scale, shift)))
+    shift, scale, gate = _ada(self.audio_scale_shift_table, a_timestep, ax, slice(3, 6))
+    gated_residual_(ax, gate, _mlp(self.audio_ff, _audio_norm(ax, scale, shift)))
+    return vx, ax
+
+
+def _mlp(ff: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """FeedForward's net[2](tanh-GELU(net[0].proj(h)))."""
+    return mlp(h, ff.net[0].proj, ff.net[2])
+
+
+def _attention_covered(a: nn.Module) -> bool:
+    """ComfyUI's CrossAttention without per-head gates, with torch's RMSNorms over all heads as its q/k norms."""
+    if not host_block(a, "CrossAttention", f"{LTX}.model", ATTENTION_ATTRS, ATTENTION_PARAMS):
+        return False
+    inner = a.heads * a.dim_head
+    return (a.to_gate_logits is None and isinstance(a.to_out, nn.Sequential) and len(a.to_out) == 2
+            and linears(a.to_q, a.to_k, a.to_v, a.to_out[0]) and a.to_q.out_features == inner
+            and all(isinstance(n, nn.RMSNorm) and n.weight is not None and own_weights(n)
+                    and tuple(n.normalized_shape) == (inner,) for n in (a.q_norm, a.k_norm)))
+
+
+def _mlp_covered(ff: nn.Module) -> bool:
+    """ComfyUI's FeedForward: GELU_approx(proj), Dropout, Linear."""
+    if not host_block(ff, "FeedForward", f"{LTX}.model", MLP_ATTRS, ("x",)):
+        return False
+    net = ff.net
+    return (isinstance(net, nn.Sequential) and len(net) == 3 and type(net[0]).__name__ == "GELU_approx"
+            and hasattr(net[0], "proj") and linears(net[0].proj, net[2]))
+
+
+def _block_covered(m: nn.Module) -> bool:
+    return (not m.cross_attention_adaln and all(_attention_covered(getattr(m, name)) for name in ATTENTIONS)
+            and _mlp_covered(m.ff) and _mlp_covered(m.audio_ff))
+
+
+@fusion("ltx2")
+def apply(model: nn.Module, undo: Undo) -> int:
+    n = 0
+    for m in model.modules():
+        if not host_block(m, "BasicAVTransformerBlock", AV_MODEL, BLOCK_ATTRS, BLOCK_PARAMS) or not _block_covered(m):
+            continue
+        patch_forward(m, _block_forward, undo)
+        for name in ATTENTIONS:
+            a = getattr(m, name)
+            if name in ("attn1", "audio_attn1"):
+                packing.pack_same_width(model, [a.to_q, a.to_k, a.to_v], undo)
+            else:
+                packing.pack_same_width(model, [a.to_k, a.to_v], undo)
+        n += 1
+    if n:
+        reads_comfy_attention(ATTENTION)
+    return n

@@ -269,13 +269,14 @@ def load_diffusion_model_path(path: Path, dtype=None):
     return comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype} if dtype is not None else {})
 
 
-def write_diffusion_model_file(module, folder: Path) -> Path:
-    """module's weights as the diffusion-model file load_diffusion_model_file loads."""
+def write_diffusion_model_file(module, folder: Path, metadata: dict | None = None) -> Path:
+    """module's weights as the diffusion-model file load_diffusion_model_file loads, with the file's `metadata` where
+    given (LTX-2's files hold their transformer's config there, which ComfyUI's detection reads)."""
     import safetensors.torch
 
     path = folder / "diffusion_model.safetensors"
     safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()},
-                                str(path))
+                                str(path), metadata=metadata)
     return path
 
 
@@ -291,7 +292,7 @@ def write_diffusion_model_file(module, folder: Path) -> Path:
 QUANTIZED_FORMS = ("scaled_fp8", "comfy_quant", "quantization_metadata")
 # The ComfyUI model class of each tiny_dit family, whose unet_config the model detection matches a file against
 DIT_CLASSES = {"flux": "Flux", "chroma": "Chroma", "sd3": "SD3", "wan": "WAN21_T2V", "qwen-image": "QwenImage",
-               "z-image": "ZImage", "hunyuan-video": "HunyuanVideo15"}
+               "z-image": "ZImage", "hunyuan-video": "HunyuanVideo15", "ltx2": "LTXAV"}
 
 
 def tiny_name(family: str) -> str:
@@ -367,11 +368,12 @@ def quantize_per_tensor(w, fmt: str):
     return (q.to(torch.float8_e4m3fn) if fmt == "float8_e4m3fn" else q.round().clamp(-127, 127).to(torch.int8)), scale
 
 
-def write_quantized_file(module, folder: Path, form: str, layers=None, dtype=None) -> Path:
+def write_quantized_file(module, folder: Path, form: str, layers=None, dtype=None, metadata: dict | None = None) -> Path:
     """module's weights written as a quantized diffusion-model file of `form` (QUANTIZED_FORMS), as published ones are
     laid out: the Linear layers `layers(name)` gives a format for ("float8_e4m3fn", "int8_tensorwise"; None: 16-bit)
     stored in it with their per-tensor scales, every other tensor in `dtype` (bfloat16 where not given). "scaled_fp8"
-    files quantize every Linear weight to e4m3 (ComfyUI 0.3.6x loads every Linear of such a file in fp8)."""
+    files quantize every Linear weight to e4m3 (ComfyUI 0.3.6x loads every Linear of such a file in fp8). metadata: the
+    file's other metadata (write_diffusion_model_file)."""
     import json
 
     import safetensors.torch
@@ -392,13 +394,13 @@ def write_quantized_file(module, folder: Path, form: str, layers=None, dtype=Non
         formats[name] = {"format": fmt}
         if form == "comfy_quant":
             out[f"{name}.comfy_quant"] = torch.tensor(list(json.dumps({"format": fmt}).encode()), dtype=torch.uint8)
-    metadata = None
+    metadata = dict(metadata or {})
     if form == "scaled_fp8":
         out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     elif form == "quantization_metadata":
-        metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": formats})}
+        metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": formats})
     path = folder / f"diffusion_model_{form}.safetensors"
-    safetensors.torch.save_file(out, str(path), metadata=metadata)
+    safetensors.torch.save_file(out, str(path), metadata=metadata or None)
     return path
 
 

@@ -325,6 +325,23 @@ def test_bench_times_comfyui_033s_models_in_comfyuis_class(tmp_path, name, cls, 
     assert (f"tiny-{name}/comfy", "floor") in by
 
 
+@pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
+def test_bench_times_ltx2_in_comfyuis_class(tmp_path):
+    """bench --models ltx2 builds ComfyUI 0.33's LTXAVModel in LTX-2's form (tiny-ltx2 with --tiny) and times it at
+    batch 2 (CFG) on its video and audio latents; the torch path's output is the fp32 reference's."""
+    if not (H.comfy_root() / "comfy" / "ldm" / "lightricks" / "av_model.py").is_file():
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no LTX-2 (comfy/ldm/lightricks/av_model.py)")
+    out = tmp_path / "bench.json"
+    r = run("bench", "--tiny", "--models", "ltx2", "--iters", "1", "--paths", "torch", "--no-compile",
+            "--comfyui", str(H.comfy_root()), "--json-file", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["unet"]
+    by = {(row["model"], row["variant"].split(":")[0]): row for row in rows}
+    ours = by[("tiny-ltx2/comfy", "sd-accel torch")]
+    assert ours["rel_err"] <= 1e-5 and ours["ms"] > 0 and ours["extra"]["batch"] == 2
+    assert ("tiny-ltx2/comfy", "floor") in by
+
+
 def test_demo_saves_png_and_reports(tmp_path):
     png = tmp_path / "demo.png"
     r = run("demo", "--out", str(png), "--steps", "4")

@@ -526,27 +526,14 @@ def _ltx2_class() -> None:
 
 
 def _ltx2_file(folder, seed: int = 0):
-    """tiny-ltx2's weights (its blocks' residual and modulation projections seeded louder, as H.tiny_dit_weights seeds
-    the others) written as a file with its transformer config in the file's metadata, where the published file has
-    LTX-2's, and loaded by ComfyUI's own loader, whose detection reads it."""
-    import json
-
-    import comfy.supported_models
-    import safetensors.torch
-
+    """tiny-ltx2's weights (seeded louder where blocks add to the stream: H.tiny_dit_weights) written as a file with
+    its transformer config in the file's metadata, where the published file has LTX-2's, and loaded by ComfyUI's own
+    loader, whose detection reads it."""
     from sd_accel.accel.models import configs
 
     _ltx2_class()
-    _, cfg = configs.comfy_dit_config("tiny-ltx2")
-    config = comfy.supported_models.LTXAV(dict(cfg))
-    config.unet_config.update(cfg)
-    with H.layers_with_weights():
-        module = config.get_model({}, device="cpu").diffusion_model
-    configs.seed_dit_parameters(module, seed, quiet=0.5)
-    path = folder / "ltx2.safetensors"
-    transformer = {k: v for k, v in cfg.items() if k != "image_model"}
-    safetensors.torch.save_file({k: v.detach().contiguous() for k, v in module.state_dict().items()}, str(path),
-                                metadata={"config": json.dumps({"transformer": transformer})})
+    module = H.tiny_dit_weights("ltx2", seed)
+    path = H.write_diffusion_model_file(module, folder, configs.comfy_file_metadata("tiny-ltx2"))
     model = H.load_diffusion_model_path(path)
     assert type(model.model.model_config).__name__ == "LTXAV"
     return model
@@ -646,10 +633,7 @@ def test_ltx2_calls_with_inputs_the_engine_does_not_take_run_comfyuis_own_forwar
     _ltx2_class()
     from test_comfyui_stacking import host_node
 
-    from sd_accel.accel.models import configs
-
-    _, cfg = configs.comfy_dit_config("tiny-ltx2")
-    model = _tiny("LTXAV", cfg, seed=2)
+    model = H.tiny_dit("ltx2", 2)
     pos, neg = _ltx2_conditioning(6)
     masked = _positive_with((pos, neg), attention_mask=_text_mask())
     noise, empty = _ltx2_latents()

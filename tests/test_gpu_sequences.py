@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.
 
 
 @pytest.mark.parametrize("name", ["sd15", "sdxl-fp8weights", "flux-dev", "chroma", "wan21-1.3b", "qwen-image",
-                                  "z-image", "hunyuan-video15"])
+                                  "z-image", "hunyuan-video15", "ltx2-8l"])
 def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     H.import_comfy()
     import comfy.supported_models

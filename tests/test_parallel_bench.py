@@ -95,7 +95,7 @@ def test_collective_kernels_are_a_class_of_their_own():
     assert by_class(kernels) == {"collective": 2.0, "gemm": 5.0, "attention": 1.5, "busy total": 8.5, "launches": 15}
 
 
-@pytest.mark.parametrize("model", ["sdxl", "hunyuan-video15"])
+@pytest.mark.parametrize("model", ["sdxl", "hunyuan-video15", "ltx2"])
 def test_a_model_it_cannot_spread_is_one_line(model):
     r = run("--tiny", "--gpus", "2", "--models", model)
     assert r.returncode == 2 and r.stderr.startswith(f"sd-accel: the multi-GPU bench has no model '{model}'.")

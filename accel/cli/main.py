@@ -301,8 +301,9 @@ def _main(argv: list[str] | None) -> int:
                         "wan21-1.3b (832x480, 81 frames), wan22-5b (1280x704, 121 frames), qwen-image (1328x1328) "
                         "(bf16, batch 2, --comfyui only), z-image (1024x1024, bf16, batch 1: Z-Image-Turbo runs at "
                         "CFG 1; --comfyui with ComfyUI 0.33 or later), hunyuan-video15 (HunyuanVideo 1.5 480p: 848x480, "
-                        "33 frames, bf16, batch 2; --comfyui with ComfyUI 0.33 or later), with their FLOP count and "
-                        "floor (default: sd15,sdxl; with "
+                        "33 frames, bf16, batch 2; --comfyui with ComfyUI 0.33 or later), ltx2 (LTX-2: 768x512, 97 "
+                        "frames with their audio, bf16, batch 2; ltx2-8l: its first 8 of 48 blocks; --comfyui with "
+                        "ComfyUI 0.33 or later), with their FLOP count and floor (default: sd15,sdxl; with "
                         "--gpus: wan21-14b); with --vae: wan21, wan22 (ComfyUI's Wan VAEs, --comfyui only): their "
                         "untiled decode against the tiled one within half its memory, at --video-sizes (default "
                         "832x480,1280x720), 81 frames (wan22: 121)")

@@ -95,8 +95,9 @@ def parse_gpus(text: str) -> list[int]:
 
 def model_names(models: list[str], tiny: bool) -> list[str]:
     """The models to build: ComfyUI-form DiTs; with tiny, the tiny model of each one's family."""
-    # not HunyuanVideo 1.5, whose class sequence parallelism does not take (accel/parallel/sequence.py)
-    full = [n for n in COMFY_DIT_CONFIGS if not n.startswith("tiny-") and COMFY_DIT_CONFIGS[n][0] != "hunyuan-video"]
+    # not HunyuanVideo 1.5 or LTX-2, whose classes sequence parallelism does not take (accel/parallel/sequence.py)
+    full = [n for n in COMFY_DIT_CONFIGS
+            if not n.startswith("tiny-") and COMFY_DIT_CONFIGS[n][0] not in ("hunyuan-video", "ltx2")]
     names: list[str] = []
     for name in models:
         if name not in full:

@@ -404,6 +404,9 @@ COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     "tiny-hunyuan-video15": ("hunyuan-video", {**_COMFY_HUNYUAN_VIDEO15, "context_in_dim": 32, "hidden_size": 256,
                                                "num_heads": 2, "depth": 2, "byt5": False}),
     "ltx2": ("ltx2", _COMFY_LTX2),
+    # its full width with 8 of its 48 blocks: the GPU suite's (tests/gpu/sequences.py), whose runs of the whole model
+    # do not fit one call
+    "ltx2-8l": ("ltx2", {**_COMFY_LTX2, "num_layers": 8}),
     # its text connectors as wide as the caption (heads x head width: the width they hand the caption projections)
     "tiny-ltx2": ("ltx2", {**_COMFY_LTX2, "cross_attention_dim": 64, "audio_cross_attention_dim": 32,
                            "attention_head_dim": 16, "audio_attention_head_dim": 8, "num_attention_heads": 4,
@@ -443,7 +446,7 @@ DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": 
               # a long prompt's Qwen2.5-VL tokens (ComfyUI passes a prompt's own count, unpadded); 848x480 at 16x
               "hunyuan-video15": (256, (30, 53)), "tiny-hunyuan-video15": (7, 8),
               # a long prompt's Gemma tokens (ComfyUI passes a prompt's own count, unpadded); 768x512 at 32x
-              "ltx2": (256, (16, 24)), "tiny-ltx2": (7, (4, 6))}
+              "ltx2": (256, (16, 24)), "ltx2-8l": (256, (16, 24)), "tiny-ltx2": (7, (4, 6))}
 
 
 def cfg_batch(name: str) -> int:
@@ -458,10 +461,10 @@ VIDEO_FRAMES = {"wan21-14b": 21, "wan21-1.3b": 21, "wan22-5b": 31, "tiny-wan": 3
                 # HunyuanVideo 1.5's VAE keeps 1 + frames/4 too: a short clip of 33 frames (its native one has 121)
                 "hunyuan-video15": 9, "tiny-hunyuan-video15": 3,
                 # LTX-2's VAE keeps 1 + frames/8: ComfyUI's default clip, 97 frames (its EmptyLTXVLatentVideo)
-                "ltx2": 13, "tiny-ltx2": 3}
+                "ltx2": 13, "ltx2-8l": 13, "tiny-ltx2": 3}
 # Audio latents beside a video DiT's clip (LTX-2: 25 a second, 16 kHz audio in hops of 160 taken 4 at a time; 97
 # frames at 25 fps are 97 of them)
-AUDIO_FRAMES = {"ltx2": 97, "tiny-ltx2": 5}
+AUDIO_FRAMES = {"ltx2": 97, "ltx2-8l": 97, "tiny-ltx2": 5}
 LTX2_AUDIO = (8, 16)  # an LTX-2 audio latent's channels and frequency bins (its audio VAE's)
 LTX2_FRAME_RATE = 25.0  # ComfyUI's default frame rate for LTX-2 (its LTXVConditioning and audio latent nodes)
 
@@ -569,6 +572,18 @@ def comfy_dit_config(name: str) -> tuple[str, dict]:
         fields = {f.name for f in dataclasses.fields(params)}
         cfg = {**{k: v for k, v in _COMFY_LATER_PARAMS.items() if k in fields}, **cfg}
     return family, cfg
+
+
+def comfy_file_metadata(name: str) -> dict[str, str] | None:
+    """The metadata of a diffusion-model file of the DiT `name` that ComfyUI's model detection reads, as the published
+    file carries it: LTX-2's transformer config (its "config" entry, JSON); None for the others, whose detection reads
+    the weights alone."""
+    family, cfg = COMFY_DIT_CONFIGS[name]
+    if family != "ltx2":
+        return None
+    import json
+
+    return {"config": json.dumps({"transformer": {k: v for k, v in cfg.items() if k != "image_model"}})}
 
 
 def _comfy_dit(name: str, dtype: torch.dtype, device: torch.device | str, ops) -> nn.Module:

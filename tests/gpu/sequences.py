@@ -64,20 +64,27 @@ MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int
     # HunyuanVideo 1.5 480p text-to-video (ComfyUI 0.33 and later) at its CFG 6: a short clip, 17 frames (5 latent
     # frames) at 848x480, which its VAE makes 53x30 latents of 32 channels (LATENT)
     "hunyuan-video15": ("HunyuanVideo15", "hunyuan-video15", torch.bfloat16, 6.0, (848, 480), (480, 848), 256),
+    # LTX-2 (ComfyUI 0.33 and later) at full width with 8 of its 48 blocks (ltx2-8l: 4.1B parameters; the whole 19.6B
+    # model's files, float32 and fp8 beside 16-bit, and its runs do not fit one call), a short clip and its audio:
+    # 17 frames (3 latent frames) at 768x512, 17 audio latents
+    "ltx2-8l": ("LTXAV", "ltx2-8l", torch.bfloat16, 3.0, (768, 512), (512, 768), 256),
     # Wan 2.1's native clip, 81 frames (21 latent frames) at 480p: the several-GPU check's model (tests/gpu/gpus.py)
     "wan21-14b": ("WAN21_T2V", "wan21-14b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
 }
 TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "sdxl-fp8weights": "tiny-sdxl", "flux-dev": "tiny-flux",
         "sd35-medium": "tiny-sd3", "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image",
-        "wan21-14b": "tiny-wan", "z-image": "tiny-z-image", "hunyuan-video15": "tiny-hunyuan-video15"}
+        "wan21-14b": "tiny-wan", "z-image": "tiny-z-image", "hunyuan-video15": "tiny-hunyuan-video15",
+        "ltx2-8l": "tiny-ltx2"}
 # latent frames; the others are images (Qwen-Image's: one frame)
-FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21, "hunyuan-video15": 5}
+FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21, "hunyuan-video15": 5, "ltx2-8l": 3}
 # (latent channels, pixels per latent pixel) of the transformers whose VAE is not 16 channels at 8x
-LATENT = {"hunyuan-video15": (32, 16)}
+LATENT = {"hunyuan-video15": (32, 16), "ltx2-8l": (128, 32)}
+AUDIO = {"ltx2-8l": 17}  # audio latents beside the video's (LTX-2's: 25 a second, as its frames at 25 fps)
 QUICK = ("sd15", "flux-dev")
 # named alone: each takes a 10-minute call of its own or more (Qwen-Image and HunyuanVideo 1.5 two: the yardstick,
-# then the sequences), and Z-Image and HunyuanVideo 1.5 need ComfyUI 0.33
-NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image", "hunyuan-video15")
+# then the sequences), Z-Image, HunyuanVideo 1.5 and LTX-2 need ComfyUI 0.33, and ltx2-8l's first GPU run is still
+# to be read
+NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image", "hunyuan-video15", "ltx2-8l")
 UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
 # Models whose weights are stored in another dtype than they compute in: ComfyUI's cast-on-the-fly layers widen each
 # weight per call to the dtype the model runs in (the 16-bit one, or float32 for the yardstick's reference, which so
@@ -186,6 +193,7 @@ class Harness:
         self.cls, self.config = cls, config
         self.unet = name in UNETS
         self.xl = MODELS[name][1] == "sdxl"
+        self.av = name in AUDIO  # a video latent with an audio latent beside it (LTX-2)
         self.report = Report(name, timing.host_cpu(), timing.load())
         self.pack = H.load_pack()
         self._plain: dict[Run, tuple[torch.Tensor, float]] = {}
@@ -244,12 +252,18 @@ class Harness:
                 self._file16 = folder / "diffusion_model.safetensors"
                 print(f"{self.name}: the float32 yardstick reads {self.dtype} weights ({size / 2**30:.0f} GiB in "
                       f"float32 > {shutil.disk_usage(folder).free / 2**30:.0f} GiB free)", flush=True)
-            path = H.write_diffusion_model_file(model.diffusion_model, folder)
+            path = H.write_diffusion_model_file(model.diffusion_model, folder, self._metadata())
             del model  # before ComfyUI loads its own copy: a full-size model's weights twice fill the CPU's memory
             gc.collect()
             return H.load_diffusion_model_path(path, stored or dtype)
         return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
                                                 offload_device=mm.unet_offload_device())
+
+    def _metadata(self) -> dict | None:
+        """The metadata its files carry that ComfyUI's detection reads (LTX-2's config), as a published file's."""
+        from sd_accel.accel.models import configs
+
+        return None if self.unet else configs.comfy_file_metadata(self.config)
 
     def _make_conditioning(self):
         from sd_accel.accel.models import configs
@@ -262,7 +276,7 @@ class Harness:
             family, cfg = configs.COMFY_DIT_CONFIGS[self.config]
             dim = {"sd3": lambda: cfg["context_embedder_config"]["params"]["in_features"],
                    "wan": lambda: cfg["text_dim"], "qwen-image": lambda: cfg["joint_attention_dim"],
-                   "z-image": lambda: cfg["cap_feat_dim"]}.get(
+                   "z-image": lambda: cfg["cap_feat_dim"], "ltx2": lambda: 2 * cfg["caption_channels"]}.get(
                 family, lambda: cfg["context_in_dim"])()
             pooled = {"flux": cfg.get("vec_in_dim"), "sd3": cfg.get("adm_in_channels")}.get(family)
 
@@ -303,13 +317,20 @@ class Harness:
         patched.add_patches(comfy.lora.load_lora(sd, key_map, log_missing=False), strength)
         return patched
 
-    def noise(self, run: Run) -> torch.Tensor:
-        """The run's starting noise (seeded by what decides the latents)."""
+    def noise(self, run: Run):
+        """The run's starting noise (seeded by what decides the latents); LTX-2's: its video and audio latents, nested
+        as LTXVConcatAVLatent nests them."""
         w, h = self.base if run.size == "base" else self.other
+        g = torch.Generator().manual_seed(_seed(self.name, run.config()))
         channels, scale = (4, 8) if self.unet else LATENT.get(self.name, (16, 8))
         frames = (FRAMES.get(self.name, 1),) if self.name in FRAMES or self.name == "qwen-image" else ()
         shape = (run.batch, channels, *frames, h // scale, w // scale)
-        return torch.randn(shape, generator=torch.Generator().manual_seed(_seed(self.name, run.config())))
+        if self.av:  # beside the video's, the audio's 8 channels of 16 frequency bins
+            import comfy.nested_tensor
+
+            audio = (run.batch, 8, AUDIO[self.name] if self.size == "full" else 5, 16)
+            return comfy.nested_tensor.NestedTensor([torch.randn(shape, generator=g), torch.randn(audio, generator=g)])
+        return torch.randn(shape, generator=g)
 
     @property
     def conditioning(self):
@@ -329,12 +350,12 @@ class Harness:
     def sample(self, model, run: Run, noise: torch.Tensor | None = None,
                conditioning=None) -> tuple[torch.Tensor, float]:
         """(latents, seconds) of one sampling run, from the run's noise unless given, with the harness's conditioning
-        unless given."""
+        unless given; nested latents (LTX-2's) as one (batch, values) tensor."""
         import comfy.sample
 
         noise = self.noise(run) if noise is None else noise
         seed = _seed(self.name, run.config())
-        latent = torch.zeros(noise.shape)
+        latent = noise * 0 if getattr(noise, "is_nested", False) else torch.zeros(noise.shape)
         pos, neg = self._conditioning if conditioning is None else conditioning
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -343,6 +364,8 @@ class Harness:
                                   disable_pbar=True, seed=seed)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        if getattr(out, "is_nested", False):
+            out = torch.cat([t.reshape(t.shape[0], -1) for t in out.unbind()], 1)
         return out.float().cpu(), time.perf_counter() - start
 
     def _with_lora(self, model, run: Run):
@@ -436,7 +459,7 @@ class Harness:
                                      "beside the 16-bit one")
             return
         try:
-            path = H.write_quantized_file(module, folder, "scaled_fp8", dtype=self.dtype)
+            path = H.write_quantized_file(module, folder, "scaled_fp8", dtype=self.dtype, metadata=self._metadata())
             del module
             gc.collect()
             with self._detected():
@@ -459,7 +482,7 @@ class Harness:
         reads. Z-Image's tiny file is identified as Lumina 2's class, which ZImage shares."""
         import contextlib
 
-        if self.size != "tiny":
+        if self.size != "tiny" or self.av:  # LTX-2's file carries its config, which the detection reads
             return contextlib.nullcontext()
         from sd_accel.accel.models import configs
 

@@ -306,12 +306,14 @@ def test_bench_runs_comfyuis_classes_with_the_attention_its_flags_choose(tmp_pat
 
 
 @pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
-@pytest.mark.parametrize("name,cls,batch", [("z-image", "ZImage", 1), ("hunyuan-video15", "HunyuanVideo15", 2)])
+@pytest.mark.parametrize("name,cls,batch", [("z-image", "ZImage", 1), ("hunyuan-video15", "HunyuanVideo15", 2),
+                                            ("ltx2", "LTXAV", 2)])
 def test_bench_times_comfyui_033s_models_in_comfyuis_class(tmp_path, name, cls, batch):
-    """bench --models z-image / hunyuan-video15 builds ComfyUI 0.33's class in the model's form (NextDiT in Z-Image's,
-    HunyuanVideo in 1.5's; tiny-<name> with --tiny) and times it at the batch a step runs (Z-Image-Turbo at CFG 1,
-    HunyuanVideo 1.5 with CFG's two halves); the torch path's output is the fp32 reference's."""
-    H.import_comfy()
+    """bench --models z-image / hunyuan-video15 / ltx2 builds ComfyUI 0.33's class in the model's form (NextDiT in
+    Z-Image's, HunyuanVideo in 1.5's, LTXAVModel in LTX-2's, on its video and audio latents; tiny-<name> with --tiny)
+    and times it at the batch a step runs (Z-Image-Turbo at CFG 1, HunyuanVideo 1.5 and LTX-2 with CFG's two halves);
+    the torch path's output is the fp32 reference's."""
+    H.import_comfy()  # for the version the skip names
     if f"class {cls}(" not in (H.comfy_root() / "comfy" / "supported_models.py").read_text():
         pytest.skip(f"ComfyUI {H.comfy_version()} has no {name} (supported_models.{cls})")
     out = tmp_path / "bench.json"
@@ -323,23 +325,6 @@ def test_bench_times_comfyui_033s_models_in_comfyuis_class(tmp_path, name, cls, 
     ours = by[(f"tiny-{name}/comfy", "sd-accel torch")]
     assert ours["rel_err"] <= 1e-5 and ours["ms"] > 0 and ours["extra"]["batch"] == batch
     assert (f"tiny-{name}/comfy", "floor") in by
-
-
-@pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
-def test_bench_times_ltx2_in_comfyuis_class(tmp_path):
-    """bench --models ltx2 builds ComfyUI 0.33's LTXAVModel in LTX-2's form (tiny-ltx2 with --tiny) and times it at
-    batch 2 (CFG) on its video and audio latents; the torch path's output is the fp32 reference's."""
-    if not (H.comfy_root() / "comfy" / "ldm" / "lightricks" / "av_model.py").is_file():
-        pytest.skip(f"ComfyUI {H.comfy_version()} has no LTX-2 (comfy/ldm/lightricks/av_model.py)")
-    out = tmp_path / "bench.json"
-    r = run("bench", "--tiny", "--models", "ltx2", "--iters", "1", "--paths", "torch", "--no-compile",
-            "--comfyui", str(H.comfy_root()), "--json-file", str(out))
-    assert r.returncode == 0, r.stderr
-    rows = json.loads(out.read_text())["unet"]
-    by = {(row["model"], row["variant"].split(":")[0]): row for row in rows}
-    ours = by[("tiny-ltx2/comfy", "sd-accel torch")]
-    assert ours["rel_err"] <= 1e-5 and ours["ms"] > 0 and ours["extra"]["batch"] == 2
-    assert ("tiny-ltx2/comfy", "floor") in by
 
 
 def test_demo_saves_png_and_reports(tmp_path):

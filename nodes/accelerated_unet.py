@@ -66,18 +66,18 @@ class AcceleratedUNetNode:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
     DESCRIPTION = ("Runs the diffusion model of an SD1.x, SD2.x or SDXL (UNet) or a Flux.1, Flux.2, Chroma, SD3/SD3.5, "
-                   "Wan 2.1/2.2, Qwen-Image, Z-Image or HunyuanVideo 1.5 (transformer) checkpoint through the fastest "
-                   "path for this GPU (fused torch kernels with CUDA graphs; ONNX Runtime for UNets), built on the "
-                   "first sampling step and cached. LoRA, ControlNet and other nodes' patches keep working: calls an "
-                   "engine cannot serve run on the torch path or the plain model, and the node says why.")
+                   "Wan 2.1/2.2, Qwen-Image, Z-Image, HunyuanVideo 1.5 or LTX-2 (transformer) checkpoint through the "
+                   "fastest path for this GPU (fused torch kernels with CUDA graphs; ONNX Runtime for UNets), built on "
+                   "the first sampling step and cached. LoRA, ControlNet and other nodes' patches keep working: calls "
+                   "an engine cannot serve run on the torch path or the plain model, and the node says why.")
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
         return {
             "required": {
                 "model": ("MODEL", {"tooltip": "The model to accelerate (SD1.x, SD2.x, SDXL, Flux.1, Flux.2, Chroma, "
-                                    "SD3/SD3.5, Wan 2.1/2.2, Qwen-Image, Z-Image, HunyuanVideo 1.5); it is not changed: "
-                                    "the output is an accelerated copy."}),
+                                    "SD3/SD3.5, Wan 2.1/2.2, Qwen-Image, Z-Image, HunyuanVideo 1.5, LTX-2); it is not "
+                                    "changed: the output is an accelerated copy."}),
                 "backend": (BACKENDS, {"default": "auto", "tooltip": (
                     "auto: the torch path (fused kernels, a CUDA graph per shape), or what SD_ACCEL_BACKEND "
                     "names. onnxruntime (SD1.x, SD2.x and SDXL UNets): an ONNX Runtime engine, built once into the "

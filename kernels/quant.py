@@ -1,10 +1,20 @@
 """Per-row fp8 (e4m3) quantization of activations for fp8 matrix products: each row scaled so that its largest
 magnitude maps to e4m3's largest finite value (448), returned with its float32 scale, as torch._scaled_mm's row-wise
-scaling takes them (x = x_fp8 * scale). Optionally the tanh GELU first, in the same pass: a transformer MLP's hidden
-activation goes from its first projection's output straight to the second projection's fp8 operand.
+scaling takes them (x = x_fp8 * scale). Optionally an MLP's activation first, in the same pass, so that a transformer
+MLP's hidden activation goes from its first projection's output straight to the second projection's fp8 operand: the
+tanh GELU, or SwiGLU (SiLU of the row's first half times its second half, Flux.2's and Z-Image's MLPs: the 16-bit
+input read once, the half-width product never written in 16 bits).
+
+A row of up to MAX_K loaded elements is held in registers whole: one read. A longer one (Flux.2's SwiGLU input, 2 x
+18,432) would spill them, so its program walks it in steps of LOOP_BLOCK twice: the largest magnitude, then the
+activation again, scaled and stored (the second read mostly from L2).
 
 Also per-tensor quantization by a largest magnitude already on the device (`quantize_tensor`: an attention's v, whose
-partial maxima the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it."""
+partial maxima the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it.
+
+Values are rounded to e4m3 in float32 (common.e4m3) before the conversion, which is then exact: the GPU's own
+conversion gives the same bytes in no measurable time less (docs/perf-notes.md), and Triton's CPU interpreter, which
+converts to fp8 wrongly, then gives them too."""
 
 from __future__ import annotations
 
@@ -16,24 +26,48 @@ from .errors import BadInput
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# the most elements of a row (twice the output's with SwiGLU) one program holds in registers at once
 MAX_K = 16384
+# a longer row's step: 16 elements of each input a thread at 4 warps (not timed against other steps yet)
+LOOP_BLOCK = 2048
+LOOP_WARPS = 4
 # every program of quantize_tensor loads all the partial maxima it is given
 MAX_AMAX = 1024
 # An all-zero row still gets a scale that divides safely.
 MIN_SCALE = 1e-12
 
 
-@jit(do_not_specialize=("M",))
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_K)
+@jit
+def _activated(x_row, cols, K, GELU: tl.constexpr, SWIGLU: tl.constexpr):
+    """A row's values at cols (masked past K) in float32, through the activation. With SWIGLU the row holds 2K values:
+    the gate's, then the up projection's."""
     mask = cols < K
-    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if GELU:  # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
         x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if SWIGLU:  # SiLU as torch computes it: x / (1 + exp(-x))
+        x = x / (1.0 + tl.exp(-x)) * tl.load(x_row + K + cols, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@jit(do_not_specialize=("M",))
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.constexpr, SWIGLU: tl.constexpr,
+                          BLOCK_K: tl.constexpr, LOOP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * row_stride, q_ptr + row * K
+    cols = tl.arange(0, BLOCK_K)
+    if LOOP:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.abs(_activated(x_row, k + cols, K, GELU, SWIGLU)))
+        scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+        for k in range(0, K, BLOCK_K):
+            x = _activated(x_row, k + cols, K, GELU, SWIGLU)
+            tl.store(q_row + k + cols, e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=k + cols < K)
+    else:
+        x = _activated(x_row, cols, K, GELU, SWIGLU)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
+        tl.store(q_row + cols, e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=cols < K)
     tl.store(s_ptr + row, scale)
 
 
@@ -53,36 +87,44 @@ def _quantize_tensor_kernel(x_ptr, amax_ptr, q_ptr, descale_ptr, scale_ptr, N, A
 
 
 def supported(x: torch.Tensor) -> bool:
-    """On CUDA/ROCm only: Triton's CPU interpreter converts to fp8 wrongly (-125.9 becomes -64), so the CPU takes
-    quantize_rows_ref."""
+    """Whether the engine quantizes x with the kernel: on CUDA/ROCm. Triton's CPU interpreter runs it too (its tests
+    do), a row program at a time; the CPU's engine takes quantize_rows_ref, the same values at torch's speed."""
     return (x.device.type == "cuda" and supported_tensor(x, _quantize_rows_kernel) and x.dim() == 2
-            and 0 < x.shape[1] <= MAX_K)
+            and x.shape[1] > 0)
 
 
-def quantize_rows(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_fp8 (M, K) contiguous, scale (M, 1) float32) for a 2-D x whose rows are contiguous (any row stride); of
-    gelu(x) (tanh approximation, computed in float32) with gelu."""
+    gelu(x) (tanh approximation) with gelu; with swiglu, of SiLU(gate) * up for rows [gate | up] of 2K values (K the
+    output's width). The activation is computed in float32."""
     require(x, _quantize_rows_kernel, "quantize_rows")
-    if x.device.type != "cuda":
-        raise BadInput("quantize_rows: Triton's CPU interpreter converts to fp8 wrongly.",
-                       "Use quantize_rows_ref on the CPU.")
-    if x.dim() != 2 or x.stride(1) != 1 or not 0 < x.shape[1] <= MAX_K:
-        raise BadInput(f"quantize_rows: x has shape {tuple(x.shape)}, strides {x.stride()}; it takes (rows, up to "
-                       f"{MAX_K}) with contiguous rows.", "Use quantize_rows_ref (torch) for this tensor.")
-    M, K = x.shape
+    if gelu and swiglu:
+        raise BadInput("quantize_rows: gelu and swiglu are two activations; it applies one.", "Pass one of them.")
+    if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0 or (swiglu and x.shape[1] % 2):
+        raise BadInput(f"quantize_rows: x has shape {tuple(x.shape)}, strides {x.stride()}; it takes (rows, columns) "
+                       "with contiguous rows, an even number of columns with swiglu.",
+                       "Use quantize_rows_ref (torch) for this tensor.")
+    M, width = x.shape
+    K = width // 2 if swiglu else width
     q = torch.empty(M, K, device=x.device, dtype=FP8)
     s = torch.empty(M, 1, device=x.device, dtype=torch.float32)
     if M:
-        block_k = pow2(K)
+        loop = width > MAX_K
+        block_k = LOOP_BLOCK if loop else pow2(K)
         with on_device(x):
-            _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), GELU=gelu, BLOCK_K=block_k,
-                                        num_warps=warps(block_k, 64))
+            _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), GELU=gelu, SWIGLU=swiglu, BLOCK_K=block_k,
+                                        LOOP=loop, num_warps=LOOP_WARPS if loop else warps(pow2(width), 64))
     return q, s
 
 
-def quantize_rows_ref(x: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_ref(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of `quantize_rows`."""
-    xf = F.gelu(x.float(), approximate="tanh") if gelu else x.float()
+    xf = x.float()
+    if gelu:
+        xf = F.gelu(xf, approximate="tanh")
+    if swiglu:
+        gate, up = xf.chunk(2, dim=1)
+        xf = F.silu(gate) * up
     s = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 

@@ -2,12 +2,14 @@
 
 groupnorm: GroupNorm (+SiLU) for NCHW and channels_last, and its split statistics for the tiled VAE.
 geglu:     diffusers' GEGLU activation (with the projection bias folded in).
+swiglu:    the SiLU-gated activation of Flux.2's and Z-Image's MLPs (SiLU of one half times the other).
 layernorm: LayerNorm, LayerNorm after a residual add (SkipLayerNorm), bias + residual add.
 upsample:  nearest-neighbour 2x upsampling of channels_last activations.
 attention: attention over short key sets (a cross-attention's text tokens).
 adaln:     a DiT's LayerNorm with the adaLN modulation (and the gated residual before it).
 qk_rope:   a DiT's q/k RMSNorm with the rotary embedding, written for SDPA (q and k in e4m3 for fp8 attention).
-quant:     per-row fp8 quantization of activations (optionally after the tanh GELU); per-tensor by a device amax.
+quant:     per-row fp8 quantization of activations (optionally after the tanh GELU or SwiGLU); per-tensor by a device
+           amax.
 ahead:     compiling the kernels a call will launch on a thread pool, before it runs.
 
 Importing this package imports nothing heavy; each module imports Triton if it can and says through `supported(x)`

@@ -293,6 +293,55 @@ def test_quantize_rows_with_swiglu_quantizes_silu_of_the_gate_times_up(M, H, dty
         quant.quantize_rows(x, gelu=True, swiglu=True)
 
 
+def _ulps(dtype: torch.dtype) -> float:
+    """The relative size of one step of dtype's mantissa."""
+    return 2.0 ** -{torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
+
+
+def _steps(dtype: torch.dtype) -> int:
+    """How many of dtype's steps the SwiGLU kernel may be from torch's: one where its exponential's last bit moves a
+    rounding; two for bfloat16 under the interpreter (it truncates bfloat16 conversions where the GPU rounds, twice
+    here); four in float32, where nothing rounds away the exponentials' and the divisions' last bits."""
+    return 4 if dtype == torch.float32 else 2 if DEVICE == "cpu" and dtype == torch.bfloat16 else 1
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 5, 2 * 300), torch.bfloat16), ((3, 2 * 18432), torch.bfloat16),
+                                         ((1, 7, 2 * 1000), torch.float16), ((4, 2 * 33), torch.float32),
+                                         ((0, 2 * 64), torch.bfloat16)])
+def test_swiglu_is_torchs_silu_times_up(shape, dtype):
+    """The [gate | up] halves of one tensor, read in place: torch's F.silu(gate) * up, rounded as its two kernels
+    round (_steps)."""
+    from sd_accel.kernels import swiglu as sw
+
+    a = _randn(*shape, dtype=dtype, scale=3.0)
+    gate, up = a.chunk(2, dim=-1)
+    y, want = sw.swiglu(gate, up), sw.swiglu_ref(gate, up)
+    assert y.shape == want.shape and y.dtype == dtype and y.is_contiguous()
+    diff = (y.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * _steps(dtype) * _ulps(dtype) + torch.finfo(dtype).tiny).all()
+    if DEVICE == "cuda" and dtype != torch.float32:
+        assert (diff > 0).sum() <= y.numel() // 1000  # rounded as torch's two kernels round: most values to the bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_swiglu_of_two_tensors_keeps_float16_finite_as_comfyui_does(dtype):
+    """Z-Image's MLP: gate and up from products of their own, the float16 product clamped as ComfyUI's clamp_fp16
+    clamps it (infinities to 65504, NaN to 0); bfloat16 left as it is, as there."""
+    from sd_accel.kernels import swiglu as sw
+
+    gate, up = _randn(3, 40, dtype=dtype, scale=3.0), _randn(3, 40, dtype=dtype, seed=1, scale=3.0)
+    gate[0, :4] = torch.tensor([256.0, 256.0, -float("inf"), 1.0])
+    up[0, :4] = torch.tensor([256.0, -256.0, 1.0, float("nan")])
+    y, want = sw.swiglu(gate, up, finite=True), sw.swiglu_ref(gate, up, finite=True)
+    if dtype == torch.float16:
+        assert y[0, :4].tolist() == [65504.0, -65504.0, 0.0, 0.0] == want[0, :4].tolist()
+    else:
+        assert y[0, :2].tolist() == want[0, :2].tolist() and y[0, 2:4].isnan().all()
+    _close(y[1:], want[1:], dtype)
+    with pytest.raises(BadInput, match="halves"):
+        sw.swiglu(gate, up[:, :20])
+
+
 @pytest.mark.parametrize("B,L,C,dtype,update", [(2, 13, 40, torch.bfloat16, False), (1, 9, 3072, torch.bfloat16, True),
                                                 (3, 5, 64, torch.float16, True)])
 def test_modulated_layer_norm_hands_fp8_rows_to_the_next_product(B, L, C, dtype, update):

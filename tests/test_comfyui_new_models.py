@@ -221,6 +221,36 @@ def test_flux2_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_
     assert 1e-4 < H.rel(out, ref) <= 5e-2
 
 
+@pytest.mark.fp8_products(DEVICE)
+def test_flux2_swiglu_is_one_pass_in_16_bits_and_in_the_fp8_quantization(comfy_pytorch_attention, monkeypatch):
+    """Flux.2's SiLU-gated MLPs (2 double blocks x 2 streams, 2 single blocks): in 16 bits each activation is one
+    SwiGLU kernel (kernels/swiglu.py); with fp8 products it runs in the pass that quantizes the second projection's
+    input (kernels/quant.py's swiglu mode), never in 16 bits. That pass's kernel (the GPU's; here under the
+    interpreter, in the place of the reference the CPU takes) gives the reference's output."""
+    pytest.importorskip("triton")
+    _flux2_class()
+    from sd_accel.accel.models import configs
+    from sd_accel.kernels import quant, swiglu
+    from test_dit import _fused_output
+
+    calls = []
+    monkeypatch.setattr(swiglu, "swiglu", lambda *a, f=swiglu.swiglu: calls.append("16-bit") or f(*a))
+    monkeypatch.setattr(quant, "quantize_rows_ref", lambda x, gelu=False, swiglu=False, f=quant.quantize_rows_ref:
+                        calls.append("fp8" if swiglu else "rows") or f(x, gelu, swiglu))
+    model = configs.build_dit("tiny-flux2", "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16, device=DEVICE)
+    inp = configs.dit_example_inputs("tiny-flux2", batch=2, latent=4, device=DEVICE)
+    inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
+    _fused_output(model, inp, "auto")
+    assert calls == ["16-bit"] * 6
+    calls.clear()
+    out, _ = _fused_output(model, inp, "fp8")
+    assert "16-bit" not in calls and calls.count("fp8") == 6
+    if DEVICE == "cpu":
+        monkeypatch.setattr(quant, "supported", lambda x: x.dim() == 2 and x.shape[1] > 0)
+        calls.clear()
+        assert H.rel(_fused_output(model, inp, "fp8")[0], out) <= 1e-3 and not calls
+
+
 # ------------------------------------------------------------------------------------------------------ Z-Image
 
 @contextlib.contextmanager

@@ -286,11 +286,13 @@ def takes_rows(x: torch.Tensor, *layers: nn.Module) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16) and bool(layers) and all(layer in _MARKED for layer in layers)
 
 
-def quantized(x: torch.Tensor, gelu: bool = False) -> Rows:
-    """x (..., K) in 16 bits (tanh-GELU'd first with gelu) as fp8 Rows."""
+def quantized(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> Rows:
+    """x (..., K) in 16 bits as fp8 Rows; tanh-GELU'd first with gelu; with swiglu x is (..., 2K), the halves gate and
+    up, and the Rows are SiLU(gate) * up's (kernels/quant.py)."""
     quant = kernel_module("quant")
     x2d = x.reshape(-1, x.shape[-1])
-    q, s = quant.quantize_rows(x2d, gelu) if quant.supported(x2d) else quant.quantize_rows_ref(x2d, gelu)
+    fn = quant.quantize_rows if quant.supported(x2d) else quant.quantize_rows_ref
+    q, s = fn(x2d, gelu, swiglu)
     return Rows(q, s, tuple(x.shape[:-1]), x.dtype)
 
 

@@ -165,24 +165,23 @@ def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | N
 def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, scale: torch.Tensor,
               shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module, act: str = GELU_TANH) -> torch.Tensor:
     """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update (x + update where gate is None);
-    the caller adds the MLP's gated output to s. With fp8 products the GELU runs in the pass that quantizes fc2's
-    input; after a plain 16-bit fc1, in its product's epilogue (linear_gelu). act SWIGLU: fc1 makes the gate and the
-    up halves (swiglu)."""
+    the caller adds the MLP's gated output to s. With fp8 products the activation runs in the pass that quantizes
+    fc2's input; a GELU after a plain 16-bit fc1 with a bias, in its product's epilogue (linear_gelu). act SWIGLU: fc1
+    makes the gate and the up halves (swiglu)."""
     h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
     return mlp(h, fc1, fc2, act), x
 
 
 def mlp(h: torch.Tensor | fp8.Rows, fc1: nn.Module, fc2: nn.Module, act: str = GELU_TANH) -> torch.Tensor:
     """fc2(act(fc1(h))), a block's MLP on its normalized input h: the tanh GELU in fc1's product's epilogue after a plain
-    16-bit fc1 (linear_gelu), in the pass that quantizes fc2's input with fp8 products; SWIGLU between the products."""
-    if act == SWIGLU:
-        return fp8.project(fc2, swiglu(fp8.project(fc1, h)))
-    if isinstance(h, torch.Tensor) and plain_linear(fc1) and fc1.bias is not None and not fp8.marked(fc1):
+    16-bit fc1 with a bias (linear_gelu); with fp8 products the activation in the pass that quantizes fc2's input."""
+    if act == GELU_TANH and isinstance(h, torch.Tensor) and plain_linear(fc1) and fc1.bias is not None \
+            and not fp8.marked(fc1):
         return fp8.project(fc2, linear_gelu(h, fc1.weight, fc1.bias))
     a = fp8.project(fc1, h)
     if fp8.takes_rows(a, fc2):
-        return fp8.matmul(fp8.quantized(a, gelu=True), fc2)
-    return fc2(F.gelu(a, approximate="tanh"))
+        return fp8.matmul(fp8.quantized(a, gelu=act == GELU_TANH, swiglu=act == SWIGLU), fc2)
+    return fc2(activated(a, act))
 
 
 def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -196,10 +195,13 @@ def linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def swiglu(a: torch.Tensor) -> torch.Tensor:
-    """SiLU(a's first half) * a's second half, along the last dimension (ComfyUI's SiLUActivation)."""
-    gate, up = a.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def swiglu(a: torch.Tensor | tuple[torch.Tensor, torch.Tensor], finite: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up, for gate and up a's first and second halves along the last dimension (ComfyUI's
+    SiLUActivation) or given as two tensors: one pass where the kernel runs (kernels/swiglu.py), rounded as torch's
+    SiLU and product round. finite: float16 results kept finite as ComfyUI's clamp_fp16 keeps them (Z-Image)."""
+    gate, up = a.chunk(2, dim=-1) if isinstance(a, torch.Tensor) else a
+    kernel = kernel_module("swiglu")
+    return (kernel.swiglu if kernel.supported(gate) else kernel.swiglu_ref)(gate, up, finite)
 
 
 def activated(a: torch.Tensor, act: str) -> torch.Tensor:
@@ -422,17 +424,15 @@ def single_output_(x: torch.Tensor, gate: torch.Tensor, attn: torch.Tensor | fp8
                    mlp_in: torch.Tensor, linear2: nn.Module, act: str = GELU_TANH) -> None:
     """x += gate * linear2(cat(attention, act(mlp_in))) in place, a single-stream block's output (Flux's, Flux.2's,
     diffusers' Flux's), without writing the concatenation: two products into one output (16-bit: the second
-    accumulates on the first) or two outputs the gated residual adds together (fp8, the GELU in the pass that quantizes
-    its part)."""
+    accumulates on the first) or two outputs the gated residual adds together (fp8, the activation in the pass that
+    quantizes its part)."""
     B, L, C = x.shape
-    gelu = act == GELU_TANH
-    if not gelu:
-        mlp_in = activated(mlp_in, act)
     if fp8.takes_rows(x, linear2):
+        mlp = fp8.quantized(mlp_in, gelu=act == GELU_TANH, swiglu=act == SWIGLU)
         gated_residual_(x, gate, fp8.matmul(part(attn, 0, None, linear2), linear2, cols=slice(0, C)),
-                        fp8.matmul(fp8.quantized(mlp_in, gelu=gelu), linear2, cols=slice(C, None), bias=False))
+                        fp8.matmul(mlp, linear2, cols=slice(C, None), bias=False))
         return
-    mlp = activated(mlp_in, GELU_TANH) if gelu else mlp_in
+    mlp = activated(mlp_in, act)
     if plain_linear(linear2):
         w, b, a = linear2.weight, linear2.bias, part(attn, 0, None, None).reshape(B * L, C)
         out = torch.mm(a, w[:, :C].t()) if b is None else torch.addmm(b, a, w[:, :C].t())

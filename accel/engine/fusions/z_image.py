@@ -9,11 +9,12 @@ pattern of its own (docs/engineering.md), built from the shared pieces: the atte
 that RMS-normalizes q and k per head with the norms' weights, rotates them and writes q, k and v in the attention's
 layout, where ComfyUI splits, normalizes, rotates and copies k and v once more for grouped heads; then SDPA, the
 fastest kernel timed at the shape, ComfyUI's own attention where it was timed faster, or fp8 attention); w1 and w3
-are packed into one GEMM (packing.py), SiLU-gated between it and w2 as ComfyUI computes it; the second
-gated residual is added in place (kernels/adaln.py's gated_add_); the output layer's LayerNorm and scale are one adaLN
-pass. The RMSNorms run as the host's own modules (a kernel that takes the post-norm, the gated residual and the next
-pre-norm in one pass is what a GPU run should show is worth it). The projections run as fp8 products where
-accel/engine/fp8.py marked them (the `precision` option), a product per layer.
+are packed into one GEMM (packing.py), SiLU-gated between it and w2 in one pass (kernels/swiglu.py: rounded and
+kept finite in float16 as ComfyUI computes it); the second gated residual is added in place (kernels/adaln.py's
+gated_add_); the output layer's LayerNorm and scale are one adaLN pass. The RMSNorms run as the host's own modules
+(a kernel that takes the post-norm, the gated residual and the next pre-norm in one pass is what a GPU run should
+show is worth it). The projections run as fp8 products where accel/engine/fp8.py marked them (the `precision`
+option), a product per layer.
 
 A call it does not cover runs the block's own forward: an attention mask, Z-Image Omni's reference images
 (timestep_zero_index), an attention override or another node's attention function in ComfyUI, a rotary table of
@@ -25,7 +26,6 @@ other than torch's RMSNorm, per-call weight functions (lowvram, a LoRA applied p
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8
@@ -34,7 +34,7 @@ from .base import (Undo, comfy_attention, host_block, kernel_module, own_weights
                    reads_comfy_attention)
 from .registry import fusion
 from .transformer import (EPS, Joint, gated_residual_, kernels_run_on, linears, norm_weight, part, plain_layer_norms,
-                          project_packed)
+                          project_packed, swiglu)
 
 LUMINA = "comfy.ldm.lumina.model"
 ATTENTION = "optimized_attention_masked"  # the function of LUMINA that its JointAttention calls
@@ -84,10 +84,8 @@ def _attention(a: nn.Module, h: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(ff: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """FeedForward's w2(SiLU(w1 h) * w3 h), w1 and w3 as one GEMM where they are packed."""
-    gate_up = project_packed((ff.w1, ff.w3), h)
-    a1, a3 = gate_up.chunk(2, dim=-1) if isinstance(gate_up, torch.Tensor) else gate_up
-    return fp8.project(ff.w2, _clamp16(F.silu(a1) * a3))
+    """FeedForward's w2(clamp_fp16(SiLU(w1 h) * w3 h)), w1 and w3 as one GEMM where they are packed."""
+    return fp8.project(ff.w2, swiglu(project_packed((ff.w1, ff.w3), h), finite=True))
 
 
 def _block_forward(self, x, x_mask, freqs_cis, adaln_input=None, timestep_zero_index=None,

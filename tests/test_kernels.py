@@ -470,9 +470,9 @@ def test_bench_smoke():
     from sd_accel.accel.cli.kernel_bench import bench_kernels
 
     rows = bench_kernels(device=DEVICE, tiny=True)
-    assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "geglu_linear", "skip_layer_norm",
-                                              "add_bias_residual", "upsample_nearest2x", "upsample_conv3x3",
-                                              "attention"}
+    assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "geglu_linear", "swiglu",
+                                              "quantize_rows+swiglu", "skip_layer_norm", "add_bias_residual",
+                                              "upsample_nearest2x", "upsample_conv3x3", "attention"}
     for r in rows:
         assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["copy_gbps"] > 0
         assert r["max_rel_err"] < 5e-3, r

@@ -1,5 +1,6 @@
-"""Micro-benchmark: each Triton kernel against the torch ops it replaces, on Stable Diffusion shapes.
-(geglu_linear, a GEMM, against cuBLAS's GEMM and the GEGLU kernel, and attention against cuDNN's, also in TFLOP/s.)
+"""Micro-benchmark: each Triton kernel against the torch ops it replaces, on Stable Diffusion shapes (and Flux.2's for
+the SwiGLU kernels). (geglu_linear, a GEMM, against cuBLAS's GEMM and the GEGLU kernel, and attention against cuDNN's,
+also in TFLOP/s.)
 
 Reports median ms, achieved GB/s over the compulsory traffic (every input read once, every output written once; the
 same byte count for both sides, so the GB/s compare like the ms do), and the device's copy bandwidth (a large
@@ -26,6 +27,8 @@ from ...kernels import attention as at
 from ...kernels import geglu as gg
 from ...kernels import groupnorm as gn
 from ...kernels import layernorm as ln
+from ...kernels import quant
+from ...kernels import swiglu as sw
 from ...kernels import upsample as up
 from ..engine.attention import sdpa_kernels
 from ..errors import BackendUnavailable
@@ -129,6 +132,22 @@ def _geglu_linear_case(name: str, tokens: int, k: int, d: int, device: torch.dev
                 (tokens * k + 2 * d * k + tokens * d) * dtype.itemsize, flops=2 * tokens * k * 2 * d)
 
 
+def _swiglu_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
+    """shape: the MLP's first projection output (rows, 2 x hidden), [gate | up] halves read in place."""
+    return Case("swiglu", name, shape, _inputs([shape], device, dtype),
+                lambda a: sw.swiglu(*a.chunk(2, dim=-1)), lambda a: sw.swiglu_ref(*a.chunk(2, dim=-1)),
+                torch.Size(shape).numel() * dtype.itemsize * 3 // 2)
+
+
+def _swiglu_fp8_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
+    # Against its torch reference in float32 (SiLU, product, row maximum, scaling, conversion), the torch ops that
+    # quantized rows this wide before, but for the SiLU and product then run in 16 bits.
+    rows, width = shape
+    return Case("quantize_rows+swiglu", name, shape, _inputs([shape], device, dtype),
+                lambda a: quant.quantize_rows(a, swiglu=True), lambda a: quant.quantize_rows_ref(a, swiglu=True),
+                rows * width * dtype.itemsize + rows * width // 2 + rows * 4)
+
+
 def _layer_norm_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
     return Case("skip_layer_norm", name, shape, _inputs([shape, shape, shape[-1:], shape[-1:]], device, dtype),
                 lambda x, r, w, b: ln.layer_norm(x, w, b, residual=r),
@@ -185,6 +204,9 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
                 _group_norm_case("tiny", (1, 64, 8, 8), False, device, dtype, 1e-5),
                 _geglu_case("tiny", (1, 16, 128), device, dtype),
                 _geglu_linear_case("tiny", 16, 32, 32, device, dtype),
+                _swiglu_case("tiny", (16, 2 * 96), device, dtype),
+                _swiglu_fp8_case("tiny", (16, 2 * 96), device, dtype),
+                _swiglu_fp8_case("tiny rows past one block", (4, 2 * 9000), device, dtype),
                 _layer_norm_case("tiny", (1, 16, 64), device, dtype),
                 _bias_residual_case("tiny", (1, 16, 64), device, dtype),
                 _upsample_case("tiny", (1, 16, 4, 4), device, dtype),
@@ -205,6 +227,10 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
     for name, tokens, k, d in [("sd15 64x64 C=320", 8192, 320, 1280), ("sd15 32x32 C=640", 2048, 640, 2560),
                                ("sdxl 64x64 C=640", 8192, 640, 2560), ("sdxl 32x32 C=1280", 2048, 1280, 5120)]:
         out.append(_geglu_linear_case(name, tokens, k, d, device, dtype))
+    # Flux.2-dev at 1024 px, batch 1: the double blocks' image and text MLPs, the single blocks' (both streams)
+    for name, rows in [("flux2 double img", 4096), ("flux2 double txt", 512), ("flux2 single", 4608)]:
+        out.append(_swiglu_case(name, (rows, 2 * 18432), device, dtype))
+        out.append(_swiglu_fp8_case(name, (rows, 2 * 18432), device, dtype))
     for name, shape in [("sd15 64x64", (2, 4096, 320)), ("sdxl 64x64", (2, 4096, 640)),
                         ("sdxl 32x32", (2, 1024, 1280))]:
         out.append(_layer_norm_case(name, shape, device, dtype))

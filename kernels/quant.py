@@ -12,9 +12,10 @@ activation again, scaled and stored (the second read mostly from L2).
 Also per-tensor quantization by a largest magnitude already on the device (`quantize_tensor`: an attention's v, whose
 partial maxima the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it.
 
-Values are rounded to e4m3 in float32 (common.e4m3) before the conversion, which is then exact: the GPU's own
-conversion gives the same bytes in no measurable time less (docs/perf-notes.md), and Triton's CPU interpreter, which
-converts to fp8 wrongly, then gives them too."""
+Divisions round as torch's (IEEE: div_rn; Triton's "/" approximates on NVIDIA GPUs), and values are rounded to e4m3
+in float32 (common.e4m3) before the conversion, which is then exact: the kernel gives the reference's bytes. The
+GPU's own conversion gives the same bytes in no measurable time less (docs/perf-notes.md), and Triton's CPU
+interpreter, which converts to fp8 wrongly, then gives them too."""
 
 from __future__ import annotations
 
@@ -60,14 +61,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.conste
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k in range(0, K, BLOCK_K):
             amax = tl.maximum(amax, tl.abs(_activated(x_row, k + cols, K, GELU, SWIGLU)))
-        scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), 448.0), 1e-12)
         for k in range(0, K, BLOCK_K):
             x = _activated(x_row, k + cols, K, GELU, SWIGLU)
-            tl.store(q_row + k + cols, e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=k + cols < K)
+            tl.store(q_row + k + cols, e4m3(tl.math.div_rn(x, scale)).to(q_ptr.dtype.element_ty), mask=k + cols < K)
     else:
         x = _activated(x_row, cols, K, GELU, SWIGLU)
-        scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
-        tl.store(q_row + cols, e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=cols < K)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-12)
+        tl.store(q_row + cols, e4m3(tl.math.div_rn(x, scale)).to(q_ptr.dtype.element_ty), mask=cols < K)
     tl.store(s_ptr + row, scale)
 
 

@@ -242,7 +242,9 @@ def time_variants(name: str, canon: torch.nn.Module, args: tuple, ref: torch.Ten
     add(eager, plain)
     if profile and device.type == "cuda":
         _profile(rows[-1], plain, log)
-    if device.type == "cuda":
+    if device.type == "cuda" and getattr(canon, "uncapturable", None):
+        log(f"[{name}] eager + CUDA graph: not timed ({canon.uncapturable})")
+    elif device.type == "cuda":
         graph_args, to_eager, to_graphed = args, _unchanged, _unchanged
         if channels_last:
             to_eager, to_graphed = channels_last_switches(model)

@@ -185,6 +185,13 @@ class CanonicalDiT(Canonical):
     def size_multiple(self) -> int:
         return self.spec.patch_size
 
+    @property
+    def uncapturable(self) -> str | None:
+        if self.spec.family == "ltx2":
+            return ("ComfyUI's LTX-2 forward copies constants from the CPU at every call (its patchifier's "
+                    "coordinates), which a CUDA graph cannot capture")
+        return None
+
     def check(self, x: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None) -> None:
         s = self.spec
         dims = {"wan": (5,), "hunyuan-video": (5,), "ltx2": (5,), "qwen-image": (4, 5)}.get(s.family, (4,))

@@ -85,6 +85,10 @@ FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") i
 class Canonical(nn.Module):
     """What the engines read of a wrapped diffusion model (UNet or DiT): the module as `unet`, its dtype and device."""
 
+    # Why a CUDA graph cannot capture the host's forward of this model, where it cannot: the torch path then runs
+    # without graphs and says this once.
+    uncapturable: str | None = None
+
     def __init__(self, module: nn.Module, fed: torch.dtype | None = None) -> None:
         super().__init__()
         self.unet = module

@@ -131,8 +131,12 @@ class TorchEngine:
                         str(unet.dtype).removeprefix("torch."))
         self._apply(progress)
         self._forward = unet
+        graphs = options.cuda_graphs and self.on_gpu
+        if graphs and unet.uncapturable:
+            log.warning("sd-accel: %s; this model runs without CUDA graphs.", unet.uncapturable)
+            graphs = False
         self.graphs = GraphCache(self._graph_fn, max_graphs=options.max_graphs, run_first=self._compiling_ahead) \
-            if options.cuda_graphs and self.on_gpu else None
+            if graphs else None
         self._layout: tuple = ()
         self._weights = WeightsWatch(module)
         progress.advance()

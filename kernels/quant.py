@@ -12,10 +12,11 @@ activation again, scaled and stored (the second read mostly from L2).
 Also per-tensor quantization by a largest magnitude already on the device (`quantize_tensor`: an attention's v, whose
 partial maxima the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it.
 
-Divisions round as torch's (IEEE: div_rn; Triton's "/" approximates on NVIDIA GPUs), and values are rounded to e4m3
-in float32 (common.e4m3) before the conversion, which is then exact: the kernel gives the reference's bytes. The
-GPU's own conversion gives the same bytes in no measurable time less (docs/perf-notes.md), and Triton's CPU
-interpreter, which converts to fp8 wrongly, then gives them too."""
+The scale is the largest magnitude times float32's 1/448 (what torch's CUDA division by a number computes), the
+values are divided by it as IEEE divides (div_rn: Triton's "/" approximates on NVIDIA GPUs) and rounded to e4m3 in
+float32 (common.e4m3) before the conversion, which is then exact: the kernel gives its reference's bytes, on the GPU
+and under Triton's CPU interpreter (which converts to fp8 wrongly). The GPU's own conversion gives the same bytes in
+no measurable time less (docs/perf-notes.md)."""
 
 from __future__ import annotations
 
@@ -61,13 +62,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.conste
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k in range(0, K, BLOCK_K):
             amax = tl.maximum(amax, tl.abs(_activated(x_row, k + cols, K, GELU, SWIGLU)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), 448.0), 1e-12)
+        scale = tl.maximum(tl.max(amax, 0) * (1.0 / 448.0), 1e-12)
         for k in range(0, K, BLOCK_K):
             x = _activated(x_row, k + cols, K, GELU, SWIGLU)
             tl.store(q_row + k + cols, e4m3(tl.math.div_rn(x, scale)).to(q_ptr.dtype.element_ty), mask=k + cols < K)
     else:
         x = _activated(x_row, cols, K, GELU, SWIGLU)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-12)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) * (1.0 / 448.0), 1e-12)
         tl.store(q_row + cols, e4m3(tl.math.div_rn(x, scale)).to(q_ptr.dtype.element_ty), mask=cols < K)
     tl.store(s_ptr + row, scale)
 
@@ -126,7 +127,7 @@ def quantize_rows_ref(x: torch.Tensor, gelu: bool = False, swiglu: bool = False)
     if swiglu:
         gate, up = xf.chunk(2, dim=1)
         xf = F.silu(gate) * up
-    s = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    s = (xf.abs().amax(dim=1, keepdim=True) * (1.0 / FP8_MAX)).clamp_min(MIN_SCALE)
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 

@@ -808,6 +808,46 @@ def test_an_fp8_product_adds_little_to_the_rounding_of_its_operands():
 
 
 @pytest.mark.fp8_products(DEVICE)
+def test_an_fp8_product_cublas_declines_runs_in_16_bits_on_the_same_operands(monkeypatch):
+    """cuBLASLt declines some fp8 shapes (CUBLAS_STATUS_NOT_SUPPORTED: LTX-2's audio MLP, 34 rows of 8192, on an
+    H200): that product runs in 16 bits on the same e4m3 operands and scales, into `out` where given, and the shape is
+    not offered to it again; any other error is raised."""
+    from sd_accel.accel.engine import fp8
+    from sd_accel.accel.engine.fusions.base import Undo
+
+    monkeypatch.setattr(fp8, "_DECLINED", set())  # this test's shapes, not the process's
+    torch.manual_seed(0)
+    block = type("SingleStreamBlock", (torch.nn.Module,), {})()
+    block.linear2 = torch.nn.Linear(512, 256, device=DEVICE, dtype=torch.bfloat16)
+    undo = Undo()
+    assert fp8.apply(block, "fp8", undo) == 1
+    x = torch.randn(34, 512, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = block.linear2(x)
+        real, calls = torch._scaled_mm, []
+
+        def declines(*args, **kwargs):
+            calls.append(args[0].shape)
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic`")
+
+        monkeypatch.setattr(torch, "_scaled_mm", declines)
+        got = block.linear2(x)
+        out = torch.empty(34, 256, device=DEVICE, dtype=torch.bfloat16)
+        into = fp8.matmul(fp8.quantized(x), block.linear2, out=out)
+        assert len(calls) == 1  # tried once for that shape
+        assert rel(got, want) < 1e-2 and into.data_ptr() == out.data_ptr() and torch.equal(into, got)
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(torch, "_scaled_mm", fails)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            block.linear2(x[:16])
+        monkeypatch.setattr(torch, "_scaled_mm", real)
+    undo()
+
+
+@pytest.mark.fp8_products(DEVICE)
 def test_fp8_operands_stay_where_a_graph_read_them_and_follow_weight_changes(comfy_pytorch_attention):
     """A CUDA graph replays the fp8 copies and scales at the addresses it captured: they must outlive the end of a
     host's run (suspend/resume), and a weight changed between runs (in place, replaced, or an inference tensor the

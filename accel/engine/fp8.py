@@ -180,6 +180,10 @@ class Copies:
 
 # The layers that make fp8 products now, each with the Copies of the engine that marked it.
 _MARKED: weakref.WeakKeyDictionary[nn.Module, Copies] = weakref.WeakKeyDictionary()
+# (rows, K, N) of the products cuBLASLt declined in fp8 on this GPU (CUBLAS_STATUS_NOT_SUPPORTED from its heuristic:
+# LTX-2's audio MLP, 34 rows of 8192 into 2048, on an H200, where 68 rows ran), each tried once; they run as 16-bit
+# products of the same e4m3 operands.
+_DECLINED: set[tuple[int, int, int]] = set()
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,9 +313,27 @@ def matmul(x: torch.Tensor | Rows, layer: nn.Linear, rows: slice = slice(None), 
     # The fp8 tensor cores accumulate with fewer bits than float32; without fast accumulation cuBLAS adds their partial
     # sums into float32 every few steps of K, a cost the product pays throughout, for a gain in accuracy far below
     # what rounding its operands to e4m3 has already lost (BENCHMARKS.md).
-    y = torch._scaled_mm(x.q, w.t(), scale_a=x.scale, scale_b=scale, bias=b, out_dtype=x.dtype, use_fast_accum=True,
-                         **extra)
+    key = (x.q.shape[0], x.q.shape[1], w.shape[0])
+    if key not in _DECLINED:
+        try:
+            y = torch._scaled_mm(x.q, w.t(), scale_a=x.scale, scale_b=scale, bias=b, out_dtype=x.dtype,
+                                 use_fast_accum=True, **extra)
+            return y.view(*x.shape, y.shape[-1])
+        except RuntimeError as e:
+            if "CUBLAS_STATUS_NOT_SUPPORTED" not in str(e):
+                raise
+            _DECLINED.add(key)
+    y = _widened_product(x, w, scale, b)
+    if out is not None:
+        y = out.copy_(y)
     return y.view(*x.shape, y.shape[-1])
+
+
+def _widened_product(x: Rows, w: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The fp8 product of x and w computed as a 16-bit one of the same e4m3 values (exact in 16 bits), scaled after,
+    for a shape cuBLASLt declined."""
+    y = torch.mm(x.q.to(x.dtype), w.t().to(x.dtype)).float() * x.scale * scale
+    return (y if b is None else y + b).to(x.dtype)
 
 
 def project(layer: nn.Module, x: torch.Tensor | Rows) -> torch.Tensor:

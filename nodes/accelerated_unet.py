@@ -85,7 +85,7 @@ class AcceleratedUNetNode:
                     "torch path. A path that cannot run here leaves the call to the torch path and says why.")}),
                 "cuda_graphs": ("BOOLEAN", {"default": True, "tooltip": "Replay each shape as a CUDA/HIP graph "
                                             "where the GPU supports it (torch path; not on the CPU). Calls with "
-                                            "per-step patches run without it. Off: never."}),
+                                            "per-step patches, and LTX-2, run without it. Off: never."}),
                 "torch_compile": ("BOOLEAN", {"default": False, "tooltip": "Compile the UNet's repeated blocks "
                                               "with torch.compile (torch path; the first run takes minutes)."}),
             },
@@ -98,7 +98,8 @@ class AcceleratedUNetNode:
                 "max_height": _size("max", "height", 1536),
                 "min_batch": _batch("min", 1), "opt_batch": _batch("opt", 1), "max_batch": _batch("max", 4),
                 "precision": (list(PRECISION), {"default": "auto", "tooltip": (
-                    "Flux, Chroma, SD3, Wan and Qwen-Image transformers: auto runs weights loaded in fp8 as fp8 "
+                    "The transformers (Flux, Chroma, SD3, Wan, Qwen-Image, Z-Image, HunyuanVideo 1.5, LTX-2): auto "
+                    "runs weights loaded in fp8 as fp8 "
                     "matrix products (Hopper and later) and 16-bit weights in 16 bits; fp8 also quantizes 16-bit "
                     "weights (faster, +50% weight memory, slightly different images); 16bit widens fp8 weights per "
                     "call, as ComfyUI does. UNets (SD1.x, SDXL) compute in 16 bits whatever this says.")}),

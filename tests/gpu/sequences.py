@@ -82,8 +82,7 @@ LATENT = {"hunyuan-video15": (32, 16), "ltx2-8l": (128, 32)}
 AUDIO = {"ltx2-8l": 17}  # audio latents beside the video's (LTX-2's: 25 a second, as its frames at 25 fps)
 QUICK = ("sd15", "flux-dev")
 # named alone: each takes a 10-minute call of its own or more (Qwen-Image and HunyuanVideo 1.5 two: the yardstick,
-# then the sequences), Z-Image, HunyuanVideo 1.5 and LTX-2 need ComfyUI 0.33, and ltx2-8l's first GPU run is still
-# to be read
+# then the sequences), and Z-Image, HunyuanVideo 1.5 and LTX-2 need ComfyUI 0.33
 NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image", "hunyuan-video15", "ltx2-8l")
 UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
 # Models whose weights are stored in another dtype than they compute in: ComfyUI's cast-on-the-fly layers widen each

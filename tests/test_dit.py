@@ -777,19 +777,25 @@ def test_the_fp8_module_imports_first():
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.fp8_products(DEVICE)
-def test_an_fp8_product_adds_little_to_the_rounding_of_its_operands():
-    """A wide fp8 projection (K = 15,360, Flux's linear2) against the float32 product of its own e4m3 operands: on a
-    GPU its partial sums are accumulated as the tensor cores do (fewer bits than float32, `use_fast_accum`), and what
-    that loses must stay small beside what rounding the operands to e4m3 loses."""
+def _fp8_linear2(k: int, n: int):
+    """A seeded single block's linear2 (k -> n, bf16) marked for fp8 products, with the Undo that unmarks it."""
     from sd_accel.accel.engine import fp8
     from sd_accel.accel.engine.fusions.base import Undo
 
     torch.manual_seed(0)
     block = type("SingleStreamBlock", (torch.nn.Module,), {})()
-    block.linear2 = torch.nn.Linear(15360, 3072, device=DEVICE, dtype=torch.bfloat16)
+    block.linear2 = torch.nn.Linear(k, n, device=DEVICE, dtype=torch.bfloat16)
     undo = Undo()
     assert fp8.apply(block, "fp8", undo) == 1
+    return block, undo
+
+
+@pytest.mark.fp8_products(DEVICE)
+def test_an_fp8_product_adds_little_to_the_rounding_of_its_operands():
+    """A wide fp8 projection (K = 15,360, Flux's linear2) against the float32 product of its own e4m3 operands: on a
+    GPU its partial sums are accumulated as the tensor cores do (fewer bits than float32, `use_fast_accum`), and what
+    that loses must stay small beside what rounding the operands to e4m3 loses."""
+    block, undo = _fp8_linear2(15360, 3072)
     x = torch.randn(256, 15360, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         y = block.linear2(x)
@@ -813,14 +819,9 @@ def test_an_fp8_product_cublas_declines_runs_in_16_bits_on_the_same_operands(mon
     H200): that product runs in 16 bits on the same e4m3 operands and scales, into `out` where given, and the shape is
     not offered to it again; any other error is raised."""
     from sd_accel.accel.engine import fp8
-    from sd_accel.accel.engine.fusions.base import Undo
 
     monkeypatch.setattr(fp8, "_DECLINED", set())  # this test's shapes, not the process's
-    torch.manual_seed(0)
-    block = type("SingleStreamBlock", (torch.nn.Module,), {})()
-    block.linear2 = torch.nn.Linear(512, 256, device=DEVICE, dtype=torch.bfloat16)
-    undo = Undo()
-    assert fp8.apply(block, "fp8", undo) == 1
+    block, undo = _fp8_linear2(512, 256)
     x = torch.randn(34, 512, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         want = block.linear2(x)

@@ -164,10 +164,8 @@ def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | N
 
 def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, scale: torch.Tensor,
               shift: torch.Tensor | None, fc1: nn.Module, fc2: nn.Module, act: str = GELU_TANH) -> torch.Tensor:
-    """(MLP(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update (x + update where gate is None);
-    the caller adds the MLP's gated output to s. With fp8 products the activation runs in the pass that quantizes
-    fc2's input; a GELU after a plain 16-bit fc1 with a bias, in its product's epilogue (linear_gelu). act SWIGLU: fc1
-    makes the gate and the up halves (swiglu)."""
+    """(mlp(LN(s) * (1 + scale) + shift), s) for the stream s = x + gate * update (x + update where gate is None);
+    the caller adds the MLP's gated output to s. act SWIGLU: fc1 makes the gate and the up halves (swiglu)."""
     h, x = modulated_norm(x, scale, shift, fc1, update=update, gate=gate)
     return mlp(h, fc1, fc2, act), x
 

@@ -112,6 +112,10 @@ def test_fp8_attention_is_the_faster_of_cudnns_and_flashattention_3s(fp8_choice,
     assert said[2:] == ["sd-accel: the fused transformer blocks' fp8 attention runs FlashAttention-3 (fa3-fwd)."]
     # where FlashAttention-3 does not take the head size, cuDNN's kernel serves untimed
     assert fp8_attention.choose((1, 96, 2, 72), cpu, FP8, torch.bfloat16, False, True)[1] == FP8
+    # blocks computing in float16: FlashAttention-3's kernel cannot write their output, cuDNN's serves untimed
+    for out_dtype in (FP8, torch.float16):
+        run, dtype = fp8_attention.choose((1, 160, 2, 128), cpu, out_dtype, torch.float16, True, out_dtype == FP8)
+        assert run is not fp8_attention._flash3 and dtype == out_dtype
     # cuDNN missing: FlashAttention-3's, untimed
     fp8_attention.kernel = lambda shape, device, out_dtype, quiet=False: None
     times.clear()

@@ -199,8 +199,10 @@ def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
     writing out_dtype), or where `three` (FlashAttention-3 takes the head size) whichever of it and FlashAttention-3's
     (writing dtype16, the blocks' 16-bit dtype) was timed faster at the shape's first call, FlashAttention-3 with the
     quantization of its output that the output projections then make where they make fp8 products
-    (`fp8_consumers`). (None, _) where neither runs, or the choice would first be made inside a CUDA graph capture."""
-    if not three:
+    (`fp8_consumers`). (None, _) where neither runs, or the choice would first be made inside a CUDA graph capture.
+    FlashAttention-3's fp8 kernel writes bf16 alone, so blocks that compute in float16 (ComfyUI picks it for some
+    quantized checkpoints) get cuDNN's."""
+    if not three or dtype16 != torch.bfloat16:
         return kernel(shape, device, out_dtype), out_dtype
     key = (shape, device, out_dtype, dtype16)
     found = _CHOSEN.get(key)

@@ -8,6 +8,7 @@ under Triton's interpreter): "same" is exact for the routing tests, within 1e-5 
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import pytest
@@ -19,6 +20,43 @@ from sd_accel.nodes import accelerated_unet
 pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
 
 FAMILIES = ("flux", "chroma", "sd3")
+# the module whose optimized_attention each family's blocks call
+ATTENTION_OF = {"flux": "comfy.ldm.flux.math", "chroma": "comfy.ldm.flux.math",
+                "sd3": "comfy.ldm.modules.diffusionmodules.mmdit"}
+NODE_CALLS = []  # the calls of sage_of_a_node
+
+
+def sage_of_a_node(q, k, v, heads, *args, **kwargs):
+    """Another node's attention function, put where a ComfyUI module keeps its optimized_attention (as nodes that bring
+    their own sage attention do): ComfyUI's PyTorch attention, scaled so that an image shows whether it ran."""
+    import comfy.ldm.modules.attention as attention
+
+    NODE_CALLS.append(q.shape)
+    return attention.attention_pytorch(q, k, v, heads, *args, **kwargs) * 0.75
+
+
+def override_of_a_patch(fn, *args, **kwargs):
+    """A model patch's optimized_attention_override: the attention ComfyUI hands it, scaled, counted in NODE_CALLS."""
+    NODE_CALLS.append(args[0].shape)
+    return fn(*args, **kwargs) * 0.75
+
+
+def blocks_out(module, run) -> tuple:
+    """run()'s result, and the outputs of the diffusion model `module`'s transformer blocks in its first call, in
+    order."""
+    blocks = [m for m in module.modules()
+              if type(m).__name__ in ("DoubleStreamBlock", "SingleStreamBlock", "JointBlock")]
+    outs = []
+
+    def keep(m, args, out):
+        outs.append([t.clone() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
+
+    hooks = [m.register_forward_hook(keep) for m in blocks]
+    try:
+        return run(), outs[:len(blocks)]
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def accelerate(pack, model):
@@ -56,9 +94,11 @@ def test_transformer_is_accelerated_and_equals_plain(pack, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, comfy_pytorch_attention, family, monkeypatch):
+def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, comfy_pytorch_attention, family, monkeypatch,
+                                                           caplog):
     """The DiT fusions, asked for on the CPU (Triton's interpreter), in a real ComfyUI sampling run: ComfyUI on a GPU
-    uses its PyTorch attention, which the fused blocks require; on the CPU it picks another one unless told."""
+    uses its PyTorch attention, which the fused blocks require; on the CPU it picks another one unless told. With
+    ComfyUI's own choice nothing is said of the attention function."""
     model = H.tiny_dit(family, 2)
     pos, neg = H.tiny_dit_conditioning(family, 3)
     plain = sample(model, pos, neg)
@@ -73,10 +113,12 @@ def test_fused_kernels_inside_comfyui_sampling_match_plain(pack, comfy_pytorch_a
         seen.append(dict(slot.acc.engine.fusion_counts or {}))
 
     monkeypatch.setattr(slot, "_build", build)
-    out = sample(acc, pos, neg)
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        out = sample(acc, pos, neg)
     assert seen and seen[0].get({"sd3": "mmdit"}.get(family, family), 0) > 0, seen
     assert ((out - plain).norm() / plain.norm()).item() <= 1e-5
     assert status(acc).engine_calls == 2
+    assert not [r for r in caplog.records if r.name == "sd-accel" and "optimized_attention" in r.getMessage()]
     # and the blocks are ComfyUI's own again once the run ended
     assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
 
@@ -130,6 +172,7 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_and_an_overrid
     assert fused and status(acc).engine_calls == 4 and status(acc).plain_calls == 0
     said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
     assert len(said) == 1 and any(said[0].endswith(m) for m in status(acc).messages), (said, status(acc).messages)
+    assert not [r for r in caplog.records if "not ComfyUI's choice" in r.getMessage()]  # split is its choice
     if not torch.cuda.is_available():
         assert not split and "nothing is timed: the fused blocks run PyTorch's SDPA" in said[0]
     override, overrides = H.attention_override()
@@ -139,6 +182,84 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_and_an_overrid
     assert H.rel(sample(patched, pos, neg), plain) <= 1e-5  # ComfyUI's split attention, through the override
     assert overrides and {f.__name__ for f in overrides} == {"attention_split"} and len(fused) == calls
     assert status(patched).plain_calls == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_whose_attention_is_another_nodes_function_run_comfyuis_forward_said_once(
+        pack, comfy_pytorch_attention, family, monkeypatch, caplog):
+    """Another node's function where the blocks find their attention function (not ComfyUI's choice for the whole
+    host): the fused blocks run ComfyUI's own forward with it, run after run, the image plain ComfyUI's with that
+    function, and the node says so once, in the console and in the notes Accel Info shows."""
+    from sd_accel.nodes import info
+
+    where = f"{ATTENTION_OF[family]}.optimized_attention"
+    model = H.tiny_dit(family, 2)
+    pos, neg = H.tiny_dit_conditioning(family, 3)
+    ours = sample(model, pos, neg)
+    monkeypatch.setattr(importlib.import_module(ATTENTION_OF[family]), "optimized_attention", sage_of_a_node)
+    NODE_CALLS.clear()
+    plain, plain_blocks = blocks_out(model.model.diffusion_model, lambda: sample(model, pos, neg))
+    calls = len(NODE_CALLS)
+    assert calls and H.rel(plain, ours) > 1e-4  # the node's function runs in ComfyUI's blocks (fused: 1e-5)
+    acc, _ = accelerate(pack, model)
+    session = accelerated_unet.session_of(acc)
+    session.slot.options["triton_kernels"] = True
+    fused = H.counted_sdpa(monkeypatch.setattr)
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        (out, blocks), again = blocks_out(model.model.diffusion_model, lambda: sample(acc, pos, neg)), \
+            sample(acc, pos, neg)
+    # the blocks' outputs exactly ComfyUI's; the image within what the engine's final layer (the adaLN kernel) rounds
+    assert len(blocks) == len(plain_blocks) and all(torch.equal(a, b) for mine, theirs in zip(blocks, plain_blocks)
+                                                    for a, b in zip(mine, theirs, strict=True))
+    assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out)
+    assert len(NODE_CALLS) == 3 * calls and not fused  # each block's attention, as ComfyUI's forward calls it
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and where in r.getMessage()]
+    assert said == [f"sd-accel: {where} is another node's function ({__name__}.sage_of_a_node), not ComfyUI's choice "
+                    "for the whole host: the blocks that call it run ComfyUI's own forward with it, not sd-accel's "
+                    "fused blocks; the rest of the engine still runs."], said
+    s = status(acc)
+    assert s.engine_calls == 4 and s.plain_calls == 0 and said[0].removeprefix("sd-accel: ") in s.messages, s
+    assert f"note: {said[0].removeprefix('sd-accel: ')}" in info.model_state(session, on_cpu=True)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_blocks_under_an_attention_override_run_comfyuis_forward_said_once_per_engine(comfy_pytorch_attention, family,
+                                                                                     monkeypatch, caplog):
+    """A model patch's optimized_attention_override in a call's transformer_options, on an engine that is handed them
+    (the node sends such calls to ComfyUI's own forward before they reach it, and says so itself): the fused blocks run
+    ComfyUI's own forward with the override, call after call, as ComfyUI's model does, said once per engine."""
+    from sd_accel.accel.accelerate import accelerate as engine_for
+    from sd_accel.accel.models import configs
+    from sd_accel.accel.models.dit import CanonicalDiT
+
+    name = H.tiny_name(family)
+    model = configs.build_dit(name, "comfy", comfyui_root=H.comfy_root(), device="cpu")
+    inp = configs.dit_example_inputs(name, batch=1, latent=(8, 10), device="cpu")
+    patched = {"transformer_options": {"optimized_attention_override": override_of_a_patch}}
+    NODE_CALLS.clear()
+    with torch.no_grad():
+        ours = CanonicalDiT(model)(**inp)
+        plain, plain_blocks = blocks_out(model, lambda: CanonicalDiT(model)(**inp, **patched))
+    calls = len(NODE_CALLS)
+    assert calls and H.rel(plain, ours) > 1e-4
+    fused = H.counted_sdpa(monkeypatch.setattr)
+    acc = engine_for(model, preference="torch", options={"triton_kernels": True})
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        (out, blocks), again = blocks_out(model, lambda: acc(**inp, **patched)), acc(**inp, **patched)
+        assert not fused and len(NODE_CALLS) == 3 * calls
+        acc.release()
+        acc = engine_for(model, preference="torch", options={"triton_kernels": True})
+        acc(**inp, **patched)  # another engine: said once more
+        acc.release()
+    assert len(blocks) == len(plain_blocks) and all(torch.equal(a, b) for mine, theirs in zip(blocks, plain_blocks)
+                                                    for a, b in zip(mine, theirs, strict=True))
+    assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out)
+    where = {"flux": "comfy.ldm.flux.math", "sd3": "comfy.ldm.modules.diffusionmodules.mmdit"}[family]
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and "optimized_attention" in r.getMessage()]
+    assert said == 2 * [f"sd-accel: a model patch sets optimized_attention_override ({__name__}.override_of_a_patch) "
+                        f"for this call: in the calls that carry it, the blocks that call {where}.optimized_attention "
+                        "run ComfyUI's own forward with the override, not sd-accel's fused blocks; the rest of the "
+                        "engine still runs."], said
 
 
 @pytest.mark.parametrize("family", ["flux", "chroma"])

@@ -46,6 +46,41 @@ def status(pack, model):
     return accelerated_unet.session_of(model).slot.status
 
 
+NODE_CALLS = []  # the calls of sage_of_a_node and override_of_a_patch
+
+
+def sage_of_a_node(q, k, v, heads, *args, **kwargs):
+    """Another node's attention function, put where ComfyUI's attention module keeps its optimized_attention (as nodes
+    that bring their own sage attention do): ComfyUI's PyTorch attention, scaled so that an image shows whether it
+    ran."""
+    import comfy.ldm.modules.attention as attention
+
+    NODE_CALLS.append(q.shape)
+    return attention.attention_pytorch(q, k, v, heads, *args, **kwargs) * 0.75
+
+
+def override_of_a_patch(fn, *args, **kwargs):
+    """A model patch's optimized_attention_override: the attention ComfyUI hands it, scaled, counted in NODE_CALLS."""
+    NODE_CALLS.append(args[0].shape)
+    return fn(*args, **kwargs) * 0.75
+
+
+def attention_out(unet, run) -> tuple:
+    """run()'s result, and the outputs of the UNet's attention layers (ComfyUI's CrossAttention) in its first call."""
+    layers = [m for m in unet.modules() if type(m).__name__ == "CrossAttention"]
+    outs = []
+    hooks = [m.register_forward_hook(lambda m, args, out: outs.append(out.clone())) for m in layers]
+    try:
+        return run(), outs[:len(layers)]
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+UNET_ASIDE = ("the attention layers that call {it} call {them} as ComfyUI's own forward does, not sd-accel's "
+              "attention; the rest of the engine still runs.")
+
+
 def test_accelerated_equals_plain_and_input_model_is_untouched(pack, tiny):
     pos, neg = H.tiny_conditioning(2)
     wrappers_before = {k: {k1: list(v1) for k1, v1 in v.items()} for k, v in tiny.wrappers.items()}
@@ -185,6 +220,77 @@ def test_qkv_fusion_under_another_attention_comfyui_chose_runs_the_faster_and_le
         assert served == n and "the fused blocks run it: 1.00 ms against 2.00 ms for sd-accel's attention" in said[0]
     elif not torch.cuda.is_available():
         assert served == 0 and "on the cpu nothing is timed" in said[0], said
+
+
+def test_attention_layers_whose_function_is_another_nodes_call_it_as_comfyui_does_said_once(
+        pack, tiny, comfy_pytorch_attention, monkeypatch, caplog):
+    """Another node's function where ComfyUI's CrossAttention finds its attention function (not ComfyUI's choice for
+    the whole host): the qkv fusion's layers call it as ComfyUI's forward does, run after run, the image plain
+    ComfyUI's with that function, and the node says so once, in the console and in the notes Accel Info shows."""
+    import comfy.ldm.modules.attention as attention
+
+    from sd_accel.nodes import info
+
+    pos, neg = H.tiny_conditioning(2)
+    ours = sample(tiny, pos, neg)
+    monkeypatch.setattr(attention, "optimized_attention", sage_of_a_node)
+    NODE_CALLS.clear()
+    unet = tiny.model.diffusion_model
+    plain, plain_layers = attention_out(unet, lambda: sample(tiny, pos, neg))
+    calls = len(NODE_CALLS)
+    assert calls and H.rel(plain, ours) > 1e-4
+    acc, _ = accelerate(pack, tiny)
+    session = accelerated_unet.session_of(acc)
+    session.slot.options.update(triton_kernels=True, fusions=["qkv", "cross_attention"])
+    with caplog.at_level(logging.WARNING, logger="sd-accel"):
+        (out, layers), again = attention_out(unet, lambda: sample(acc, pos, neg)), sample(acc, pos, neg)
+    assert session.slot.acc.engine.fusion_counts["qkv"] == len(plain_layers) > 0
+    # the packed q/k/v projections are the engine's: the same products within rounding
+    assert len(layers) == len(plain_layers) and all(H.rel(a, b) <= 1e-6 for a, b in zip(layers, plain_layers))
+    assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out)
+    assert len(NODE_CALLS) == 3 * calls  # each layer's attention, as ComfyUI's forward calls it
+    where = "comfy.ldm.modules.attention.optimized_attention"
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and where in r.getMessage()]
+    assert said == [f"sd-accel: {where} is another node's function ({__name__}.sage_of_a_node), not ComfyUI's choice "
+                    "for the whole host: " + UNET_ASIDE.format(it="it", them="it")], said
+    s = status(pack, acc)
+    assert s.engine_calls == 4 and s.plain_calls == 0 and said[0].removeprefix("sd-accel: ") in s.messages, s
+    assert f"note: {said[0].removeprefix('sd-accel: ')}" in info.model_state(session, on_cpu=True)
+
+
+def test_attention_layers_under_an_attention_override_call_it_as_comfyui_does_said_once(tiny, comfy_pytorch_attention,
+                                                                                       caplog):
+    """A model patch's optimized_attention_override in a call's transformer_options, on an engine that is handed them
+    (the node sends such calls to ComfyUI's own forward before they reach it, and says so itself): the qkv fusion's
+    layers call the override as ComfyUI's forward does, call after call, said once per engine; with ComfyUI's own
+    choice and no override nothing is said."""
+    from sd_accel.accel.accelerate import accelerate as engine_for
+    from sd_accel.accel.models.spec import CanonicalUNet
+
+    unet = tiny.model.diffusion_model
+    g = torch.Generator().manual_seed(5)
+    x, t, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10.0, 500.0]), torch.randn(2, 77, 768, generator=g)
+    patched = {"transformer_options": {"optimized_attention_override": override_of_a_patch}}
+    NODE_CALLS.clear()
+    with torch.no_grad():
+        ours = CanonicalUNet(unet)(x, t, ctx)
+        plain, plain_layers = attention_out(unet, lambda: CanonicalUNet(unet)(x, t, ctx, **patched))
+    calls = len(NODE_CALLS)
+    assert calls and H.rel(plain, ours) > 1e-4
+    acc = engine_for(unet, preference="torch", options={"triton_kernels": True, "fusions": ["qkv", "cross_attention"]})
+    try:
+        with caplog.at_level(logging.WARNING, logger="sd-accel"):
+            assert H.rel(acc(x, t, ctx), ours) <= 1e-5
+            assert not [r for r in caplog.records if "optimized_attention" in r.getMessage()]  # ComfyUI's choice
+            (out, layers), again = attention_out(unet, lambda: acc(x, t, ctx, **patched)), acc(x, t, ctx, **patched)
+    finally:
+        acc.release()
+    assert len(layers) == len(plain_layers) and all(H.rel(a, b) <= 1e-6 for a, b in zip(layers, plain_layers))
+    assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out) and len(NODE_CALLS) == 3 * calls
+    where = "comfy.ldm.modules.attention.optimized_attention"
+    said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and where in r.getMessage()]
+    assert said == [f"sd-accel: a model patch sets optimized_attention_override ({__name__}.override_of_a_patch) for "
+                    "this call: in the calls that carry it, " + UNET_ASIDE.format(it=where, them="the override")], said
 
 
 def test_sdxl_model_is_accelerated(pack):

@@ -1,6 +1,6 @@
 """Attention kernel choice: which PyTorch SDPA backends may run, best first, or the flash_attn package; the form
-of a function that stands in for a host's attention function; and which host attention functions patched forwards
-read, which a CUDA graph depends on.
+of a function that stands in for a host's attention function; which host attention functions patched forwards
+read, which a CUDA graph depends on; and what the patched forwards said of them, once per engine.
 
 Choosing happens around the UNet call (a context), so diffusers' default SDPA processor and ComfyUI's
 PyTorch attention both pick it up without any module being replaced.
@@ -9,6 +9,7 @@ PyTorch attention both pick it up without any module being replaced.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterator
@@ -80,6 +81,29 @@ def read() -> tuple:
 
 def _what(fn) -> Hashable:
     return fn.key if isinstance(fn, StandIn) and fn.key is not None else id(fn)
+
+
+# What the patched forwards have said once (fusions.base.comfy_attention): the keys of the engine whose call runs now
+# (said_by: the torch path's engine, around each call), else this process's (fusions applied by hand, as the tests
+# do).
+_SAID: set[Hashable] = set()
+_SAYING: contextvars.ContextVar[set[Hashable] | None] = contextvars.ContextVar("sd_accel_said", default=None)
+
+
+@contextlib.contextmanager
+def said_by(keys: set[Hashable]) -> Iterator[None]:
+    """While it lasts, what the patched forwards say once is said once in `keys` (an engine's)."""
+    token = _SAYING.set(keys)
+    try:
+        yield
+    finally:
+        _SAYING.reset(token)
+
+
+def said() -> set[Hashable]:
+    """The keys of what was said once, of the engine whose call runs now (said_by), else of the process."""
+    keys = _SAYING.get()
+    return _SAID if keys is None else keys
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from ...models.dit import CanonicalDiT
 from ...models.spec import CanonicalUNet
 from ...plan.options import Runtime, TorchOptions
 from ...progress import NullProgress, Progress
-from ..attention import FlashAttnProcessor, read, sdpa_kernels
+from ..attention import FlashAttnProcessor, read, said_by, sdpa_kernels
 from ..graphs import GraphCache, WeightsWatch
 
 log = logging.getLogger("sd-accel")
@@ -124,6 +124,7 @@ class TorchEngine:
         self._fp8 = None  # the fp8 operands (accel/engine/fp8.py Copies) of a transformer's marked projections
         self._widened = None  # a UNet's fp8-stored weights as 16-bit copies (accel/engine/widen.py)
         self._layout_at_suspend: list | None = None
+        self.said: set = set()  # what the patched forwards said once (attention.said_by), said once for this engine
         progress.stage("prepare torch path", total=3)
         if options.precision == "fp8" and isinstance(unet, CanonicalUNet):
             log.warning("sd-accel: precision fp8 is for the diffusion transformers; this UNet computes in %s as "
@@ -256,7 +257,7 @@ class TorchEngine:
         if self.options.channels_last and self.on_gpu:
             x = x.contiguous(memory_format=torch.channels_last)
         extra = {"guidance": guidance} if guidance is not None else {}
-        with torch.inference_mode():
+        with torch.inference_mode(), said_by(self.said):
             if not x.is_cuda:  # the SDPA choice is for CUDA/ROCm; other devices keep their own kernels
                 return self._forward(x, timesteps, context, y, control, **extra, **kwargs)
             with sdpa_kernels(self.options.attention):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import host_attention
-from ..attention import StandIn, reads
+from ..attention import StandIn, reads, said
 from ..host_attention import Attend
 
 log = logging.getLogger("sd-accel")
@@ -335,15 +335,55 @@ def comfy_choice(fn: Callable | None) -> str | None:
                  if f is fn and getattr(home, getattr(f, "__name__", ""), None) is f), None)
 
 
-def comfy_attention(module_name: str, transformer_options: dict | None,
-                    name: str = "optimized_attention") -> Callable | None:
+# What leaves its call to the host where comfy_attention finds no function of ComfyUI's choice, in words: the fused DiT
+# blocks (their host's whole forward runs), or the UNet's attention layers (qkv: the packed projections still run, the
+# host's function gets the attention). {it}: what they call, {them}: what then computes the attention.
+BLOCKS = "the blocks that call {it} run ComfyUI's own forward with {them}, not sd-accel's fused blocks"
+LAYERS = "the attention layers that call {it} call {them} as ComfyUI's own forward does, not sd-accel's attention"
+
+
+def comfy_attention(module_name: str, transformer_options: dict | None, name: str = "optimized_attention",
+                    aside: str = BLOCKS) -> Callable | None:
     """The attention function ComfyUI's blocks of `module_name` call (its `name`; under a StandIn, the function it
     stands in for) when it is ComfyUI's choice for the whole host and no model patch overrides it for the call: the
-    fused forwards then serve the call. None where they must leave it to the host's forward."""
+    fused forwards then serve the call. None where they must leave it to the host's forward, said once per engine
+    and reason (`aside`: what steps aside, BLOCKS or LAYERS)."""
     if "optimized_attention_override" in (transformer_options or {}):
+        _aside("override", module_name, name, transformer_options["optimized_attention_override"], aside)
         return None
     _, fn = comfy_function(module_name, name)
-    return fn if comfy_choice(fn) is not None else None
+    if comfy_choice(fn) is not None:
+        return fn
+    _aside("function", module_name, name, fn, aside)
+    return None
+
+
+def _aside(reason: str, module_name: str, name: str, fn: Callable | None, aside: str) -> None:
+    """Say once per engine (attention.said) and reason that the calls of module_name's attention `name` step aside for
+    `fn`: a model patch's override ("override") or the function found there ("function"). Never in a CUDA graph's
+    capture (the call before it, outside, says it); the fused blocks ask at every call: when said, one set look-up."""
+    key = (reason, module_name, name)
+    keys = said()
+    if key in keys or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    keys.add(key)
+    where = f"{module_name}.{name}"
+    if reason == "override":
+        log.warning("sd-accel: a model patch sets optimized_attention_override (%s) for this call: in the calls that "
+                    "carry it, %s; the rest of the engine still runs.", _named(fn),
+                    aside.format(it=where, them="the override"))
+        return
+    comfy = (getattr(fn, "__module__", None) or "").startswith("comfy.")
+    whose = "ComfyUI's function" if comfy else "another node's function"
+    log.warning("sd-accel: %s is %s (%s), not ComfyUI's choice for the whole host: %s; the rest of the engine still "
+                "runs.", where, whose, _named(fn), aside.format(it="it", them="it"))
+
+
+def _named(fn: Callable | None) -> str:
+    """A function as a message names it: its module and qualified name ("my_node.sage")."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module else name
 
 
 def reads_comfy_attention(module_name: str, name: str = "optimized_attention") -> None:

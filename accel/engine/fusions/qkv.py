@@ -22,9 +22,9 @@ import sys
 from torch import nn
 
 from . import packing
-from .base import (COMFY_ATTENTION, CROSS_ATTENTION_ATTRS, CROSS_ATTENTION_PARAMS, Undo, attend, changed_host_block,
-                   comfy_attend, comfy_attention, forward_takes, patch_forward, plain_linear, projections,
-                   reads_comfy_attention, set_projections)
+from .base import (COMFY_ATTENTION, CROSS_ATTENTION_ATTRS, CROSS_ATTENTION_PARAMS, LAYERS, Undo, attend,
+                   changed_host_block, comfy_attend, comfy_attention, forward_takes, patch_forward, plain_linear,
+                   projections, reads_comfy_attention, set_projections)
 from .registry import fusion
 
 
@@ -69,7 +69,7 @@ def _comfy_forward(self, x, context=None, value=None, mask=None, transformer_opt
         out = attention.optimized_attention_masked(q, k, v, self.heads, mask, attn_precision=self.attn_precision,
                                                    transformer_options=transformer_options)
     else:
-        host = comfy_attention(type(self).__module__, transformer_options)
+        host = comfy_attention(type(self).__module__, transformer_options, aside=LAYERS)
         if host is None:  # a model patch's override, or another node's function: the host's call
             out = attention.optimized_attention(q, k, v, self.heads, attn_precision=self.attn_precision,
                                                 transformer_options=transformer_options)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.
 
 
 @pytest.mark.parametrize("name", ["sd15", "sdxl-fp8weights", "flux-dev", "chroma", "wan21-1.3b", "qwen-image",
-                                  "z-image", "hunyuan-video15", "ltx2-8l"])
+                                  "z-image", "hunyuan-video15", "ltx2-8l", "flux2-dev-10l"])
 def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     H.import_comfy()
     import comfy.supported_models
@@ -43,6 +43,35 @@ def test_every_run_of_the_sequence_equals_plain_comfyui(name):
         assert report.fp8_yardstick > 1e-3 and fp8_rows, report.table()
         assert all(r.limit == 1.5 * report.fp8_yardstick for r in fp8_rows)
     print(report.table())
+
+
+def test_comfyuis_detection_takes_the_reduced_flux2_file_for_flux2():
+    """flux2-dev-10l's file, as the suite writes it on the GPU (its model's state dict; here built on the meta device:
+    the keys and shapes without weights), is one ComfyUI's own detection takes for supported_models.Flux2 with the
+    suite's config: full width, 2 double and 8 single blocks, Mistral's 15360-wide text; 6.7B parameters. The suite
+    loads the full-size file with no help from comfy_helpers.detected_as."""
+    H.import_comfy()
+    import comfy.model_detection
+    import comfy.supported_models
+    import torch
+
+    from sd_accel.accel.models import configs
+
+    if not hasattr(comfy.supported_models, "Flux2"):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no supported_models.Flux2")
+    name = "flux2-dev-10l"
+    cls, config_name = sequences.MODELS[name][:2]
+    _, cfg = configs.comfy_dit_config(config_name)
+    config = getattr(comfy.supported_models, cls)(dict(cfg))
+    config.unet_config.update(cfg)
+    with H.layers_with_weights(), torch.device("meta"):
+        state = config.get_model({}, device="meta").diffusion_model.state_dict()
+    found = comfy.model_detection.model_config_from_unet(state, "")
+    assert type(found).__name__ == cls == "Flux2"
+    assert {k: found.unet_config.get(k) for k in cfg} == cfg
+    assert (found.unet_config["depth"], found.unet_config["depth_single_blocks"]) == (2, 8)
+    assert cfg["context_in_dim"] == configs.COMFY_DIT_CONFIGS["flux2-dev"][1]["context_in_dim"] == 15360
+    assert 6.6e9 < sum(t.numel() for t in state.values()) < 6.8e9
 
 
 def test_the_yardstick_measured_alone_serves_a_later_run(tmp_path, monkeypatch):

@@ -68,22 +68,29 @@ MODELS: dict[str, tuple[str, str, torch.dtype, float, tuple[int, int], tuple[int
     # model's files, float32 and fp8 beside 16-bit, and its runs do not fit one call), a short clip and its audio:
     # 17 frames (3 latent frames) at 768x512, 17 audio latents
     "ltx2-8l": ("LTXAV", "ltx2-8l", torch.bfloat16, 3.0, (768, 512), (512, 768), 256),
+    # Flux.2-dev (ComfyUI 0.33 and later) at full width with 2 of its 8 double blocks and 8 of its 48 single blocks
+    # (flux2-dev-10l: 6.7B parameters; the whole 32B model's files, float32 and fp8 beside 16-bit, and its runs do not
+    # fit one call), guidance-distilled as Flux.1-dev: CFG 1, guidance 4 (GUIDANCE); 128 latent channels at 16x
+    # (LATENT), Mistral's text padded to 512 tokens by ComfyUI
+    "flux2-dev-10l": ("Flux2", "flux2-dev-10l", torch.bfloat16, 1.0, (1024, 1024), (1024, 768), 512),
     # Wan 2.1's native clip, 81 frames (21 latent frames) at 480p: the several-GPU check's model (tests/gpu/gpus.py)
     "wan21-14b": ("WAN21_T2V", "wan21-14b", torch.bfloat16, 5.0, (832, 480), (480, 832), 512),
 }
 TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "sdxl-fp8weights": "tiny-sdxl", "flux-dev": "tiny-flux",
         "sd35-medium": "tiny-sd3", "chroma": "tiny-chroma", "wan21-1.3b": "tiny-wan", "qwen-image": "tiny-qwen-image",
         "wan21-14b": "tiny-wan", "z-image": "tiny-z-image", "hunyuan-video15": "tiny-hunyuan-video15",
-        "ltx2-8l": "tiny-ltx2"}
+        "ltx2-8l": "tiny-ltx2", "flux2-dev-10l": "tiny-flux2-dev-10l"}
 # latent frames; the others are images (Qwen-Image's: one frame)
 FRAMES = {"wan21-1.3b": 5, "wan21-14b": 21, "hunyuan-video15": 5, "ltx2-8l": 3}
 # (latent channels, pixels per latent pixel) of the transformers whose VAE is not 16 channels at 8x
-LATENT = {"hunyuan-video15": (32, 16), "ltx2-8l": (128, 32)}
+LATENT = {"hunyuan-video15": (32, 16), "ltx2-8l": (128, 32), "flux2-dev-10l": (128, 16)}
 AUDIO = {"ltx2-8l": 17}  # audio latents beside the video's (LTX-2's: 25 a second, as its frames at 25 fps)
+# the guidance a guidance-distilled model's conditioning carries (FluxGuidance's; ComfyUI's Flux.2 workflows give 4)
+GUIDANCE = {"flux-dev": 3.5, "flux2-dev-10l": 4.0}
 QUICK = ("sd15", "flux-dev")
 # named alone: each takes a 10-minute call of its own or more (Qwen-Image and HunyuanVideo 1.5 two: the yardstick,
-# then the sequences), and Z-Image, HunyuanVideo 1.5 and LTX-2 need ComfyUI 0.33
-NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image", "hunyuan-video15", "ltx2-8l")
+# then the sequences), and Z-Image, HunyuanVideo 1.5, LTX-2 and Flux.2 need ComfyUI 0.33
+NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image", "hunyuan-video15", "ltx2-8l", "flux2-dev-10l")
 UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
 # Models whose weights are stored in another dtype than they compute in: ComfyUI's cast-on-the-fly layers widen each
 # weight per call to the dtype the model runs in (the 16-bit one, or float32 for the yardstick's reference, which so
@@ -283,8 +290,8 @@ class Harness:
             # as CLIPTextEncode gives it: the key is there, None for text encoders with no pooled output (Chroma's
             # T5), which ComfyUI's Flux-derived classes read
             extra = {"pooled_output": torch.randn(1, pooled, generator=g) * scale if pooled else None}
-            if self.name == "flux-dev":
-                extra["guidance"] = 3.5
+            if self.name in GUIDANCE:
+                extra["guidance"] = GUIDANCE[self.name]
             if self.xl:
                 extra.update(width=self.base[0], height=self.base[1], target_width=self.base[0],
                              target_height=self.base[1])

@@ -175,6 +175,24 @@ def comfy_version() -> str:
         return "of unknown version"
 
 
+NODE_CALLS = []  # the calls of sage_of_a_node and override_of_a_patch
+
+
+def sage_of_a_node(q, k, v, heads, *args, **kwargs):
+    """Another node's attention function, put where a ComfyUI module keeps its optimized_attention (as nodes that bring
+    their own sage attention do): ComfyUI's PyTorch attention, scaled so that an image shows whether it ran."""
+    import comfy.ldm.modules.attention as attention
+
+    NODE_CALLS.append(q.shape)
+    return attention.attention_pytorch(q, k, v, heads, *args, **kwargs) * 0.75
+
+
+def override_of_a_patch(fn, *args, **kwargs):
+    """A model patch's optimized_attention_override: the attention ComfyUI hands it, scaled, counted in NODE_CALLS."""
+    NODE_CALLS.append(args[0].shape)
+    return fn(*args, **kwargs) * 0.75
+
+
 def set_up_like_main() -> str:
     """What ComfyUI's main.py sets up in its process before it loads a model, for in-process runs on a GPU: from 0.33,
     on an NVIDIA GPU with torch 2.8 or later, comfy-aimdo initialised and ModelPatcherDynamic made the loaders'

@@ -23,24 +23,6 @@ FAMILIES = ("flux", "chroma", "sd3")
 # the module whose optimized_attention each family's blocks call
 ATTENTION_OF = {"flux": "comfy.ldm.flux.math", "chroma": "comfy.ldm.flux.math",
                 "sd3": "comfy.ldm.modules.diffusionmodules.mmdit"}
-NODE_CALLS = []  # the calls of sage_of_a_node
-
-
-def sage_of_a_node(q, k, v, heads, *args, **kwargs):
-    """Another node's attention function, put where a ComfyUI module keeps its optimized_attention (as nodes that bring
-    their own sage attention do): ComfyUI's PyTorch attention, scaled so that an image shows whether it ran."""
-    import comfy.ldm.modules.attention as attention
-
-    NODE_CALLS.append(q.shape)
-    return attention.attention_pytorch(q, k, v, heads, *args, **kwargs) * 0.75
-
-
-def override_of_a_patch(fn, *args, **kwargs):
-    """A model patch's optimized_attention_override: the attention ComfyUI hands it, scaled, counted in NODE_CALLS."""
-    NODE_CALLS.append(args[0].shape)
-    return fn(*args, **kwargs) * 0.75
-
-
 def blocks_out(module, run) -> tuple:
     """run()'s result, and the outputs of the diffusion model `module`'s transformer blocks in its first call, in
     order."""
@@ -196,10 +178,10 @@ def test_blocks_whose_attention_is_another_nodes_function_run_comfyuis_forward_s
     model = H.tiny_dit(family, 2)
     pos, neg = H.tiny_dit_conditioning(family, 3)
     ours = sample(model, pos, neg)
-    monkeypatch.setattr(importlib.import_module(ATTENTION_OF[family]), "optimized_attention", sage_of_a_node)
-    NODE_CALLS.clear()
+    monkeypatch.setattr(importlib.import_module(ATTENTION_OF[family]), "optimized_attention", H.sage_of_a_node)
+    H.NODE_CALLS.clear()
     plain, plain_blocks = blocks_out(model.model.diffusion_model, lambda: sample(model, pos, neg))
-    calls = len(NODE_CALLS)
+    calls = len(H.NODE_CALLS)
     assert calls and H.rel(plain, ours) > 1e-4  # the node's function runs in ComfyUI's blocks (fused: 1e-5)
     acc, _ = accelerate(pack, model)
     session = accelerated_unet.session_of(acc)
@@ -212,9 +194,9 @@ def test_blocks_whose_attention_is_another_nodes_function_run_comfyuis_forward_s
     assert len(blocks) == len(plain_blocks) and all(torch.equal(a, b) for mine, theirs in zip(blocks, plain_blocks)
                                                     for a, b in zip(mine, theirs, strict=True))
     assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out)
-    assert len(NODE_CALLS) == 3 * calls and not fused  # each block's attention, as ComfyUI's forward calls it
+    assert len(H.NODE_CALLS) == 3 * calls and not fused  # each block's attention, as ComfyUI's forward calls it
     said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and where in r.getMessage()]
-    assert said == [f"sd-accel: {where} is another node's function ({__name__}.sage_of_a_node), not ComfyUI's choice "
+    assert said == [f"sd-accel: {where} is another node's function ({H.__name__}.sage_of_a_node), not ComfyUI's choice "
                     "for the whole host: the blocks that call it run ComfyUI's own forward with it, not sd-accel's "
                     "fused blocks; the rest of the engine still runs."], said
     s = status(acc)
@@ -235,18 +217,18 @@ def test_blocks_under_an_attention_override_run_comfyuis_forward_said_once_per_e
     name = H.tiny_name(family)
     model = configs.build_dit(name, "comfy", comfyui_root=H.comfy_root(), device="cpu")
     inp = configs.dit_example_inputs(name, batch=1, latent=(8, 10), device="cpu")
-    patched = {"transformer_options": {"optimized_attention_override": override_of_a_patch}}
-    NODE_CALLS.clear()
+    patched = {"transformer_options": {"optimized_attention_override": H.override_of_a_patch}}
+    H.NODE_CALLS.clear()
     with torch.no_grad():
         ours = CanonicalDiT(model)(**inp)
         plain, plain_blocks = blocks_out(model, lambda: CanonicalDiT(model)(**inp, **patched))
-    calls = len(NODE_CALLS)
+    calls = len(H.NODE_CALLS)
     assert calls and H.rel(plain, ours) > 1e-4
     fused = H.counted_sdpa(monkeypatch.setattr)
     acc = engine_for(model, preference="torch", options={"triton_kernels": True})
     with caplog.at_level(logging.WARNING, logger="sd-accel"):
         (out, blocks), again = blocks_out(model, lambda: acc(**inp, **patched)), acc(**inp, **patched)
-        assert not fused and len(NODE_CALLS) == 3 * calls
+        assert not fused and len(H.NODE_CALLS) == 3 * calls
         acc.release()
         acc = engine_for(model, preference="torch", options={"triton_kernels": True})
         acc(**inp, **patched)  # another engine: said once more
@@ -256,7 +238,7 @@ def test_blocks_under_an_attention_override_run_comfyuis_forward_said_once_per_e
     assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out)
     where = {"flux": "comfy.ldm.flux.math", "sd3": "comfy.ldm.modules.diffusionmodules.mmdit"}[family]
     said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and "optimized_attention" in r.getMessage()]
-    assert said == 2 * [f"sd-accel: a model patch sets optimized_attention_override ({__name__}.override_of_a_patch) "
+    assert said == 2 * [f"sd-accel: a model patch sets optimized_attention_override ({H.__name__}.override_of_a_patch) "
                         f"for this call: in the calls that carry it, the blocks that call {where}.optimized_attention "
                         "run ComfyUI's own forward with the override, not sd-accel's fused blocks; the rest of the "
                         "engine still runs."], said

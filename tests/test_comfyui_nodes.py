@@ -46,25 +46,6 @@ def status(pack, model):
     return accelerated_unet.session_of(model).slot.status
 
 
-NODE_CALLS = []  # the calls of sage_of_a_node and override_of_a_patch
-
-
-def sage_of_a_node(q, k, v, heads, *args, **kwargs):
-    """Another node's attention function, put where ComfyUI's attention module keeps its optimized_attention (as nodes
-    that bring their own sage attention do): ComfyUI's PyTorch attention, scaled so that an image shows whether it
-    ran."""
-    import comfy.ldm.modules.attention as attention
-
-    NODE_CALLS.append(q.shape)
-    return attention.attention_pytorch(q, k, v, heads, *args, **kwargs) * 0.75
-
-
-def override_of_a_patch(fn, *args, **kwargs):
-    """A model patch's optimized_attention_override: the attention ComfyUI hands it, scaled, counted in NODE_CALLS."""
-    NODE_CALLS.append(args[0].shape)
-    return fn(*args, **kwargs) * 0.75
-
-
 def attention_out(unet, run) -> tuple:
     """run()'s result, and the outputs of the UNet's attention layers (ComfyUI's CrossAttention) in its first call."""
     layers = [m for m in unet.modules() if type(m).__name__ == "CrossAttention"]
@@ -233,11 +214,11 @@ def test_attention_layers_whose_function_is_another_nodes_call_it_as_comfyui_doe
 
     pos, neg = H.tiny_conditioning(2)
     ours = sample(tiny, pos, neg)
-    monkeypatch.setattr(attention, "optimized_attention", sage_of_a_node)
-    NODE_CALLS.clear()
+    monkeypatch.setattr(attention, "optimized_attention", H.sage_of_a_node)
+    H.NODE_CALLS.clear()
     unet = tiny.model.diffusion_model
     plain, plain_layers = attention_out(unet, lambda: sample(tiny, pos, neg))
-    calls = len(NODE_CALLS)
+    calls = len(H.NODE_CALLS)
     assert calls and H.rel(plain, ours) > 1e-4
     acc, _ = accelerate(pack, tiny)
     session = accelerated_unet.session_of(acc)
@@ -248,10 +229,10 @@ def test_attention_layers_whose_function_is_another_nodes_call_it_as_comfyui_doe
     # the packed q/k/v projections are the engine's: the same products within rounding
     assert len(layers) == len(plain_layers) and all(H.rel(a, b) <= 1e-6 for a, b in zip(layers, plain_layers))
     assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out)
-    assert len(NODE_CALLS) == 3 * calls  # each layer's attention, as ComfyUI's forward calls it
+    assert len(H.NODE_CALLS) == 3 * calls  # each layer's attention, as ComfyUI's forward calls it
     where = "comfy.ldm.modules.attention.optimized_attention"
     said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and where in r.getMessage()]
-    assert said == [f"sd-accel: {where} is another node's function ({__name__}.sage_of_a_node), not ComfyUI's choice "
+    assert said == [f"sd-accel: {where} is another node's function ({H.__name__}.sage_of_a_node), not ComfyUI's choice "
                     "for the whole host: " + UNET_ASIDE.format(it="it", them="it")], said
     s = status(pack, acc)
     assert s.engine_calls == 4 and s.plain_calls == 0 and said[0].removeprefix("sd-accel: ") in s.messages, s
@@ -270,12 +251,12 @@ def test_attention_layers_under_an_attention_override_call_it_as_comfyui_does_sa
     unet = tiny.model.diffusion_model
     g = torch.Generator().manual_seed(5)
     x, t, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10.0, 500.0]), torch.randn(2, 77, 768, generator=g)
-    patched = {"transformer_options": {"optimized_attention_override": override_of_a_patch}}
-    NODE_CALLS.clear()
+    patched = {"transformer_options": {"optimized_attention_override": H.override_of_a_patch}}
+    H.NODE_CALLS.clear()
     with torch.no_grad():
         ours = CanonicalUNet(unet)(x, t, ctx)
         plain, plain_layers = attention_out(unet, lambda: CanonicalUNet(unet)(x, t, ctx, **patched))
-    calls = len(NODE_CALLS)
+    calls = len(H.NODE_CALLS)
     assert calls and H.rel(plain, ours) > 1e-4
     acc = engine_for(unet, preference="torch", options={"triton_kernels": True, "fusions": ["qkv", "cross_attention"]})
     try:
@@ -286,10 +267,10 @@ def test_attention_layers_under_an_attention_override_call_it_as_comfyui_does_sa
     finally:
         acc.release()
     assert len(layers) == len(plain_layers) and all(H.rel(a, b) <= 1e-6 for a, b in zip(layers, plain_layers))
-    assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out) and len(NODE_CALLS) == 3 * calls
+    assert H.rel(out, plain) <= 1e-6 and torch.equal(again, out) and len(H.NODE_CALLS) == 3 * calls
     where = "comfy.ldm.modules.attention.optimized_attention"
     said = [r.getMessage() for r in caplog.records if r.name == "sd-accel" and where in r.getMessage()]
-    assert said == [f"sd-accel: a model patch sets optimized_attention_override ({__name__}.override_of_a_patch) for "
+    assert said == [f"sd-accel: a model patch sets optimized_attention_override ({H.__name__}.override_of_a_patch) for "
                     "this call: in the calls that carry it, " + UNET_ASIDE.format(it=where, them="the override")], said
 
 

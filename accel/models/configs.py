@@ -380,10 +380,9 @@ COMFY_DIT_CONFIGS: dict[str, tuple[str, dict]] = {
     # its full width with 2 of its 8 double blocks and 8 of its 48 single blocks (6.7B parameters of 32B): the GPU
     # suite's (tests/gpu/sequences.py), whose runs of the whole model do not fit one call
     "flux2-dev-10l": ("flux", {**_COMFY_FLUX2_DEV, "depth": 2, "depth_single_blocks": 8}),
-    # its tiny counterpart, narrower than tiny-flux2 (64 wide, heads of 32): ComfyUI pads Flux.2's text to 512
-    # tokens (model_base.Flux2), so each of the suite's tiny sequence's 744 calls runs 528 tokens, which took 137 s
-    # on one CPU thread at tiny-flux2's width against 50 s at this one; ComfyUI's detection reads heads of 128, so
-    # the tiny sequence loads its files through comfy_helpers.detected_as
+    # its tiny counterpart, narrower than tiny-flux2 (64 wide, heads of 32) because ComfyUI pads Flux.2's text to
+    # 512 tokens (model_base.Flux2), so every call of the suite's tiny sequence runs over 500 tokens on CI's CPU;
+    # ComfyUI's detection reads heads of 128, so the tiny sequence loads its files through comfy_helpers.detected_as
     "tiny-flux2-dev-10l": ("flux", {**_COMFY_FLUX2_DEV, "context_in_dim": 32, "hidden_size": 64, "num_heads": 2,
                                     "axes_dim": [8, 8, 8, 8], "depth": 2, "depth_single_blocks": 2}),
     # heads of Flux.2's width (128), which its model detection assumes: what a file of it loads as
@@ -451,8 +450,8 @@ DIT_SHAPES = {"flux-dev": (512, 128), "flux-schnell": (256, 128), "sd35-large": 
               "tiny-flux": (7, 8), "tiny-sd3": (7, 8), "chroma": (512, 128), "tiny-chroma": (7, 8),
               "wan21-14b": (512, (60, 104)), "wan21-1.3b": (512, (60, 104)), "wan22-5b": (512, (44, 80)),
               "qwen-image": (512, 166), "tiny-wan": (7, 8), "tiny-qwen-image": (7, 8), "flux2-dev": (512, 64),
-              "flux2-dev-10l": (512, 64), "tiny-flux2": (7, 8),
-              "tiny-flux2-dev-10l": (7, 8), "z-image": (512, 128), "tiny-z-image": (7, 8),
+              "flux2-dev-10l": (512, 64), "tiny-flux2": (7, 8), "tiny-flux2-dev-10l": (7, 8), "z-image": (512, 128),
+              "tiny-z-image": (7, 8),
               # a long prompt's Qwen2.5-VL tokens (ComfyUI passes a prompt's own count, unpadded); 848x480 at 16x
               "hunyuan-video15": (256, (30, 53)), "tiny-hunyuan-video15": (7, 8),
               # a long prompt's Gemma tokens (ComfyUI passes a prompt's own count, unpadded); 768x512 at 32x

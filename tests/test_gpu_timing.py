@@ -48,6 +48,20 @@ def test_median_range_and_ratio_of_the_medians():
     assert busy == "plain: GPU busy not measured (no CUDA device); node: GPU busy not measured (no CUDA device)"
 
 
+def test_a_side_beside_runs_third_in_each_round_unprofiled(monkeypatch):
+    """A third side for context (plain alone beside plain with a stack): run after the two in every round, so a drift
+    falls on it alike; its median and how it compares with each side in a line of its own; not profiled."""
+    calls: list[str] = []
+    monkeypatch.setattr(timing, "gpu_busy", lambda run: 0.5)
+    t = timing.measure(fake("node", [1.0] * 5, calls), fake("plain", [2.0] * 5, calls), gpu=True,
+                       beside=("plain alone", fake("alone", [3.0, 3.2, 2.8, 3.0, 3.0], calls)))
+    assert calls == ["node", "plain", "alone"] * timing.RUNS
+    assert (t.beside.median, t.beside.low, t.beside.high, t.beside_label) == (3.0, 2.8, 3.2, "plain alone")
+    assert t.lines()[2] == ("plain alone, run third in the same rounds: median 3.00 s (2.80-3.20), 3.00x the node's, "
+                            "1.50x plain's")
+    assert len(timing.measure(fake("n", [1.0] * 5, []), fake("p", [1.0] * 5, []), gpu=False).lines()) == 2
+
+
 def test_an_even_count_takes_the_middle_two():
     assert timing.Spread.of([4.0, 1.0, 3.0, 2.0]).median == 2.5
     with pytest.raises(ValueError):

@@ -54,13 +54,19 @@ class Timed:
     node_busy: Busy
     plain_busy: Busy
     unit: str = "s"
+    beside: Spread | None = None  # a third side run after the two in each round, for context (not profiled)
+    beside_label: str = ""
 
     def lines(self) -> list[str]:
         timed = (f"timed: node median {self.node.text(self.unit)}, plain {self.plain.text(self.unit)} over "
                  f"{len(self.node.samples)} interleaved warm runs each: {self.ratio:.2f}x; CPU {self.cpu}, "
                  f"load {load_text(self.load)}")
-        return [timed,
-                f"{self.plain_busy.text('plain', self.unit)}; {self.node_busy.text('node', self.unit)}"]
+        lines = [timed, f"{self.plain_busy.text('plain', self.unit)}; {self.node_busy.text('node', self.unit)}"]
+        if self.beside is not None:
+            lines.append(f"{self.beside_label}, run third in the same rounds: median {self.beside.text(self.unit)}, "
+                         f"{self.beside.median / self.node.median:.2f}x the node's, "
+                         f"{self.beside.median / self.plain.median:.2f}x plain's")
+        return lines
 
 
 def union_length(spans: Iterable[tuple[float, float]]) -> float:
@@ -117,14 +123,23 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
 
 
 def measure(node: Callable[[], float], plain: Callable[[], float], gpu: bool, runs: int = RUNS, per: int = 1,
-            unit: str = "s") -> Timed:
+            unit: str = "s", beside: tuple[str, Callable[[], float]] | None = None) -> Timed:
     """Interleaved warm runs of node and plain (each call returns its wall seconds, its GPU work synchronised), then
-    one more run of each under the profiler where `gpu`; every figure divided by `per` (steps, for seconds a step)."""
-    node_s, plain_s = interleaved(node, plain, runs)
+    one more run of each under the profiler where `gpu`; every figure divided by `per` (steps, for seconds a step).
+    beside: (label, a third side) run after the two in each round, so that a drift falls on it alike."""
+    beside_s: list[float] = []
+
+    def plain_then_beside() -> float:
+        seconds = plain()
+        beside_s.append(beside[1]())
+        return seconds
+
+    node_s, plain_s = interleaved(node, plain_then_beside if beside else plain, runs)
     host_load = load()  # before the profiled runs, which are no part of the timed ones
     node_t, plain_t = Spread.of(s / per for s in node_s), Spread.of(s / per for s in plain_s)
     if gpu:
         node_busy, plain_busy = busy(node, node_t.median, per), busy(plain, plain_t.median, per)
     else:
         node_busy, plain_busy = (Busy(side.median, None, "no CUDA device") for side in (node_t, plain_t))
-    return Timed(node_t, plain_t, plain_t.median / node_t.median, host_cpu(), host_load, node_busy, plain_busy, unit)
+    return Timed(node_t, plain_t, plain_t.median / node_t.median, host_cpu(), host_load, node_busy, plain_busy, unit,
+                 Spread.of(s / per for s in beside_s) if beside else None, beside[0] if beside else "")

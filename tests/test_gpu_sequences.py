@@ -175,6 +175,70 @@ def test_the_stacks_give_plains_latents_and_skip_the_same_steps(stacking_on_the_
         assert compiled.said == 1 and compiled.engine_calls == 0
 
 
+def test_the_split_over_two_devices_against_the_nodes_own_and_with_the_node_stepping_aside():
+    """stack-sdxl-multigpu on the tiny SDXL (ComfyUI 0.33's MultiGPU CFG Split): plain with the split (its second
+    device a second CPU index) against the node with gpus 2 (two CPU processes), every call spread, its latents within
+    the limit of plain's with and without the split; then the node with the split before and after it: ComfyUI's
+    forward serves each device's call (cond and uncond apart), said once over two runs, plain's latents exactly."""
+    import stacking
+
+    H.import_comfy()
+    if H.host_node("nodes_multigpu", "MultiGPUCFGSplitNode")[0] is None:
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no MultiGPU CFG Split")
+    (report,) = stacking.run_mode("stack-sdxl-multigpu", size="tiny", device="cpu")
+    table = report.table()
+    print(table)
+    assert not report.failures() and not report.raised, table
+    assert [r.order for r in report.rows] == ["gpus 2", "before", "after"], table
+    steps = stacking.steps("tiny")
+    own, *aside = report.rows
+    assert own.devices == 2 and own.spread_calls == own.engine_calls == steps and own.plain_calls == 0
+    assert own.error <= own.limit and own.vs_plain <= own.limit
+    assert own.timed and len(own.timed.beside.samples) == len(own.timed.node.samples) == timing.RUNS
+    assert own.timed.beside_label == "plain alone (no split)" and "run third in the same rounds" in table
+    for row in aside:
+        assert row.devices == 2 and row.said == 1 and row.error == 0.0 and row.timed is None
+        assert row.engine_calls == 0 and row.plain_calls == 2 * steps  # one call a step on each device
+    assert report.yardstick == pytest.approx(own.limit / 1.5)  # the run's (0 on the CPU) + the split's own move
+    assert "plain's move under the split" in table
+
+
+def test_the_split_is_skipped_in_one_line_without_its_node_or_a_second_gpu(monkeypatch):
+    """Where ComfyUI has no MultiGPU CFG Split (0.3.64) the mode says so in one line before any model is built; on a
+    machine with one GPU it needs 2."""
+    import torch
+
+    import stacking
+
+    H.import_comfy()
+    found, why = H.host_node("nodes_multigpu", "MultiGPUCFGSplitNode")
+    if found is None:
+        (report,) = stacking.run_mode("stack-sdxl-multigpu", size="tiny", device="cpu")
+        assert report.skipped == why and not report.rows and not report.failures()
+        assert report.table().count("\n") == 0 and "skipped: " in report.table()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert stacking.unavailable("MultiGPUCFGSplit", torch.device("cuda")) == (why or "needs 2 GPUs; 1 visible")
+
+
+def test_a_split_row_that_did_not_split_fails():
+    """The split's rows fail where a device is missing, a call was not spread, the node's own split lies off plain's
+    without the split, or a step's cond and uncond ran together; the step-aside rows where the node said it more than
+    once."""
+    import dataclasses
+
+    import stacking
+
+    own = stacking.StackRow("gpus 2", 1e-4, 1e-3, True, 20, 20, 0, vs_plain=2e-4, devices=2, spread_calls=20)
+    aside = stacking.StackRow("before", 0.0, 1e-3, True, 20, 0, 40, aside=True, said=1, devices=2)
+    assert own.ok and aside.ok
+    for bad, words in ((dataclasses.replace(own, vs_plain=2e-3), "without the split"),
+                       (dataclasses.replace(own, devices=1), "nothing was split"),
+                       (dataclasses.replace(own, spread_calls=19), "spread 19 of its 20"),
+                       (dataclasses.replace(aside, plain_calls=20), "cond and uncond were not run apart"),
+                       (dataclasses.replace(aside, said=2), "2 times, not once")):
+        assert any(words in p for p in bad.problems()), bad.problems()
+
+
 def test_a_node_off_plain_with_the_stack_fails(stacking_on_the_cpu, monkeypatch):
     """A wrong node: its latents moved (a post-CFG function on the node's output alone scales each step's result),
     its calls still through the engine: the stack's row fails, naming the distance."""

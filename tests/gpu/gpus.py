@@ -82,7 +82,7 @@ class GpuReport:
                          + [f"   note: {n}" for n in self.notes])
 
 
-def _node(h: sequences.Harness, gpus: str):
+def spread_node(h: sequences.Harness, gpus: str):
     """The node's output asked for `gpus` GPUs; on the CPU its calls spread over as many CPU processes."""
     from sd_accel.nodes import accelerated_unet
 
@@ -124,7 +124,7 @@ def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[s
                                   bool(torch.isfinite(out).all()), engine, spread_calls))
         print(report.rows[-1].line(), flush=True)
 
-    one = _node(h, "1")
+    one = spread_node(h, "1")
     ref, seconds = h.sample(one, run)
     first = served(one)
     g = torch.Generator().manual_seed(7)
@@ -139,7 +139,7 @@ def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[s
     del one
     gc.collect()
     for asked in gpus:
-        acc = _node(h, asked)
+        acc = spread_node(h, asked)
         out, seconds = h.sample(acc, run)
         row(f"gpus {asked}", out, seconds, ref, served(acc))
         out, seconds = h.sample(acc, run)  # the workers up, the graphs captured: what every later run costs

@@ -1,8 +1,9 @@
 """The Accelerated UNet node stacked with ComfyUI's own tools on the GPU (issue 55): `tests/gpu/run stack-sd15`,
-`stack-sd15-tools`, `stack-flux-dev`, `stack-flux-dev-compile`, `stack-flux-dev-flags`, `stack-sd35-medium` (MODES;
-`stack`: the first three; tests/gpu/README.md has their GPU times). tests/test_comfyui_stacking.py
-pins the same stacks down on the CPU; here they run full size, each in the host's own sampler with the model loaded
-from its file by ComfyUI's loader (tests/gpu/sequences.py's Harness, its yardstick and limits).
+`stack-sd15-tools`, `stack-flux-dev`, `stack-flux-dev-compile`, `stack-flux-dev-flags`, `stack-sd35-medium`,
+`stack-sdxl-multigpu` (MODES; `stack`: the first three; tests/gpu/README.md has their GPU times).
+tests/test_comfyui_stacking.py pins the same stacks down on the CPU; here they run full size, each in the host's own
+sampler with the model loaded from its file by ComfyUI's loader (tests/gpu/sequences.py's Harness, its yardstick and
+limits).
 
 Each stack is a 20-step run of plain ComfyUI with the stack against the node with the same stack, the host node
 applied before and after the Accelerated UNet node:
@@ -22,9 +23,21 @@ applied before and after the Accelerated UNet node:
   under the flag into the yardstick (yardstick + how far plain with the flag lies from plain without). Where the flag
   cannot take (no CUDA, a torch without fp16 accumulation, no `sageattention` package: ComfyUI would exit at its
   start), the stack says so in one line and is skipped, never failed.
+- MultiGPU CFG Split (ComfyUI 0.33's comfy_extras/nodes_multigpu.py, max_gpus 2; SDXL 1024 at CFG 7, so that each step
+  has a cond and an uncond to split; a machine with 2 GPUs): plain ComfyUI with the split, as a user stacks it, against
+  the node with its own split (gpus 2: the engine on each GPU, cond on one and uncond on the other), its latents
+  within the limit of both plain's with the split and plain's without, every call spread; then the node (gpus 1)
+  with the split before and after it, where it steps aside (the split's threads call each GPU's own copy at once),
+  says so once, and the latents are plain's with the split. The split's own move (plain with it against plain
+  without: cond and uncond run apart) joins the yardstick, as a flag's does. The timed pair is the node with gpus 2
+  against plain with the split, plain alone run third in each round for context; the step-aside rows are one run of
+  each side (they run ComfyUI's forward, as plain does). Where ComfyUI has no such node or fewer than 2 GPUs are
+  visible, the mode says so in one line before any model is built.
 
 Then both sides' warm runs of the stack are timed as timing.py does (interleaved, each side's median and range, the
-ratio of the medians, GPU busy). `size="tiny"` runs the same on tiny models on the CPU (tests/test_gpu_sequences.py).
+ratio of the medians, GPU busy). `size="tiny"` runs the same on tiny models on the CPU (tests/test_gpu_sequences.py):
+there a second CPU device index stands for the split's second GPU (as in tests/test_comfyui_stacking.py) and the node's
+gpus 2 spreads over two CPU processes (as in tests/gpu/gpus.py).
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ from pathlib import Path
 import torch
 
 import comfy_helpers as H
+import gpus
 import sequences
 import timing
 
@@ -62,7 +76,7 @@ class Stack:
     module: str = ""  # the node's comfy_extras module
     node: str = ""  # and class
     orders: tuple[str, ...] = ORDERS
-    aside: bool = False  # the node is to step aside: ComfyUI's forward serves every call, said once
+    aside: str = ""  # the node is to step aside (ComfyUI's forward serves every call), saying these words once
     cache: bool = False  # a step cache: its skipped steps are compared
 
 
@@ -80,7 +94,10 @@ STACKS = {s.name: s for s in (
     Stack("ModelSamplingFlux", "model", "nodes_model_advanced", "ModelSamplingFlux"),
     Stack("ModelSamplingSD3", "model", "nodes_model_advanced", "ModelSamplingSD3"),
     Stack("ControlNet", "controlnet", orders=("-",)),
-    Stack("TorchCompileModel", "model", "nodes_torch_compile", "TorchCompileModel", orders=("after",), aside=True),
+    Stack("TorchCompileModel", "model", "nodes_torch_compile", "TorchCompileModel", orders=("after",),
+          aside="TorchCompileModel compiles this model"),
+    Stack("MultiGPUCFGSplit", "multigpu", "nodes_multigpu", "MultiGPUCFGSplitNode",
+          aside="MultiGPU CFG Split (MultiGPU_WorkUnits) runs each step's calls on several GPUs"),
     *(Stack(flag, "flag", orders=("-",)) for flag in FLAGS),
 )}
 INPUTS: dict[str, Callable[[sequences.Harness], dict]] = {
@@ -88,6 +105,7 @@ INPUTS: dict[str, Callable[[sequences.Harness], dict]] = {
     "ModelSamplingFlux": lambda h: dict(max_shift=1.15, base_shift=0.5, width=h.base[0], height=h.base[1]),
     "ModelSamplingSD3": lambda h: dict(shift=3.0),
     "TorchCompileModel": lambda h: dict(backend="inductor"),
+    "MultiGPUCFGSplit": lambda h: dict(max_gpus=2),
 }
 # the modes of tests/gpu/run: (model, stacks); each fits a 10-minute call on an H200 by the suite's step times
 MODES = {
@@ -97,6 +115,7 @@ MODES = {
     "stack-flux-dev-compile": ("flux-dev", ("TorchCompileModel",)),
     "stack-flux-dev-flags": ("flux-dev", tuple(FLAGS)),
     "stack-sd35-medium": ("sd35-medium", ("EasyCache", "ModelSamplingSD3")),
+    "stack-sdxl-multigpu": ("sdxl", ("MultiGPUCFGSplit",)),  # ComfyUI 0.33 and 2 GPUs
 }
 STACK = ("stack-sd15", "stack-sd15-tools", "stack-flux-dev")  # `tests/gpu/run stack`
 
@@ -123,11 +142,25 @@ class StackRow:
     flag_on: bool | None = None  # a cli flag: whether ComfyUI put it in effect
     cuda: bool = True
     timed: timing.Timed | None = None
+    vs_plain: float | None = None  # the node's own split: its latents' distance from plain's without any split
+    devices: int | None = None  # a split over devices: how many the run had (the split's copies, the node's workers)
+    spread_calls: int | None = None  # the node's own split: its calls spread over its devices
 
     def problems(self) -> list[str]:
         bad = [] if self.finite else ["NaN/inf in the latents"]
         if self.error > self.limit:
             bad.append(f"latents {self.error:.2e} from plain's, over {self.limit:.2e}")
+        if self.vs_plain is not None and not self.vs_plain <= self.limit:
+            bad.append(f"latents {self.vs_plain:.2e} from plain's without the split, over {self.limit:.2e}")
+        if self.devices is not None and self.devices < 2:
+            bad.append(f"the run had {self.devices} device(s), not 2: nothing was split")
+        if self.spread_calls is not None and self.spread_calls != self.engine_calls:
+            bad.append(f"the node spread {self.spread_calls} of its {self.engine_calls} calls over its devices")
+        calls = self.engine_calls + self.plain_calls
+        if self.aside and self.devices is not None and calls != self.devices * self.steps:
+            # CFG's cond and uncond: one call a step on each device where the split runs them apart
+            bad.append(f"{calls} calls for {self.steps} steps on {self.devices} devices: cond and uncond were not "
+                       "run apart")
         if self.aside:
             if self.engine_calls:
                 bad.append(f"the engine served {self.engine_calls} calls it was to leave to ComfyUI's forward")
@@ -191,7 +224,15 @@ class StackReport:
                    f"{'ratio':>7} {'calls':>7}  ok")
         legend = (f"   order: the stack's node before or after the Accelerated UNet node; skipped: the cache's skipped "
                   f"steps, node/plain; node s, plain s: the medians of {timing.RUNS} interleaved warm runs each, "
-                  f"their ranges under each row; calls: the engine's / ComfyUI's forward's")
+                  f"their ranges under the row (a row without: one run each); calls: the engine's / ComfyUI's "
+                  f"forward's")
+        if any(r.spread_calls is not None for r in self.rows):
+            legend += ("\n   gpus 2: the node alone with its own split over 2 GPUs, against plain with the stack; "
+                       "its distance from plain's without the stack: "
+                       + ", ".join(f"{r.vs_plain:.2e}" for r in self.rows if r.vs_plain is not None)
+                       + "; calls spread over its devices: "
+                       + ", ".join(f"{r.spread_calls}/{r.engine_calls} over {r.devices}" for r in self.rows
+                                   if r.spread_calls is not None))
         return "\n".join([head, columns] + [line for r in self.rows for line in r.lines()] + [legend]
                          + [f"   note: {n}" for n in self.notes])
 
@@ -235,9 +276,6 @@ def skipped_steps(messages: list[str], cache: str) -> list[int]:
     return [int(m.group(1)) for text in messages for m in [re.search(rf"{cache} - skipped (\d+)/", text)] if m]
 
 
-ASIDE = "TorchCompileModel compiles this model"  # the node's message where it steps aside for a compiled model
-
-
 def _status(model):
     from sd_accel.nodes import accelerated_unet
 
@@ -262,6 +300,8 @@ class Stacker:
         report = StackReport(self.h.name, name, self.precision, self.h.report.yardstick)
         if stack.kind == "flag":
             return self.flag(stack, report)
+        if stack.kind == "multigpu":
+            return self.multigpu(stack, report)
         if stack.kind == "controlnet":
             if not self.h.unet:
                 report.skipped = "the ControlNet stack is SD1.5's (a UNet's ControlNet)"
@@ -286,9 +326,11 @@ class Stacker:
             gc.collect()
         return report
 
-    def compare(self, report: StackReport, stack: Stack, order: str, host, node, conditioning=None) -> torch.Tensor:
+    def compare(self, report: StackReport, stack: Stack, order: str, host, node, conditioning=None,
+                timed: bool = True, devices: int | None = None) -> torch.Tensor:
         """The node's output `node` (the stack in it) against plain ComfyUI with host(model): the compared run, then
-        both timed. Returns plain's latents."""
+        both timed (not timed: one more run of the node, which must not say again what it said). devices: the devices
+        a split gave the run. Returns plain's latents."""
         h, run = self.h, self.run
         plain = host(h.model)
         said = Said()
@@ -311,19 +353,104 @@ class Stacker:
                 return go
 
             said.take()
-            timed = timing.measure(side(node, timed_node), side(plain, timed_plain), gpu=self.cuda)
+            pair = timing.measure(side(node, timed_node), side(plain, timed_plain), gpu=self.cuda) if timed else None
+            if pair:
+                seconds, plain_seconds = pair.node.median, pair.plain.median
+            else:
+                side(node, timed_node)()
         report.rows.append(StackRow(
             order, H.rel(out, ref), self.h.limit(self.fp8), bool(torch.isfinite(out).all()), run.steps, *calls,
-            timed.node.median, timed.plain.median, stack.aside,
-            sum(ASIDE in m for m in node_messages + timed_node),
+            seconds, plain_seconds, bool(stack.aside),
+            sum(bool(stack.aside) and stack.aside in m for m in node_messages + timed_node),
             tuple(skipped + skipped_steps(timed_node, stack.name)) if stack.cache else (),
             tuple(plain_skipped + skipped_steps(timed_plain, stack.name)) if stack.cache else (),
-            cuda=self.cuda, timed=timed))
+            cuda=self.cuda, timed=pair, devices=devices))
         print(f"{h.name} + {stack.name}: " + "\n   ".join(report.rows[-1].lines()), flush=True)
         report.notes += [m for m in status.messages if m not in report.notes]
         if stack.cache and not any(plain_skipped):
             report.notes.append(f"{stack.name} skipped no step of plain's run: its bookkeeping alone was compared")
         return ref
+
+    # ------------------------------------------------------------------------------------ a split over GPUs
+
+    def multigpu(self, stack: Stack, report: StackReport) -> StackReport:
+        """ComfyUI's MultiGPU CFG Split: plain ComfyUI with it against the node's own split (gpus 2), then the node
+        (gpus 1) with it before and after, where the node steps aside. The split's own move joins the yardstick."""
+        h, run = self.h, self.run
+        cls, _ = H.host_node(stack.module, stack.node)
+        inputs = INPUTS[stack.name](h)
+        stale = []
+
+        def split(m):
+            stale.append(forget_collected())
+            return H.run_node(cls, m, **inputs)
+
+        def devices(m) -> int:
+            return 1 + len(m.get_additional_models_with_key("multigpu"))
+
+        unsplit = h.plain(run)[0]
+        yardstick = h.report.yardstick
+        with self.second_device():
+            plain = split(h.model)
+            ref = h.sample(plain, run)[0]
+            moved = H.rel(ref, unsplit)
+            h.report.yardstick = report.yardstick = yardstick + moved
+            report.notes.append(f"yardstick with the split: the run's {yardstick:.2e} + plain's move under the split "
+                                f"{moved:.2e} (cond and uncond apart); plain with the split ran on {devices(plain)} "
+                                "device(s)")
+            try:
+                self.own_split(report, plain, ref, unsplit)
+                for order in stack.orders:
+                    node = h.node(split(h.model)) if order == "before" else split(h.node(h.model))
+                    self.compare(report, stack, order, split, node, timed=False, devices=devices(node))
+                    del node
+                    gc.collect()
+            finally:
+                h.report.yardstick = yardstick
+        if any(stale):
+            report.notes.append(f"{sum(stale)} loaded-model entries whose patchers were collected were dropped before "
+                                "the split (forget_collected)")
+        return report
+
+    def own_split(self, report: StackReport, plain, ref: torch.Tensor, unsplit: torch.Tensor) -> None:
+        """The node with gpus 2 against plain ComfyUI with the core's split (`plain`, its latents `ref`), and against
+        plain's latents without it (`unsplit`); then both timed, plain alone run third in each round."""
+        from sd_accel.nodes import accelerated_unet
+
+        h, run = self.h, self.run
+        node = gpus.spread_node(h, "2")
+        session = accelerated_unet.session_of(node)
+        out, seconds = h.sample(node, run)
+        engine, plain_calls, spread_calls = session.run_calls()
+
+        def side(model):
+            return lambda: h.sample(model, run)[1]
+
+        pair = timing.measure(side(node), side(plain), gpu=self.cuda, beside=("plain alone (no split)", side(h.model)))
+        report.rows.append(StackRow(
+            "gpus 2", H.rel(out, ref), h.limit(self.fp8), bool(torch.isfinite(out).all()), run.steps, engine,
+            plain_calls, pair.node.median, pair.plain.median, cuda=self.cuda, timed=pair, vs_plain=H.rel(out, unsplit),
+            devices=session.slot.status.devices, spread_calls=spread_calls))
+        print(f"{h.name} + {report.stack}: " + "\n   ".join(report.rows[-1].lines()), flush=True)
+        report.notes += [m for m in session.slot.status.messages if m not in report.notes]
+
+    @contextlib.contextmanager
+    def second_device(self):
+        """Within: on the CPU a second CPU device index stands for the split's second GPU (comfy.model_management's
+        device list, as tests/test_comfyui_stacking.py has it), and a tiny model, built here rather than loaded from a
+        file, gets the way to load it again that ComfyUI's loaders register (the split loads a copy for the other
+        device)."""
+        import comfy.model_management as mm
+
+        if self.h.size == "tiny":
+            self.h.model.cached_patcher_init = (self.h.build, (self.h.dtype,))
+        own = mm.get_all_torch_devices
+        if not self.cuda:
+            mm.get_all_torch_devices = lambda exclude_current=False: [self.h.model.load_device, torch.device("cpu", 1)]
+        try:
+            yield
+        finally:
+            mm.get_all_torch_devices = own
 
     def controlnet_conditioning(self):
         """The Harness's conditioning with a seeded ControlNet of the model's layout, written to a file, loaded by
@@ -358,11 +485,6 @@ class Stacker:
     # -------------------------------------------------------------------------------------------- cli flags
 
     def flag(self, stack: Stack, report: StackReport) -> StackReport:
-        why = unavailable(stack.name, self.h.device)
-        if why:
-            report.skipped = why
-            print(f"{self.h.name} + {stack.name}: skipped: {why}", flush=True)
-            return report
         import comfy.model_management as mm
 
         ref = self.h.plain(self.run)[0]  # plain without the flag: how far the flag moves plain's own run
@@ -388,8 +510,35 @@ class Stacker:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def unavailable(flag: str, device: torch.device) -> str | None:
-    """Why the cli flag `flag` cannot take here (its stack is then skipped), or None."""
+def forget_collected() -> int:
+    """Drop ComfyUI's loaded-model entries whose patcher has been collected while its model lives on (the loader's
+    patcher holds it); returns how many. A patcher collected by the cycle collector takes its parent with it, so the
+    entry cannot fall back to the parent and keeps None (ComfyUI calls it dead, a leak); 0.33's MultiGPU CFG Split
+    then fails on it (create_multigpu_deepclones reads `.model` of every loaded_models() entry: AttributeError). The
+    node outputs a stack drops between its orders leave such entries; a server keeps a workflow's outputs while it
+    runs, and the split's own test (tests/test_comfyui_stacking.py) unloads every model first."""
+    import comfy.model_management as mm
+
+    gc.collect()
+    live = [m for m in mm.current_loaded_models if m.model is not None]
+    dropped = len(mm.current_loaded_models) - len(live)
+    mm.current_loaded_models[:] = live
+    return dropped
+
+
+def unavailable(name: str, device: torch.device) -> str | None:
+    """Why the stack `name` cannot run here (it is then skipped, before the model is built), or None: a cli flag that
+    cannot take, or a split over GPUs without its node or a second GPU (on the CPU the tiny run's stand-ins serve)."""
+    stack = STACKS[name]
+    if stack.kind == "multigpu":
+        found, why = H.host_node(stack.module, stack.node)
+        if found is None:
+            return why
+        count = torch.cuda.device_count() if device.type == "cuda" else 2
+        return None if count >= 2 else f"needs 2 GPUs; {count} visible"
+    if stack.kind != "flag":
+        return None
+    flag = name
     if device.type != "cuda":
         return f"needs a CUDA GPU (ComfyUI sets {flag} up on GPUs only)"
     if FLAGS[flag] == "fp16_accumulation" and not hasattr(torch.backends.cuda.matmul, "allow_fp16_accumulation"):
@@ -474,9 +623,16 @@ def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackR
     note = sequences.set_up(device)
     h = sequences.Harness(name, size, device)
     s = Stacker(h)
-    if not h.prepare(s.fp8):
-        return []
-    reports = []
+    skipped = []
+    for stack in stacks:
+        why = unavailable(stack, h.device)
+        if why:
+            skipped.append(StackReport(name, stack, s.precision, skipped=why, notes=[note]))
+            print(f"{name} + {stack}: skipped: {why}", flush=True)
+    stacks = [n for n in stacks if n not in {r.stack for r in skipped}]
+    if not stacks or not h.prepare(s.fp8):
+        return skipped
+    reports = skipped
     # the flags last: their processes load the model again beside this one, which is unloaded for them
     for stack in sorted(stacks, key=lambda n: STACKS[n].kind == "flag"):
         try:

@@ -118,8 +118,8 @@ def _one_model(name: str, text: int, g, monkeypatch) -> dict:
 
 def _agreeing(g, monkeypatch) -> list:
     """The choice between cuDNN's and FlashAttention-3's fp8 kernels, where rank 0 times cuDNN's faster and rank 1
-    FlashAttention-3's: the kernel each rank chooses alone, and under the exchange (by the largest time of each over
-    the ranks), by name."""
+    FlashAttention-3's: the kernel each rank chooses alone, under the exchange (by the largest time of each over the
+    ranks), and under the exchange where rank 1's cuDNN does not take the shape, by name."""
     from sd_accel.accel.engine import fp8_attention
     from sd_accel.accel.parallel.exchange import Eight
     from sd_accel.accel.parallel.shards import Shards
@@ -134,7 +134,12 @@ def _agreeing(g, monkeypatch) -> list:
     alone, _ = fp8_attention.choose((1, 8, 2, 16), torch.device("cpu"), FP8, torch.bfloat16, True, True)
     agreed, _ = fp8_attention.choose((1, 8, 2, 16), torch.device("cpu"), FP8, torch.bfloat16, True, True,
                                      Eight(Shards(g)).agree)
-    return ["FlashAttention-3" if k is fp8_attention._flash3 else "cuDNN" for k in (alone, agreed)]
+    # where cuDNN does not take the shape on rank 1, rank 0 (which times it faster) takes FlashAttention-3's too
+    kernel = fp8_attention.kernel
+    monkeypatch.setattr(fp8_attention, "kernel", lambda *a, **k: None if rank == 1 else kernel(*a, **k))
+    refused, _ = fp8_attention.choose((1, 8, 2, 32), torch.device("cpu"), FP8, torch.bfloat16, True, True,
+                                      Eight(Shards(g)).agree)
+    return ["FlashAttention-3" if k is fp8_attention._flash3 else "cuDNN" for k in (alone, agreed, refused)]
 
 
 def _ranks(world: int) -> dict:
@@ -177,4 +182,5 @@ def test_fp8_attention_over_two_processes_is_the_one_process_fp8_attention(tmp_p
             # bf16 roundings on either path), and the 16-bit attention's output is another
             assert got["rel"] <= 1.5 * got["rel_spread_16"] + 1e-6 and got["rel_16"] > 1e-3, (name, got)
             assert got["rel"] == 0 or name == "tiny-sd3", (name, got)
-    assert [r["agreed"] for r in results] == [["cuDNN", "FlashAttention-3"], ["FlashAttention-3", "FlashAttention-3"]]
+    assert [r["agreed"] for r in results] == [["cuDNN", "FlashAttention-3", "FlashAttention-3"],
+                                              ["FlashAttention-3", "FlashAttention-3", "FlashAttention-3"]]

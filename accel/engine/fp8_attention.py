@@ -230,12 +230,15 @@ def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
             ms_three = _ms(_flash3, shape, device, dtype16, fp8_consumers)
             if agree is not None:
                 ms_cudnn, ms_three = agree([ms_cudnn, ms_three], device)
-            _say(f"fp8 attention over {shape[2]} heads of {shape[3]} at {shape[1]} tokens runs "
-                 f"{'FlashAttention-3' if ms_three < ms_cudnn else 'cuDNN'}: {min(ms_three, ms_cudnn):.2f} ms against "
-                 f"{max(ms_three, ms_cudnn):.2f} ms for {'cuDNN' if ms_three < ms_cudnn else 'FlashAttention-3'}",
-                 logging.INFO)
+            if math.isfinite(ms_cudnn):
+                _say(f"fp8 attention over {shape[2]} heads of {shape[3]} at {shape[1]} tokens runs "
+                     f"{'FlashAttention-3' if ms_three < ms_cudnn else 'cuDNN'}: {min(ms_three, ms_cudnn):.2f} ms "
+                     f"against {max(ms_three, ms_cudnn):.2f} ms for "
+                     f"{'cuDNN' if ms_three < ms_cudnn else 'FlashAttention-3'}", logging.INFO)
             if ms_cudnn <= ms_three:
                 found = (cudnn, out_dtype)
+        elif agree is not None:  # the others wait for this rank's times: cuDNN's never the faster
+            agree([math.inf, 0.0], device)
         _CHOSEN[key] = found
     if found[0] is _flash3:
         flash3.say("fp8")

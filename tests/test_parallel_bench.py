@@ -154,13 +154,14 @@ def test_precision_fp8_rows_name_the_fp8_attention_that_served_them(tmp_path):
     eight = Result("wan21-1.3b", "832x480", 1, "1 GPU", ms=6.0, precision="fp8", attention="cuDNN at 2x32760x12x128")
     _compare(eight, -ref, job)  # its own reference: the auto row's is not overwritten
     spread = Result("wan21-1.3b", "832x480", 2, "sequence", ms=3.0, one_gpu_ms=6.0, precision="fp8",
-                    attention="cuDNN at 2x32760x6x128 over 2 processes")
+                    attention="cuDNN at 2x32760x6x128 exchanged over 2 processes")
     _compare(spread, -ref, Job(2, 0, ("wan21-1.3b",), {}, 1, False, "", str(tmp_path)))
     assert spread.rel_err == 0.0
-    assert _line(spread).endswith("; fp8 attention: cuDNN at 2x32760x6x128 over 2 processes")
+    assert _line(spread).endswith("; fp8 attention: cuDNN at 2x32760x6x128 exchanged over 2 processes")
     sixteen = Result("wan21-1.3b", "832x480", 2, "CFG", ms=3.0, one_gpu_ms=6.0, speedup=2.0, rel_err=0.0,
                      precision="fp8", attention="")
     assert _line(sixteen).endswith("; fp8 attention: none, the attention ran in 16 bits")
     lines = table([eight, spread, sixteen]).splitlines()
-    assert lines[2].startswith("wan21-1.3b fp8 832x480") and lines[3].strip() == "fp8 attention: cuDNN at 2x32760x12x128"
+    assert lines[2].startswith("wan21-1.3b fp8 832x480")
+    assert lines[3].strip() == "fp8 attention: cuDNN at 2x32760x12x128"
     assert "fp8 attention" not in _line(Result("wan21-1.3b", "832x480", 1, "1 GPU", ms=8.0, speedup=1.0, noise=1e-3))

@@ -4,9 +4,12 @@ too) and Wan in bf16 under precision fp8, over 2 gloo processes on the CPU, cuDN
 the gathered shape (all tokens, half the heads), its q and k cross the exchange as e4m3 bytes (the message of the way
 in a third smaller than three bf16 tensors) and its e4m3 output comes back as bytes; the output is the one process's
 fp8 output as closely as the spread 16-bit attention's is the one process's 16-bit output (Flux and Wan to the bit).
-Where the kernels' times differ between the ranks, both choose the same one."""
+Where the kernels' times differ between the ranks, both choose the same one. On a GPU with cuDNN's fp8 attention, a
+spread fp8 call in one NCCL process replays CUDA graphs cut at its exchanges."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -111,9 +114,9 @@ def _one_model(name: str, text: int, g, monkeypatch) -> dict:
     finally:
         marks()
         undo()
-    heads = {shape[2] for shape, _ in one_calls}
-    return {"rel": H.rel(spread, one), "rel_spread_16": H.rel(spread16, sixteen), "rel_16": H.rel(sixteen, one), "finite": bool(torch.isfinite(spread).all()),
-            "one_calls": one_calls, "calls": spread_calls, "sent": spread_sent, "heads": sorted(heads)}
+    return {"rel": H.rel(spread, one), "rel_spread_16": H.rel(spread16, sixteen), "rel_16": H.rel(sixteen, one),
+            "finite": bool(torch.isfinite(spread).all()),
+            "one_calls": one_calls, "calls": spread_calls, "sent": spread_sent}
 
 
 def _agreeing(g, monkeypatch) -> list:
@@ -166,7 +169,8 @@ def test_fp8_attention_over_two_processes_is_the_one_process_fp8_attention(tmp_p
             # every spread attention in fp8, at the gathered shape: all tokens, half the heads
             assert len(got["calls"]) == len(got["one_calls"]), (name, got)
             for (shape, dtype), (one_shape, _) in zip(got["calls"], got["one_calls"]):
-                assert dtype == str(FP8) and tuple(shape) == (one_shape[0], one_shape[1], one_shape[2] // 2, one_shape[3])
+                B, L, heads, D = one_shape
+                assert dtype == str(FP8) and tuple(shape) == (B, L, heads // 2, D), (name, shape, one_shape)
             # the way in: q and k as e4m3 bytes beside 16-bit v (4 bytes per channel, not 6), the way back the e4m3
             # output's bytes; one all-to-all each way per attention
             assert len(got["sent"]) == 2 * len(got["calls"]) and {d for d, _ in got["sent"]} == {"torch.uint8"}
@@ -184,3 +188,58 @@ def test_fp8_attention_over_two_processes_is_the_one_process_fp8_attention(tmp_p
             assert got["rel"] == 0 or name == "tiny-sd3", (name, got)
     assert [r["agreed"] for r in results] == [["cuDNN", "FlashAttention-3", "FlashAttention-3"],
                                               ["FlashAttention-3", "FlashAttention-3", "FlashAttention-3"]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and cuDNN's fp8 attention need a GPU")
+def test_a_sequence_parallel_fp8_call_replays_cuda_graphs_cut_at_its_collectives(monkeypatch):
+    """A small Flux of head size 128 (cuDNN's) under precision fp8, sequence parallel in one NCCL process (the
+    exchanges run, as copies): every attention in fp8 through the exchange, the call captured in pieces (one all-to-all
+    each way per block, the gather at the end), its replays the plain first call's on those inputs and the one-process
+    fp8 call's within fp8's noise."""
+    pytest.importorskip("triton")
+    H.import_comfy()
+    from sd_accel.accel.accelerate import accelerate
+    from sd_accel.accel.engine import fp8_attention
+    from sd_accel.accel.models import configs
+    from sd_accel.accel.parallel.group import Group
+    from sd_accel.accel.parallel.rendezvous import free_port, join
+    from sd_accel.accel.parallel.sequence import sequence_parallel
+    from sd_accel.accel.parallel.spread import SPREAD_OPTIONS
+    from test_fp8_attention import _tiny_flux_128
+
+    device = torch.device("cuda", 0)
+    ok, why = fp8_attention.available(device)
+    if not ok:
+        pytest.skip(f"fp8 attention cannot run: {why}")
+    _tiny_flux_128(monkeypatch)
+    H.use_comfy_attention("pytorch", monkeypatch.setattr)
+    join("nccl", free_port(), 0, 1, 120, device)
+    try:
+        model = configs.build_dit("tiny-flux-128", "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16,
+                                  device=device)
+        acc = accelerate(model, preference="torch",
+                         options={**SPREAD_OPTIONS, "cuda_graphs": True, "precision": "fp8"})
+
+        def call(seed: int, spread: bool) -> torch.Tensor:
+            inp = _inputs("tiny-flux-128", 8)
+            inp = {k: v.to(device) for k, v in inp.items()}
+            inp["x"] = torch.randn(inp["x"].shape, generator=torch.Generator().manual_seed(seed)).to(inp["x"])
+            with torch.no_grad(), sequence_parallel(model, Group()) if spread else contextlib.nullcontext():
+                return acc(inp["x"], inp["timesteps"], inp["context"], inp.get("y"),
+                           guidance=inp.get("guidance")).float()
+
+        fp8_attention.served_clear()
+        spread = {}
+        for seed in (0, 1, 0, 2, 1):  # seed 0 first: the plain call; then the capture, and replays
+            out = call(seed, True)
+            assert torch.isfinite(out).all() and H.rel(out, spread.setdefault(seed, out)) <= 1e-3, seed
+        served = fp8_attention.served()
+        assert served and all("exchanged over 1 process" in line for line in served), served
+        (entry,) = acc.engine.graphs._entries.values()
+        blocks = len(model.double_blocks) + len(model.single_blocks)
+        assert len(entry.pieces.graphs) == 2 * blocks + 2 and acc.engine.graphs.captures == 1
+        for seed in (0, 1, 2):  # the same shapes alone: fp8 attention without the exchange
+            assert H.rel(call(seed, False), spread[seed]) <= 2e-2, seed
+        acc.release()
+    finally:
+        torch.distributed.destroy_process_group()

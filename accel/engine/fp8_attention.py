@@ -15,12 +15,11 @@ attention) it stays fp8: q and k cross the exchange as e4m3 bytes, v in 16 bits 
 rank quantizes the v rows it received by the largest of all ranks' (the one process's scale); the kernel is chosen at
 the gathered shape (all tokens, the rank's heads), and its output goes back as it came out of the kernel.
 
-Blocks without qk norm (SD3.0), heads cuDNN does not take, a host attention other than ComfyUI's PyTorch one (under a
-stand-in, too, and under any stand-in but the exchange's), a missing package or an older GPU: 16-bit attention as
-before, said once per reason. So
-too where FlashAttention-4 is installed, at a head size it takes where cuDNN's fp8 kernel was not measured faster
-than its 16-bit one (BENCHMARKS.md, on an H200; Blackwell not measured): 128 (Flux, Chroma, Qwen-Image, Wan) keeps
-fp8 attention, SD3.5's 64 does not.
+Blocks without qk norm (SD3.0), heads cuDNN does not take, a host attention other than ComfyUI's PyTorch one (in its
+place or behind the exchange), any other stand-in, a missing package or an older GPU: 16-bit attention as before, said
+once per reason. So too where FlashAttention-4 is installed, at a head size it takes where cuDNN's fp8 kernel was not
+measured faster than its 16-bit one (BENCHMARKS.md, on an H200; Blackwell not measured): 128 (Flux, Chroma,
+Qwen-Image, Wan) keeps fp8 attention, SD3.5's 64 does not.
 """
 
 from __future__ import annotations
@@ -121,8 +120,8 @@ _KERNELS: dict[tuple, Kernel | str] = {}  # shape key -> kernel, or why cuDNN re
 # hold nothing until its graph replays), and read by every call after
 _ONE: dict[torch.device, torch.Tensor] = {}
 _SAID: set[str] = set()
-# (shape the kernel runs at, processes exchanged over: 1 without) -> the kernel's name, for every sequence that took fp8
-# attention in this process since served_clear() (the multi-GPU bench prints them)
+# (shape the kernel runs at, processes exchanged over: None without the exchange) -> the kernel's name, for every
+# sequence that took fp8 attention in this process since served_clear() (the multi-GPU bench prints them)
 _SERVED: dict[tuple, str] = {}
 
 
@@ -205,7 +204,8 @@ _CHOSEN: dict[tuple, tuple[Kernel | None, torch.dtype]] = {}
 
 def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype, dtype16: torch.dtype,
            three: bool, fp8_consumers: bool,
-           agree: Callable[[list[float], torch.device], list[float]] | None = None) -> tuple[Kernel | None, torch.dtype]:
+           agree: Callable[[list[float], torch.device], list[float]] | None = None
+           ) -> tuple[Kernel | None, torch.dtype]:
     """The fp8 attention for (B, L, heads, head_dim) inputs on `device`, and the dtype it writes: cuDNN's (`kernel`,
     writing out_dtype), or where `three` (FlashAttention-3 takes the head size) whichever of it and FlashAttention-3's
     (writing dtype16, the blocks' 16-bit dtype) was timed faster at the shape's first call, FlashAttention-3 with the
@@ -337,31 +337,29 @@ class Sequence:
         return {"descales": self.descales, "v_amax": self.v_amax}
 
     def attend(self) -> Output:
-        """Attention over the sequence once every stream's rows are written (under the exchange: tokens traded for
-        heads on the way in, back on the way out)."""
+        """Attention over the sequence once every stream's rows are written (under the exchange over every rank's rows
+        of this rank's heads: tokens traded for heads on the way in, back on the way out)."""
         q8, k8, v = self.qkv
-        if self.exchange is not None:
-            return self._exchanged()
-        v8, descale_v, scale_v = kernel_module("quant").quantize_tensor(v, self.v_amax)
-        out = torch.empty(q8.shape, device=q8.device, dtype=self.out_dtype)
-        scale_o = scale_v if self.out_dtype == fp8.FP8 else _ONE[q8.device]
-        self.run(q8, k8, v8, self.descales[0, :1], self.descales[1, :1], descale_v, scale_o, out)
-        B, L, H, D = out.shape
-        return Output(out.view(B, L, H * D), descale_v, v.dtype)
-
-    def _exchanged(self) -> Output:
-        """attend over every rank's rows of this rank's heads: v quantized after the exchange by the largest |v| of
-        all ranks (the same scale on every rank, so the output's rows need no other on the way back)."""
-        B, L, H, D = self.qkv[0].shape
-        q8, k8, v, maxima = self.exchange.to_heads(*self.qkv, self.v_amax, self.whole)
-        quant = kernel_module("quant")
-        if maxima.numel() > quant.MAX_AMAX:
+        if self.exchange is None:
+            out, descale_v = self._run(q8, k8, v, self.v_amax)
+            B, L, H, D = out.shape
+            return Output(out.view(B, L, H * D), descale_v, v.dtype)
+        B, L, H, D = q8.shape
+        q8, k8, v, maxima = self.exchange.to_heads(q8, k8, v, self.v_amax, self.whole)
+        if maxima.numel() > kernel_module("quant").MAX_AMAX:
             maxima = maxima.amax().reshape(1)
-        v8, descale_v, scale_v = quant.quantize_tensor(v, maxima)
+        out, descale_v = self._run(q8, k8, v, maxima)
+        return Output(self.exchange.to_tokens(out, self.whole).view(B, L, H * D), descale_v, v.dtype)
+
+    def _run(self, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor,
+             amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the kernel's output, v's descale): v quantized by the largest of amax (under the exchange, all ranks'
+        maxima: the same scale on every rank, so the output's rows need no other on the way back), then attended."""
+        v8, descale_v, scale_v = kernel_module("quant").quantize_tensor(v, amax)
         out = torch.empty(q8.shape, device=q8.device, dtype=self.out_dtype)
         scale_o = scale_v if self.out_dtype == fp8.FP8 else _ONE[q8.device]
         self.run(q8, k8, v8, self.descales[0, :1], self.descales[1, :1], descale_v, scale_o, out)
-        return Output(self.exchange.to_tokens(out, self.whole).view(B, L, H * D), descale_v, v.dtype)
+        return out, descale_v
 
 
 def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor,
@@ -402,7 +400,7 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
 
 def _served(shape: tuple[int, int, int, int], exchange, run: Kernel) -> None:
     """Note which kernel serves a sequence at `shape`, the first time; under the exchange also say it once."""
-    key = (shape, exchange.world if exchange is not None else 1)
+    key = (shape, exchange.world if exchange is not None else None)
     if key in _SERVED:
         return
     _SERVED[key] = "FlashAttention-3" if run is _flash3 else "cuDNN"
@@ -415,7 +413,8 @@ def _served(shape: tuple[int, int, int, int], exchange, run: Kernel) -> None:
 def served() -> list[str]:
     """Which kernel served the fp8 attention of each shape since served_clear(), in words (the multi-GPU bench prints
     them): empty where every attention was 16-bit."""
-    return [f"{name} at {'x'.join(map(str, shape))}" + (f" over {world} processes" if world > 1 else "")
+    return [f"{name} at {'x'.join(map(str, shape))}"
+            + ("" if world is None else f" exchanged over {world} process{'es' if world > 1 else ''}")
             for (shape, world), name in _SERVED.items()]
 
 

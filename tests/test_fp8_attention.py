@@ -262,8 +262,9 @@ def test_the_package_is_imported_once(monkeypatch):
 
 def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytorch_attention, emulated, monkeypatch):
     """Another attention ComfyUI chose for the whole host (sage, ...) for the function the block calls (Qwen-Image's
-    optimized_attention_masked), a sequence-parallel stand-in, projections without fp8 products, 32-bit
-    activations or a stream without q/k norm (SD3.0): the 16-bit attention."""
+    optimized_attention_masked), a stand-in other than sequence parallelism's exchange (or the exchange standing in for
+    another attention than ComfyUI's PyTorch one), projections without fp8 products, 32-bit activations or a stream
+    without q/k norm (SD3.0): the 16-bit attention."""
     import comfy.ldm.flux.math as flux_math
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.qwen_image.model as qwen
@@ -293,6 +294,11 @@ def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytor
         monkeypatch.setattr(flux_math, "optimized_attention",
                             StandIn(attention.attention_pytorch, attention.attention_pytorch, lambda *a: None))
         assert not fp8_attention.wanted(module, name, x, layer)
+        # sequence parallelism's exchange, standing in for ComfyUI's PyTorch attention: fp8 attention goes through it
+        # (tests/test_parallel_fp8_attention.py); standing in for another, not
+        for host, takes in ((attention.attention_pytorch, True), (attention.attention_sub_quad, False)):
+            monkeypatch.setattr(flux_math, "optimized_attention", StandIn(host, host, lambda *a: None, eight=object()))
+            assert fp8_attention.wanted(module, name, x, layer) == takes
     finally:
         undo()
 

@@ -137,3 +137,31 @@ def test_the_distance_is_from_the_one_process_output(tmp_path):
     row = Result("tiny-wan", "64x64", 2, "CFG", ms=4.0, one_gpu_ms=8.0)
     _compare(row, ref + 0.01 * ref.norm() / ref.numel() ** 0.5 * torch.randn_like(ref), job(2))
     assert row.rel_err == pytest.approx(0.01, rel=0.05) and row.speedup == 2.0
+
+
+def test_precision_fp8_rows_name_the_fp8_attention_that_served_them(tmp_path):
+    """--paths torch-fp8 (issue 54): rows under precision fp8 beside the auto ones, each compared with the 1-GPU
+    output of its own precision, and each saying which fp8 attention kernel served it at which shape (or that the
+    attention stayed 16-bit): so that a GPU log shows fp8 attention under sequence parallelism."""
+    from sd_accel.accel.cli.parallel_bench import Job, Result, _compare, _line, precisions, table
+
+    assert precisions(["torch", "torch-compile", "onnxruntime"]) == ("auto",)
+    assert precisions(["torch-fp8"]) == ("fp8",) and precisions(["torch", "torch-fp8"]) == ("auto", "fp8")
+    assert precisions(["onnxruntime"]) == ("auto",)
+    ref = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    job = Job(1, 0, ("wan21-1.3b",), {}, 1, False, "", str(tmp_path))
+    _compare(Result("wan21-1.3b", "832x480", 1, "1 GPU", ms=8.0), ref, job)
+    eight = Result("wan21-1.3b", "832x480", 1, "1 GPU", ms=6.0, precision="fp8", attention="cuDNN at 2x32760x12x128")
+    _compare(eight, -ref, job)  # its own reference: the auto row's is not overwritten
+    spread = Result("wan21-1.3b", "832x480", 2, "sequence", ms=3.0, one_gpu_ms=6.0, precision="fp8",
+                    attention="cuDNN at 2x32760x6x128 exchanged over 2 processes")
+    _compare(spread, -ref, Job(2, 0, ("wan21-1.3b",), {}, 1, False, "", str(tmp_path)))
+    assert spread.rel_err == 0.0
+    assert _line(spread).endswith("; fp8 attention: cuDNN at 2x32760x6x128 exchanged over 2 processes")
+    sixteen = Result("wan21-1.3b", "832x480", 2, "CFG", ms=3.0, one_gpu_ms=6.0, speedup=2.0, rel_err=0.0,
+                     precision="fp8", attention="")
+    assert _line(sixteen).endswith("; fp8 attention: none, the attention ran in 16 bits")
+    lines = table([eight, spread, sixteen]).splitlines()
+    assert lines[2].startswith("wan21-1.3b fp8 832x480")
+    assert lines[3].strip() == "fp8 attention: cuDNN at 2x32760x12x128"
+    assert "fp8 attention" not in _line(Result("wan21-1.3b", "832x480", 1, "1 GPU", ms=8.0, speedup=1.0, noise=1e-3))

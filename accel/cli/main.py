@@ -217,12 +217,13 @@ def _bench(args: argparse.Namespace) -> int:
             return 1
         print(first_call_table(out["first_call"]), file=say)
     if args.gpus:
-        from .parallel_bench import as_dicts, bench_parallel
+        from .parallel_bench import as_dicts, bench_parallel, precisions
         from .parallel_bench import table as parallel_table
 
         try:
             rows = bench_parallel(models, args.gpus, args.video_sizes, args.iters, args.tiny, args.comfyui,
-                                  log=(lambda s: print(s, file=sys.stderr, flush=True)), profile=args.profile)
+                                  log=(lambda s: print(s, file=sys.stderr, flush=True)), profile=args.profile,
+                                  precisions=precisions(args.paths))
         except RuntimeError as e:  # a rank failed: its own message, no stack trace
             print(f"sd-accel bench: {e}", file=sys.stderr)
             return 1
@@ -347,7 +348,8 @@ def _main(argv: list[str] | None) -> int:
                         "processes for each N (1 always, first: the baseline), one GPU each through NCCL, in every "
                         "layout that divides N: CFG (the CFG batch over 2 GPUs), sequence (Ulysses), CFG x sequence; "
                         "ms per step, speed-up over the 1-GPU call timed alternately with the layout in the same processes, peak memory, distance from the 1-GPU output (and the "
-                        "1-GPU output's bf16 noise, the yardstick). With --tiny: "
+                        "1-GPU output's bf16 noise, the yardstick); with --paths torch-fp8 (or torch,torch-fp8) under "
+                        "precision fp8 (too), each row naming the fp8 attention kernel that served it. With --tiny: "
                         "tiny models in processes on the CPU (gloo)")
     b.add_argument("--video-sizes", metavar="WxH,...", type=checks.video_sizes,
                    help="with --gpus, or --vae --models wan21/wan22: Wan's video sizes in pixels (default 832x480; "

@@ -11,7 +11,9 @@ is a row that says why. Per row: median ms per step (the CFG batch included) of 
 of the busiest rank, and the relative L2 distance from the W=1 output in fp32. A layout's speed-up is timed within its
 own world (issue 58): the same processes run the 1-GPU call (each rank the whole step on its own GPU) and the layout's
 call alternately, --iters of each, and the speed-up is the ratio of the two medians, so that a drift of the clocks or
-of the host's load falls on both.
+of the host's load falls on both. With `--paths torch-fp8` the step runs under precision fp8 (fp8 products, and fp8
+attention where it runs: sequence parallelism's too), its rows against the 1-GPU fp8 output, each saying which fp8
+attention kernel served it at which shape (or that the attention stayed 16-bit).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..engine import fp8_attention
 from ..errors import BadInput
 from ..models.configs import COMFY_DIT_CONFIGS, DIT_SHAPES, cfg_batch
 from ..parallel.layout import Layout, candidates, make_layouts
@@ -65,6 +68,8 @@ class Result:
     kernels: dict[str, float] | None = None  # with --profile: rank 0's GPU ms per step by operator class
     top_kernels: list | None = None  # with --profile: rank 0's costliest kernels, (name, ms per step, launches)
     note: str = ""
+    precision: str = "auto"  # the engine's: "fp8" with --paths torch-fp8
+    attention: str | None = None  # precision fp8: rank 0's fp8 attention kernels and shapes ("" where 16-bit)
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class Job:
     comfyui: str
     folder: str  # the W=1 outputs, each world's rows and any rank's error
     profile: bool = False
+    precisions: tuple[str, ...] = ("auto",)  # the engine's precision of each set of rows, in turn
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -152,11 +158,19 @@ def check(models: list[str], gpus: str, video_sizes: str | None, tiny: bool, com
     return worlds, names, {name: model_sizes(name, video_sizes or ("64x64" if tiny else "832x480")) for name in names}
 
 
+def precisions(paths: list[str]) -> tuple[str, ...]:
+    """The engine precisions --paths asks of the multi-GPU bench: "auto" for torch, "fp8" for torch-fp8 (the others
+    it does not time); auto where it names neither."""
+    found = tuple(p for path, p in (("torch", "auto"), ("torch-fp8", "fp8")) if path in paths)
+    return found or ("auto",)
+
+
 def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters: int, tiny: bool,
-                   comfyui: str | None, log: Callable[[str], None] = print, profile: bool = False) -> list[Result]:
-    """Rows for every model, size, world size and layout (see the module's docstring); with profile, each row's GPU
-    time by operator class (collectives apart). BadInput for what the user can fix (check); RuntimeError with a
-    rank's own message when a process failed."""
+                   comfyui: str | None, log: Callable[[str], None] = print, profile: bool = False,
+                   precisions: tuple[str, ...] = ("auto",)) -> list[Result]:
+    """Rows for every model, size, world size and layout (see the module's docstring), for each of `precisions` in
+    turn; with profile, each row's GPU time by operator class (collectives apart). BadInput for what the user can fix
+    (check); RuntimeError with a rank's own message when a process failed."""
     worlds, names, sizes = check(models, gpus, video_sizes, tiny, comfyui, profile)
     if not tiny and iters < MIN_RUNS:
         log(f"--iters {iters}: a speed-up is printed from at least {MIN_RUNS} alternate runs of each side; timing "
@@ -169,7 +183,8 @@ def bench_parallel(models: list[str], gpus: str, video_sizes: str | None, iters:
         for world in worlds:
             how = "gloo, on the CPU" if tiny else "NCCL, one GPU each"
             log(f"[{world} GPU{'s' if world > 1 else ''}] starting {world} process{'es' if world > 1 else ''} ({how})")
-            job = Job(world, free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, profile)
+            job = Job(world, free_port(), tuple(names), sizes, iters, not tiny, str(comfyui), folder, profile,
+                      tuple(precisions))
             rows += _run_world(job)
     return rows
 
@@ -231,41 +246,48 @@ def _measure(rank: int, job: Job, where: list[str]) -> list[Result]:
         where[0] = f"building {name}"
         start = time.perf_counter()
         model = build_dit(name, "comfy", seed=0, device=device, dtype=dtype, comfyui_root=job.comfyui)
-        # The torch path as the node's workers run it, with CUDA graphs (cut at the collectives of a sequence-parallel
-        # call: accel/engine/graphs.py).
-        acc = accelerate(model, preference="torch", options=dict(SPREAD_OPTIONS),
-                         gpu=detect(rank) if job.cuda else cpu_info())
-        _sync(device)
-        if rank == 0:
-            _say(f"[{name}] built and prepared in {time.perf_counter() - start:.1f}s")
-        batch = cfg_batch(name)
-        for size, latent in job.sizes[name]:
-            inputs = dit_example_inputs(name, batch, latent, device=device, dtype=dtype)
-            args = (inputs["x"], inputs["timesteps"], inputs["context"], inputs.get("y"), None, inputs.get("guidance"))
-            for layout, key in layouts(job.world, batch, spread):
-                where[0] = f"{name} {size}, {layout}"
-                row, out = _layout_row(job, model, acc, args, spread.get(key), layout, device)
-                row.model, row.size = name, size
-                if rank == 0:
-                    _compare(row, out, job)
-                    _say(f"[{name} {size}] {_line(row)}")
-                    for kernel in row.top_kernels or ():
-                        _say(f"[{name} {size}]     {top_line(*kernel)}")
-                    rows.append(row)
-                del out
-        acc.release()
-        del model, acc
+        for precision in job.precisions:
+            label = name if precision == "auto" else f"{name} {precision}"
+            # The torch path as the node's workers run it, with CUDA graphs (cut at the collectives of a
+            # sequence-parallel call: accel/engine/graphs.py).
+            options = {**SPREAD_OPTIONS, **({} if precision == "auto" else {"precision": precision})}
+            acc = accelerate(model, preference="torch", options=options, gpu=detect(rank) if job.cuda else cpu_info())
+            _sync(device)
+            if rank == 0:
+                _say(f"[{label}] built and prepared in {time.perf_counter() - start:.1f}s")
+            batch = cfg_batch(name)
+            for size, latent in job.sizes[name]:
+                inputs = dit_example_inputs(name, batch, latent, device=device, dtype=dtype)
+                args = (inputs["x"], inputs["timesteps"], inputs["context"], inputs.get("y"), None,
+                        inputs.get("guidance"))
+                for layout, key in layouts(job.world, batch, spread):
+                    where[0] = f"{label} {size}, {layout}"
+                    row, out = _layout_row(job, model, acc, args, spread.get(key), layout, device, precision)
+                    row.model, row.size = name, size
+                    if rank == 0:
+                        _compare(row, out, job)
+                        _say(f"[{label} {size}] {_line(row)}")
+                        for kernel in row.top_kernels or ():
+                            _say(f"[{label} {size}]     {top_line(*kernel)}")
+                        rows.append(row)
+                    del out
+            acc.release()
+            del acc
+            start = time.perf_counter()
+        del model
         _peak_reset(device)
     return rows
 
 
 def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tensor], args: tuple,
-                spread: Layout | None, layout: str, device: torch.device) -> tuple[Result, torch.Tensor | None]:
+                spread: Layout | None, layout: str, device: torch.device,
+                precision: str = "auto") -> tuple[Result, torch.Tensor | None]:
     """One layout timed on every rank, run as the node's workers run it (spread None: the 1-GPU call): its row (the
-    ms of the slowest rank, the peak of the busiest) and this rank's output (None when the layout was refused). A
-    spread layout's calls alternate with the 1-GPU call's in the same processes (one_gpu_ms: its median), after the
-    layout's peak memory is read: the 1-GPU call's is not the layout's."""
-    row = Result("", "", job.world, layout)
+    ms of the slowest rank, the peak of the busiest; under precision fp8 the fp8 attention its warm-up calls took)
+    and this rank's output (None when the layout was refused). A spread layout's calls alternate with the 1-GPU
+    call's in the same processes (one_gpu_ms: its median), after the layout's peak memory is read: the 1-GPU call's
+    is not the layout's."""
+    row = Result("", "", job.world, layout, precision=precision)
     one_gpu = lambda: acc(*args)  # noqa: E731
     call = one_gpu if spread is None else (lambda: spread.run(model, acc, *args))
     out = None
@@ -277,11 +299,14 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
         return _step_ms(run, device)
 
     _peak_reset(device)
+    fp8_attention.served_clear()
     try:
         with torch.inference_mode():
             for _ in range(WARMUP):
                 call()
             peak = _peak_gb(device) or 0.0
+            if precision == "fp8":
+                row.attention = "; ".join(fp8_attention.served())
             if spread is None:
                 times, one_gpu_times = [timed_call() for _ in range(job.iters)], []
             else:
@@ -337,7 +362,7 @@ def _compare(row: Result, out: torch.Tensor | None, job: Job) -> None:
     speed-up over the 1-GPU call timed alternately with it."""
     if out is None:
         return
-    ref = Path(job.folder, f"output-{row.model}-{row.size}.pt")
+    ref = Path(job.folder, f"output-{row.model}-{row.precision}-{row.size}.pt")
     if job.world == 1:
         torch.save(out.float().cpu(), ref)
         row.speedup = 1.0
@@ -364,7 +389,13 @@ def _line(r: Result) -> str:
                    f"{r.kernels['launches']:.0f} kernels")
     against = "" if r.one_gpu_ms is None else \
         f" against 1 GPU {r.one_gpu_ms:.1f} ms ({_range(r.one_gpu_range)}) timed alternately"
-    return f"{where}: {r.ms:.1f} ms/step ({_range(r.ms_range)}), x{r.speedup:.2f}{against}{peak}, {err}{kernels}"
+    return (f"{where}: {r.ms:.1f} ms/step ({_range(r.ms_range)}), x{r.speedup:.2f}{against}{peak}, {err}{kernels}"
+            + ("" if r.attention is None else f"; {_attention(r)}"))
+
+
+def _attention(r: Result) -> str:
+    """What served a precision-fp8 row's attention, in words."""
+    return f"fp8 attention: {r.attention}" if r.attention else "fp8 attention: none, the attention ran in 16 bits"
 
 
 def _range(low_high: tuple[float, float] | None) -> str:
@@ -392,12 +423,15 @@ def table(rows: list[Result], host: str = "") -> str:
            f"{'speedup':>8} {'peak GB':>8} {'rel err':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.model:<14} {r.size:<10} {r.gpus:>4} {r.layout:<15} {_fmt(r.ms, '9.1f')} "
+        model = r.model if r.precision == "auto" else f"{r.model} {r.precision}"
+        lines.append(f"{model:<14} {r.size:<10} {r.gpus:>4} {r.layout:<15} {_fmt(r.ms, '9.1f')} "
                      f"{_range(r.ms_range):>15} {_fmt(r.one_gpu_ms, '9.1f')} {_fmt(r.speedup, '8.2f')} "
                      f"{_fmt(r.peak_gb, '8.1f')} "
                      + (f"({r.noise:.1e})" if r.noise is not None else _fmt(r.rel_err, '9.1e')))
         if r.note:
             lines.append(f"{'':<14} {r.note}")
+        if r.attention is not None and r.ms is not None:
+            lines.append(f"{'':<14} {_attention(r)}")
     lines.append(LEGEND)
     if host:
         lines.append(host)

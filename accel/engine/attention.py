@@ -110,7 +110,8 @@ def said() -> set[Hashable]:
 class StandIn:
     """A function put for a while in a host module's place of its attention function (sequence parallelism does:
     accel/parallel/exchange.py) that the fused DiT blocks honour, though they call no host attention: their gate
-    judges `host`, the function it stands in for, and their own attention runs through `around`."""
+    judges `host`, the function it stands in for, and their own attention runs through `around` (or, in fp8,
+    through `eight`)."""
 
     host: Callable
     call: Callable  # what the host's blocks call in host's place, with host's arguments
@@ -118,6 +119,10 @@ class StandIn:
     around: Callable
     # alike for stand-ins that do the same, so that a CUDA graph captured with one replays for another; None: its own
     key: Hashable = None
+    # what the fused blocks' fp8 attention exchanges its e4m3 q and k and 16-bit v through in host's place
+    # (sequence parallelism's exchange: accel/parallel/exchange.py Eight); None: under this stand-in the attention
+    # stays 16-bit
+    eight: object = None
 
     def __call__(self, *args, **kwargs):
         return self.call(*args, **kwargs)

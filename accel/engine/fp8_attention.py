@@ -10,11 +10,16 @@ and cuDNN 9.13): it goes to the output projection, an fp8 product already, as fp
 something needs 16 bits it is widened. v's descale maps max|v| to 448, and every output row is a convex combination of
 v's rows, so the output never overflows.
 
-Blocks without qk norm (SD3.0), heads cuDNN does not take, a host attention other than ComfyUI's PyTorch one, a
-sequence-parallel stand-in, a missing package or an older GPU: 16-bit attention as before, said once per reason. So
-too where FlashAttention-4 is installed, at a head size it takes where cuDNN's fp8 kernel was not measured faster
-than its 16-bit one (BENCHMARKS.md, on an H200; Blackwell not measured): 128 (Flux, Chroma, Qwen-Image, Wan) keeps
-fp8 attention, SD3.5's 64 does not.
+Under sequence parallelism (a StandIn of the exchange, accel/parallel/exchange.py, in the place of ComfyUI's PyTorch
+attention) it stays fp8: q and k cross the exchange as e4m3 bytes, v in 16 bits with each rank's largest |v|, and each
+rank quantizes the v rows it received by the largest of all ranks' (the one process's scale); the kernel is chosen at
+the gathered shape (all tokens, the rank's heads), and its output goes back as it came out of the kernel.
+
+Blocks without qk norm (SD3.0), heads cuDNN does not take, a host attention other than ComfyUI's PyTorch one (in its
+place or behind the exchange), any other stand-in, a missing package or an older GPU: 16-bit attention as before, said
+once per reason. So too where FlashAttention-4 is installed, at a head size it takes where cuDNN's fp8 kernel was not
+measured faster than its 16-bit one (BENCHMARKS.md, on an H200; Blackwell not measured): 128 (Flux, Chroma,
+Qwen-Image, Wan) keeps fp8 attention, SD3.5's 64 does not.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 from . import flash3, flash4, fp8, host_attention
+from .attention import StandIn
 from .fusions.base import comfy_function, comfy_pytorch, kernel_module
 
 log = logging.getLogger("sd-accel")
@@ -114,6 +120,9 @@ _KERNELS: dict[tuple, Kernel | str] = {}  # shape key -> kernel, or why cuDNN re
 # hold nothing until its graph replays), and read by every call after
 _ONE: dict[torch.device, torch.Tensor] = {}
 _SAID: set[str] = set()
+# (shape the kernel runs at, processes exchanged over: None without the exchange) -> the kernel's name, for every
+# sequence that took fp8 attention in this process since served_clear() (the multi-GPU bench prints them)
+_SERVED: dict[tuple, str] = {}
 
 
 def _build(shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype) -> Kernel:
@@ -194,17 +203,21 @@ _CHOSEN: dict[tuple, tuple[Kernel | None, torch.dtype]] = {}
 
 
 def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype, dtype16: torch.dtype,
-           three: bool, fp8_consumers: bool) -> tuple[Kernel | None, torch.dtype]:
+           three: bool, fp8_consumers: bool,
+           agree: Callable[[list[float], torch.device], list[float]] | None = None
+           ) -> tuple[Kernel | None, torch.dtype]:
     """The fp8 attention for (B, L, heads, head_dim) inputs on `device`, and the dtype it writes: cuDNN's (`kernel`,
     writing out_dtype), or where `three` (FlashAttention-3 takes the head size) whichever of it and FlashAttention-3's
     (writing dtype16, the blocks' 16-bit dtype) was timed faster at the shape's first call, FlashAttention-3 with the
     quantization of its output that the output projections then make where they make fp8 products
     (`fp8_consumers`). (None, _) where neither runs, or the choice would first be made inside a CUDA graph capture.
     FlashAttention-3's fp8 kernel writes bf16 alone, so blocks that compute in float16 (ComfyUI picks it for some
-    quantized checkpoints) get cuDNN's."""
+    quantized checkpoints) get cuDNN's. `agree` (sequence parallelism's Eight.agree): the times are the largest over
+    the processes that attend together, so that each chooses the same kernel (cuDNN's availability is taken to be
+    the same on each: GPUs of one kind, one Python)."""
     if not three or dtype16 != torch.bfloat16:
         return kernel(shape, device, out_dtype), out_dtype
-    key = (shape, device, out_dtype, dtype16)
+    key = (shape, device, out_dtype, dtype16) if agree is None else (shape, device, out_dtype, dtype16, "agreed")
     found = _CHOSEN.get(key)
     if found is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -215,12 +228,17 @@ def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
         if cudnn is not None:
             ms_cudnn = _ms(cudnn, shape, device, out_dtype, False)
             ms_three = _ms(_flash3, shape, device, dtype16, fp8_consumers)
-            _say(f"fp8 attention over {shape[2]} heads of {shape[3]} at {shape[1]} tokens runs "
-                 f"{'FlashAttention-3' if ms_three < ms_cudnn else 'cuDNN'}: {min(ms_three, ms_cudnn):.2f} ms against "
-                 f"{max(ms_three, ms_cudnn):.2f} ms for {'cuDNN' if ms_three < ms_cudnn else 'FlashAttention-3'}",
-                 logging.INFO)
+            if agree is not None:
+                ms_cudnn, ms_three = agree([ms_cudnn, ms_three], device)
+            if math.isfinite(ms_cudnn):
+                _say(f"fp8 attention over {shape[2]} heads of {shape[3]} at {shape[1]} tokens runs "
+                     f"{'FlashAttention-3' if ms_three < ms_cudnn else 'cuDNN'}: {min(ms_three, ms_cudnn):.2f} ms "
+                     f"against {max(ms_three, ms_cudnn):.2f} ms for "
+                     f"{'cuDNN' if ms_three < ms_cudnn else 'FlashAttention-3'}", logging.INFO)
             if ms_cudnn <= ms_three:
                 found = (cudnn, out_dtype)
+        elif agree is not None:  # the others wait for this rank's times: cuDNN's never the faster
+            agree([math.inf, 0.0], device)
         _CHOSEN[key] = found
     if found[0] is _flash3:
         flash3.say("fp8")
@@ -260,9 +278,16 @@ def wanted(module_name: str, name: str, x: torch.Tensor, *projections: nn.Module
     """Whether a fused block of ComfyUI's `module_name`, whose attention is that module's function `name`, may take
     fp8 attention for the sequence its `projections` (the q, k and v projections of every stream) write: all of them
     make fp8 products, the activations are 16-bit, and the attention the block would run is ComfyUI's PyTorch one (no
-    other host choice, no stand-in)."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)
-            and comfy_pytorch(comfy_function(module_name, name)[0]))
+    other host choice), itself or through sequence parallelism's exchange (no other stand-in)."""
+    if not (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)):
+        return False
+    fn, host = comfy_function(module_name, name)
+    return comfy_pytorch(host) and (fn is host or _exchange(fn) is not None)
+
+
+def _exchange(fn) -> object | None:
+    """The exchange of a stand-in that takes fp8 attention (StandIn.eight: sequence parallelism's), else None."""
+    return fn.eight if isinstance(fn, StandIn) else None
 
 
 @dataclass
@@ -302,20 +327,39 @@ class Sequence:
     v_amax: torch.Tensor  # v's largest magnitude as partial maxima (kernels/qk_rope.py new_v_amax)
     run: Kernel
     out_dtype: torch.dtype
+    # sequence parallelism's exchange (accel/parallel/exchange.py Eight) and how many of the rows are alike on every
+    # rank, where the attention runs over all ranks' tokens of this rank's heads; None: over these rows, all heads
+    exchange: object | None = None
+    whole: int = 0
 
     def kernel_args(self) -> dict:
         """qk_norm_rope's arguments for each stream's rows."""
         return {"descales": self.descales, "v_amax": self.v_amax}
 
     def attend(self) -> Output:
-        """Attention over the sequence once every stream's rows are written."""
+        """Attention over the sequence once every stream's rows are written (under the exchange over every rank's rows
+        of this rank's heads: tokens traded for heads on the way in, back on the way out)."""
         q8, k8, v = self.qkv
-        v8, descale_v, scale_v = kernel_module("quant").quantize_tensor(v, self.v_amax)
+        if self.exchange is None:
+            out, descale_v = self._run(q8, k8, v, self.v_amax)
+            B, L, H, D = out.shape
+            return Output(out.view(B, L, H * D), descale_v, v.dtype)
+        B, L, H, D = q8.shape
+        q8, k8, v, maxima = self.exchange.to_heads(q8, k8, v, self.v_amax, self.whole)
+        if maxima.numel() > kernel_module("quant").MAX_AMAX:
+            maxima = maxima.amax().reshape(1)
+        out, descale_v = self._run(q8, k8, v, maxima)
+        return Output(self.exchange.to_tokens(out, self.whole).view(B, L, H * D), descale_v, v.dtype)
+
+    def _run(self, q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor,
+             amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the kernel's output, v's descale): v quantized by the largest of amax (under the exchange, all ranks'
+        maxima: the same scale on every rank, so the output's rows need no other on the way back), then attended."""
+        v8, descale_v, scale_v = kernel_module("quant").quantize_tensor(v, amax)
         out = torch.empty(q8.shape, device=q8.device, dtype=self.out_dtype)
         scale_o = scale_v if self.out_dtype == fp8.FP8 else _ONE[q8.device]
         self.run(q8, k8, v8, self.descales[0, :1], self.descales[1, :1], descale_v, scale_o, out)
-        B, L, H, D = out.shape
-        return Output(out.view(B, L, H * D), descale_v, v.dtype)
+        return out, descale_v
 
 
 def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, head_dim: int, like: torch.Tensor,
@@ -325,7 +369,8 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
     head, or over all heads' channels), written by `projections`, its output read by `consumers`, in a block whose
     attention is the function `name` of ComfyUI's `module_name`; None where it stays 16-bit (`wanted` says no, a stream
     has no qk norm to bound q and k, or no kernel runs: said once). The output is e4m3 where every consumer makes fp8
-    products or the GPU writes no 16-bit output, else 16-bit."""
+    products or the GPU writes no 16-bit output, else 16-bit. Under sequence parallelism's exchange the kernel runs at
+    the gathered shape (batch, the rows alike on every rank + world x the others, heads / world, head_dim)."""
     if not wanted(module_name, name, like, *projections) or any(w is None for pair in norms for w in pair):
         return None
     three = flash3.takes(like.device, head_dim)
@@ -336,12 +381,42 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
         return None
     eight_bit_consumers = all(fp8.marked(c) for c in consumers)
     sixteen_bit = not eight_bit_consumers and sixteen_bit_output(like.device)
-    shape = (batch, tokens, heads, head_dim)
+    shape, exchange = (batch, tokens, heads, head_dim), _exchange(comfy_function(module_name, name)[0])
+    whole = exchange.whole(tokens) if exchange is not None else None
+    if whole is None:
+        exchange = None
+    else:  # all ranks' tokens, this rank's heads
+        shape = (batch, whole + exchange.world * (tokens - whole), heads // exchange.world, head_dim)
     run, out_dtype = choose(shape, like.device, like.dtype if sixteen_bit else fp8.FP8, like.dtype, three,
-                            eight_bit_consumers)
+                            eight_bit_consumers, exchange.agree if exchange is not None else None)
     if run is None:
         return None
+    _served(shape, exchange, run)
     rope = kernel_module("qk_rope")
     return Sequence(rope.empty_qkv(batch, tokens, heads, head_dim, like, qk_fp8=True),
                     rope.qk_descales([q for q, _ in norms], [k for _, k in norms]),
-                    rope.new_v_amax(like.device), run, out_dtype)
+                    rope.new_v_amax(like.device), run, out_dtype, exchange, whole or 0)
+
+
+def _served(shape: tuple[int, int, int, int], exchange, run: Kernel) -> None:
+    """Note which kernel serves a sequence at `shape`, the first time; under the exchange also say it once."""
+    key = (shape, exchange.world if exchange is not None else None)
+    if key in _SERVED:
+        return
+    _SERVED[key] = "FlashAttention-3" if run is _flash3 else "cuDNN"
+    if exchange is not None:
+        _say(f"fp8 attention under sequence parallelism over {exchange.world} processes: {shape[2]} heads of "
+             f"{shape[3]} at {shape[1]} tokens on each, {_SERVED[key]}'s kernel, q and k exchanged in e4m3",
+             logging.INFO)
+
+
+def served() -> list[str]:
+    """Which kernel served the fp8 attention of each shape since served_clear(), in words (the multi-GPU bench prints
+    them): empty where every attention was 16-bit."""
+    return [f"{name} at {'x'.join(map(str, shape))}"
+            + ("" if world is None else f" exchanged over {world} process{'es' if world > 1 else ''}")
+            for (shape, world), name in _SERVED.items()]
+
+
+def served_clear() -> None:
+    _SERVED.clear()

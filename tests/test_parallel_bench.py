@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import comfy_helpers as H
+from sd_accel.accel.cli import parallel_bench
+from sd_accel.accel.cli.timing import interleaved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_comfyui = pytest.mark.skipif(H.comfy_unavailable() is not None, reason=str(H.comfy_unavailable()))
@@ -54,6 +56,20 @@ def test_every_layout_gives_the_one_process_output(worlds):
     assert all(line in r.stderr for line in ["[tiny-wan 64x64] 1 GPU: ", *progress]), r.stderr
     assert "tiny-wan" in r.stdout and "CFG x sequence" in r.stdout and "host: CPU " in r.stdout
 
+
+
+def test_each_timed_call_follows_an_untimed_call_of_its_own_side():
+    """The 1-GPU call reads the host's attention function where a spread call reads its exchange, so the engine's CUDA
+    graphs of the shape are captured again at each switch (on a GPU a capture doubled both sides' medians): the
+    capture must fall on an untimed call, and the timed one replay."""
+    calls = []
+
+    def side(name: str, ms: float):
+        return parallel_bench._settled(lambda: calls.append(f"{name} untimed"),
+                                       lambda: calls.append(f"{name} timed") or ms)
+
+    assert interleaved(side("1 GPU", 9.0), side("spread", 5.0), 3) == ([9.0] * 3, [5.0] * 3)
+    assert calls == ["1 GPU untimed", "1 GPU timed", "spread untimed", "spread timed"] * 3
 
 @needs_comfyui
 def test_a_world_that_does_not_divide_the_heads_is_a_row_with_the_reason(worlds):

@@ -10,8 +10,9 @@ layout the model refuses (heads or tokens the world does not divide, a model the
 is a row that says why. Per row: median ms per step (the CFG batch included) of the slowest rank, the peak GPU memory
 of the busiest rank, and the relative L2 distance from the W=1 output in fp32. A layout's speed-up is timed within its
 own world (issue 58): the same processes run the 1-GPU call (each rank the whole step on its own GPU) and the layout's
-call alternately, --iters of each, and the speed-up is the ratio of the two medians, so that a drift of the clocks or
-of the host's load falls on both. With `--paths torch-fp8` the step runs under precision fp8 (fp8 products, and fp8
+call alternately, --iters of each, each timed call after an untimed one of its own side (a switch captures the CUDA
+graphs of that shape again: they serve the attention functions they captured, the exchange or the host's), and the
+speed-up is the ratio of the two medians, so that a drift of the clocks or of the host's load falls on both. With `--paths torch-fp8` the step runs under precision fp8 (fp8 products, and fp8
 attention where it runs: sequence parallelism's too), its rows against the 1-GPU fp8 output, each saying which fp8
 attention kernel served it at which shape (or that the attention stayed 16-bit).
 """
@@ -312,7 +313,8 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
             else:
                 for _ in range(WARMUP):
                     one_gpu()
-                one_gpu_times, times = interleaved(lambda: _step_ms(one_gpu, device), timed_call, job.iters)
+                one_gpu_times, times = interleaved(_settled(one_gpu, lambda: _step_ms(one_gpu, device)),
+                                                   _settled(call, timed_call), job.iters)
     except BadInput as e:  # the model or the world cannot take this layout; every rank finds the same
         row.note = f"refused: {e}"
         return row, None
@@ -333,6 +335,16 @@ def _layout_row(job: Job, model: torch.nn.Module, acc: Callable[..., torch.Tenso
             times = kernel_times(call, runs=2)
         row.kernels, row.top_kernels = by_class(times), top(times)
     return row, out
+
+
+def _settled(call: Callable[[], object], timed: Callable[[], float]) -> Callable[[], float]:
+    """timed() after one untimed call: the other side ran last. A spread call reads its exchange where the 1-GPU call
+    reads the host's attention function, so the engine's CUDA graphs of that shape are captured again at every switch
+    (they serve only the functions they captured); the capture falls on the untimed call, the timed one replays."""
+    def go() -> float:
+        call()
+        return timed()
+    return go
 
 
 def _step_ms(call: Callable[[], torch.Tensor], device: torch.device) -> float:
@@ -410,7 +422,8 @@ def _fmt(value: float | None, spec: str) -> str:
 LEGEND = ("ms/step = one sampling step of the whole batch (both CFG halves), median of the timed calls on the slowest "
           "rank, min-max their range (each the largest over the ranks); 1 GPU ms = the 1-GPU call's median in the "
           "row's processes; speedup = the 1-GPU call's median over the row's, the two timed alternately in the same processes "
-          "(--iters of each: each rank runs the whole step on its own GPU for the 1-GPU call); peak GB = the most any rank allocated; "
+          "(--iters of each, each after an untimed call of its own side: a switch captures the CUDA graphs again; "
+          "each rank runs the whole step on its own GPU for the 1-GPU call); peak GB = the most any rank allocated; "
           "rel err = relative L2 distance of the output from the 1-GPU output, in fp32; on the 1-GPU row, in brackets, "
           "its bf16 noise: its own distance when its input moves by one bf16 rounding (x (1 + 2^-8 r)), the yardstick "
           "for the others. CUDA graphs in every row; a sequence-parallel call's are cut at its exchanges, which run "

@@ -203,7 +203,7 @@ def test_a_sequence_parallel_fp8_call_replays_cuda_graphs_cut_at_its_collectives
     pytest.importorskip("triton")
     H.import_comfy()
     from sd_accel.accel.accelerate import accelerate
-    from sd_accel.accel.engine import fp8_attention
+    from sd_accel.accel.engine import flash3, fp8_attention
     from sd_accel.accel.models import configs
     from sd_accel.accel.parallel.group import Group
     from sd_accel.accel.parallel.rendezvous import free_port, join
@@ -213,8 +213,8 @@ def test_a_sequence_parallel_fp8_call_replays_cuda_graphs_cut_at_its_collectives
 
     device = torch.device("cuda", 0)
     ok, why = fp8_attention.available(device)
-    if not ok:
-        pytest.skip(f"fp8 attention cannot run: {why}")
+    if not ok and not flash3.takes(device, 128):  # either kernel serves the exchanged attention
+        pytest.skip(f"fp8 attention cannot run: {why}, and FlashAttention-3 (fa3-fwd) does not run here either")
     _tiny_flux_128(monkeypatch)
     H.use_comfy_attention("pytorch", monkeypatch.setattr)
     join("nccl", free_port(), 0, 1, 120, device)

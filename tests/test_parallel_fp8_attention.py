@@ -194,12 +194,12 @@ def test_fp8_attention_over_two_processes_is_the_one_process_fp8_attention(tmp_p
                                               ["FlashAttention-3", "FlashAttention-3", "FlashAttention-3"]]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and cuDNN's fp8 attention need a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the fp8 attention kernels need a GPU")
 def test_a_sequence_parallel_fp8_call_replays_cuda_graphs_cut_at_its_collectives(monkeypatch):
-    """A small Flux of head size 128 (cuDNN's) under precision fp8, sequence parallel in one NCCL process (the
-    exchanges run, as copies): every attention in fp8 through the exchange, the call captured in pieces (one all-to-all
-    each way per block, the gather at the end), its replays the plain first call's on those inputs and the one-process
-    fp8 call's within fp8's noise."""
+    """A small Flux of head size 128 (cuDNN's and FlashAttention-3's) under precision fp8, sequence parallel in one
+    NCCL process (the exchanges run, as copies): every attention in fp8 through the exchange, the call captured in
+    pieces (one all-to-all each way per block, the gather at the end), its replays the plain first call's on those
+    inputs and the one-process fp8 call's within fp8's noise."""
     pytest.importorskip("triton")
     H.import_comfy()
     from sd_accel.accel.accelerate import accelerate

@@ -52,7 +52,7 @@ def test_a_side_beside_runs_third_in_each_round_unprofiled(monkeypatch):
     """A third side for context (plain alone beside plain with a stack): run after the two in every round, so a drift
     falls on it alike; its median and how it compares with each side in a line of its own; not profiled."""
     calls: list[str] = []
-    monkeypatch.setattr(timing, "gpu_busy", lambda run: 0.5)
+    monkeypatch.setattr(timing, "gpu_busy", lambda run: (0.5, {}))
     t = timing.measure(fake("node", [1.0] * 5, calls), fake("plain", [2.0] * 5, calls), gpu=True,
                        beside=("plain alone", fake("alone", [3.0, 3.2, 2.8, 3.0, 3.0], calls)))
     assert calls == ["node", "plain", "alone"] * timing.RUNS
@@ -70,7 +70,8 @@ def test_an_even_count_takes_the_middle_two():
 
 def test_seconds_a_step_and_gpu_busy(monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(timing, "gpu_busy", lambda run: {"node": 9.0, "plain": 6.0}[run.__name__])
+    monkeypatch.setattr(timing, "gpu_busy", lambda run: {"node": (9.0, {"gemm": 6.0, "copy": 3.0}),
+                                                         "plain": (6.0, {"attention": 2.0, "gemm": 4.0})}[run.__name__])
     node, plain = fake("node", [10.0] * 5, calls), fake("plain", [30.0] * 5, calls)
     node.__name__, plain.__name__ = "node", "plain"
     t = timing.measure(node, plain, gpu=True, per=5, unit="s/step")
@@ -78,6 +79,9 @@ def test_seconds_a_step_and_gpu_busy(monkeypatch):
     assert t.lines()[0].startswith("timed: node median 2.00 s/step (2.00-2.00), plain 6.00 s/step (6.00-6.00)")
     assert t.lines()[1] == ("plain: GPU busy 1.20 s/step of 6.00 s/step wall (20%); "
                             "node: GPU busy 1.80 s/step of 2.00 s/step wall (90%)")
+    # where each side's GPU time went, the longest class first, per step as the rest
+    assert t.lines()[2] == ("GPU time by kernel class (summed, streams overlapping counted apart), plain: gemm 0.800, "
+                            "attention 0.400 s/step; node: gemm 1.20, copy 0.600 s/step")
 
 
 def test_a_profiler_that_fails_is_said_not_raised(monkeypatch):
@@ -125,17 +129,24 @@ def test_the_tables_show_the_medians_and_the_timed_lines():
     assert check.table().splitlines()[1].startswith("   timed: node median")
 
 
-def test_gpu_busy_reads_the_busiest_gpus_events():
+def test_gpu_busy_reads_the_busiest_gpus_events_by_class():
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    def event(device, index, start, end):
-        return SimpleNamespace(device_type=device, device_index=index, time_range=SimpleNamespace(start=start, end=end))
+    def event(device, index, start, end, name="kernel"):
+        return SimpleNamespace(device_type=device, device_index=index, time_range=SimpleNamespace(start=start, end=end),
+                               name=name)
 
-    events = [event(DeviceType.CPU, 7, 0, 1e6),  # a launch call on the CPU: no GPU work
-              event(DeviceType.CUDA, 0, 0, 2e5), event(DeviceType.CUDA, 0, 1e5, 3e5),  # two streams overlapping
-              event(DeviceType.CUDA, 1, 0, 1e5)]
-    assert timing.device_busy(events) == pytest.approx(0.3)
+    events = [event(DeviceType.CPU, 7, 0, 1e6, "cudaLaunchKernel"),  # a launch call on the CPU: no GPU work
+              # two streams overlapping: busy once, each class its own time
+              event(DeviceType.CUDA, 0, 0, 2e5, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"),
+              event(DeviceType.CUDA, 0, 1e5, 3e5, "Memcpy HtoD (Pinned -> Device)"),
+              event(DeviceType.CUDA, 1, 0, 1e5, "flash_fwd_kernel")]  # a less busy GPU: not counted
+    seconds, classes = timing.device_busy(events)
+    assert seconds == pytest.approx(0.3)
+    assert classes == pytest.approx({"gemm": 0.2, "copy": 0.2})
+    assert timing.kernel_class("Memset (Device)") == "memset"
+    assert timing.kernel_class("ncclDevKernel_AllToAll") == "collective"
     with pytest.raises(RuntimeError, match="no GPU activity"):
         timing.device_busy(events[:1])

@@ -6,7 +6,9 @@ to machine (SDXL 1024, 20 steps: 1.17-1.88 s over 12 runs on one H200, where the
 node, plain, ...: a drift of the clocks or of other tenants' load falls on both alike), RUNS times each, and each side
 is its median with its range, beside the host's CPU and load. One more run of each under torch's profiler says how
 long the GPU was busy within it: how much of a speed-up is GPU work and how much is the launch overhead that CUDA
-graphs remove.
+graphs remove; and that busy time by class of kernel (the bench's classes: GEMM, attention, norm, collective, ...,
+with memory copies and sets apart), so that two runs whose GPU work differs (one model in two ComfyUI versions) say
+where.
 
 The statistics and the lines are plain functions of the timers' samples, which tests/test_gpu_timing.py checks on
 the CPU; the statistics and the host's CPU and load are the bench's own (accel/cli/timing.py).
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # One implementation of the statistics and the host's CPU and load, the bench's too; the suite reads them from here.
+from sd_accel.accel.cli.profile import classify
 from sd_accel.accel.cli.timing import (MIN_RUNS, Spread, cpu_model, figure, host_cpu, interleaved,  # noqa: F401
                                        load, load_text)
 
@@ -34,12 +37,16 @@ class Busy:
     wall: float
     seconds: float | None = None  # None: not measured, `why` says why
     why: str = ""
+    classes: tuple[tuple[str, float], ...] = ()  # the GPU's time by class of kernel, the longest first
 
     def text(self, side: str, unit: str) -> str:
         if self.seconds is None:
             return f"{side}: GPU busy not measured ({self.why})"
         share = f" ({100 * self.seconds / self.wall:.0f}%)" if self.wall > 0 else ""
         return f"{side}: GPU busy {figure(self.seconds)} {unit} of {figure(self.wall)} {unit} wall{share}"
+
+    def by_class(self, side: str, unit: str) -> str:
+        return f"{side}: " + ", ".join(f"{name} {figure(seconds)}" for name, seconds in self.classes) + f" {unit}"
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,9 @@ class Timed:
                  f"{len(self.node.samples)} interleaved warm runs each: {self.ratio:.2f}x; CPU {self.cpu}, "
                  f"load {load_text(self.load)}")
         lines = [timed, f"{self.plain_busy.text('plain', self.unit)}; {self.node_busy.text('node', self.unit)}"]
+        if self.plain_busy.classes and self.node_busy.classes:
+            lines.append(f"GPU time by kernel class (summed, streams overlapping counted apart), "
+                         f"{self.plain_busy.by_class('plain', self.unit)}; {self.node_busy.by_class('node', self.unit)}")
         if self.beside is not None:
             lines.append(f"{self.beside_label}, run third in the same rounds: median {self.beside.text(self.unit)}, "
                          f"{self.beside.median / self.node.median:.2f}x the node's, "
@@ -81,22 +91,38 @@ def union_length(spans: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def device_busy(events: Iterable[Any]) -> float:
+def kernel_class(name: str) -> str:
+    """The class of a GPU event by its name: a copy or a memory set (DynamicVRAM's weights moving would show there),
+    else the bench's class of the kernel."""
+    if name.startswith("Memcpy"):
+        return "copy"
+    if name.startswith("Memset"):
+        return "memset"
+    return classify(name)
+
+
+def device_busy(events: Iterable[Any]) -> tuple[float, dict[str, float]]:
     """Seconds the busiest GPU was busy (a kernel, copy or memset running) among torch profiler's events (its
-    FunctionEvents; those of the CPU, such as the launch calls, are not GPU work); RuntimeError where none ran on a
-    GPU."""
+    FunctionEvents; those of the CPU, such as the launch calls, are not GPU work), and its events' seconds summed by
+    kernel_class; RuntimeError where none ran on a GPU."""
     from torch.autograd import DeviceType
 
     spans: dict[int, list[tuple[float, float]]] = {}
+    names: dict[int, list[str]] = {}
     for event in events:
         if event.device_type == DeviceType.CUDA:
             spans.setdefault(event.device_index, []).append((event.time_range.start, event.time_range.end))
+            names.setdefault(event.device_index, []).append(event.name)
     if not spans:
         raise RuntimeError("the profiler recorded no GPU activity")
-    return max(union_length(s) for s in spans.values()) / 1e6  # the profiler's times are microseconds
+    busiest = max(spans, key=lambda d: union_length(spans[d]))
+    classes: dict[str, float] = {}
+    for name, (start, end) in zip(names[busiest], spans[busiest]):
+        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + (end - start) / 1e6
+    return union_length(spans[busiest]) / 1e6, classes  # the profiler's times are microseconds
 
 
-def gpu_busy(run: Callable[[], object]) -> float:
+def gpu_busy(run: Callable[[], object]) -> tuple[float, dict[str, float]]:
     """device_busy of one call of `run`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -116,7 +142,9 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
     """gpu_busy of one more call of `run` (divided by `per`), or why it could not be measured: a profiler that fails
     is said in the table, never a failed suite."""
     try:
-        return Busy(wall, gpu_busy(run) / per)
+        seconds, classes = gpu_busy(run)
+        return Busy(wall, seconds / per, classes=tuple(sorted(((k, v / per) for k, v in classes.items()),
+                                                               key=lambda kv: -kv[1])))
     except Exception as e:  # noqa: BLE001 (CUPTI missing, a profiler error of this torch: the timing stands)
         text = str(e).strip().splitlines()
         return Busy(wall, None, f"{type(e).__name__}{': ' + text[0] if text else ''}")

@@ -515,8 +515,10 @@ def forget_collected() -> int:
     patcher holds it); returns how many. A patcher collected by the cycle collector takes its parent with it, so the
     entry cannot fall back to the parent and keeps None (ComfyUI calls it dead, a leak); 0.33's MultiGPU CFG Split
     then fails on it (create_multigpu_deepclones reads `.model` of every loaded_models() entry: AttributeError). The
-    node outputs a stack drops between its orders leave such entries; a server keeps a workflow's outputs while it
-    runs, and the split's own test (tests/test_comfyui_stacking.py) unloads every model first."""
+    split's patcher and its copies for the other GPUs refer to each other, so any clone around the split, plain
+    ComfyUI's `clone()` as much as the node's, is collected with its parent once dropped (checked on the CPU in 0.33:
+    the next split then raises); the stack drops outputs between its orders, and the split's own test
+    (tests/test_comfyui_stacking.py) unloads every model first."""
     import comfy.model_management as mm
 
     gc.collect()

@@ -199,6 +199,8 @@ def test_the_split_over_two_devices_against_the_nodes_own_and_with_the_node_step
     for row in aside:
         assert row.devices == 2 and row.said == 1 and row.error == 0.0 and row.timed is None
         assert row.engine_calls == 0 and row.plain_calls == 2 * steps  # one call a step on each device
+        assert "x " not in row.line()  # one run of each side: no ratio (issue 58)
+    assert f"{own.plain_seconds / own.seconds:.2f}x" in own.line()
     assert report.yardstick == pytest.approx(own.limit / 1.5)  # the run's (0 on the CPU) + the split's own move
     assert "plain's move under the split" in table
 

@@ -183,9 +183,10 @@ class StackRow:
 
     def line(self) -> str:
         skipped = f"{self.skipped[0]}/{self.plain_skipped[0]}" if self.skipped and self.plain_skipped else "-"
-        ratio = self.plain_seconds / self.seconds if self.seconds > 0 else 0.0
+        # a ratio only of interleaved medians (issue 58): a row of one run each shows none
+        ratio = f"{self.plain_seconds / self.seconds:>6.2f}x" if self.timed and self.seconds > 0 else f"{'-':>7}"
         return (f"{self.order:<7} {self.error:>9.2e} {self.limit:>9.2e} {skipped:>7} {self.seconds:>7.3f} "
-                f"{self.plain_seconds:>7.3f} {ratio:>6.2f}x {self.engine_calls:>3}/{self.plain_calls:<3}  "
+                f"{self.plain_seconds:>7.3f} {ratio} {self.engine_calls:>3}/{self.plain_calls:<3}  "
                 + ("ok" if self.ok else "FAIL: " + "; ".join(self.problems())))
 
     def lines(self) -> list[str]:

@@ -194,6 +194,22 @@ def test_fp8_attention_over_two_processes_is_the_one_process_fp8_attention(tmp_p
                                               ["FlashAttention-3", "FlashAttention-3", "FlashAttention-3"]]
 
 
+def test_joining_a_group_drops_the_choices_agreed_in_the_last_one(monkeypatch):
+    """ComfyUI's process (rank 0) outlives its worker pools. A kernel choice it agreed with the last pool's workers
+    must not keep it out of the next pool's agreement: it would go straight to the exchange while the new workers wait
+    for its times, and the run would hang. Joining a group drops the agreed choices and keeps the process's own."""
+    from sd_accel.accel.engine import fp8_attention
+    from sd_accel.accel.parallel.rendezvous import free_port, join
+
+    alone = ((1, 8, 2, 16), torch.device("cpu"), FP8, torch.bfloat16)
+    monkeypatch.setattr(fp8_attention, "_CHOSEN", {alone: ("alone", FP8), (*alone, "agreed"): ("agreed", FP8)})
+    join("gloo", free_port(), 0, 1, 60)
+    try:
+        assert fp8_attention._CHOSEN == {alone: ("alone", FP8)}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the fp8 attention kernels need a GPU")
 def test_a_sequence_parallel_fp8_call_replays_cuda_graphs_cut_at_its_collectives(monkeypatch):
     """A small Flux of head size 128 (cuDNN's and FlashAttention-3's) under precision fp8, sequence parallel in one
@@ -234,7 +250,7 @@ def test_a_sequence_parallel_fp8_call_replays_cuda_graphs_cut_at_its_collectives
 
         fp8_attention.served_clear()
         spread = {}
-        for seed in (0, 1, 0, 2, 1):  # seed 0 first: the plain call; then the capture, and replays
+        for seed in (0, 1, 0, 2, 1, 2):  # seed 0 first: the plain call; then the capture, and replays of each
             out = call(seed, True)
             assert torch.isfinite(out).all() and H.rel(out, spread.setdefault(seed, out)) <= 1e-3, seed
         served = fp8_attention.served()

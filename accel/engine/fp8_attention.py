@@ -213,8 +213,10 @@ def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
     (`fp8_consumers`). (None, _) where neither runs, or the choice would first be made inside a CUDA graph capture.
     FlashAttention-3's fp8 kernel writes bf16 alone, so blocks that compute in float16 (ComfyUI picks it for some
     quantized checkpoints) get cuDNN's. `agree` (sequence parallelism's Eight.agree): the times are the largest over
-    the processes that attend together, so that each chooses the same kernel (cuDNN's availability is taken to be
-    the same on each: GPUs of one kind, one Python)."""
+    the processes that attend together, so that each chooses the same kernel; a rank whose cuDNN refuses the shape
+    times it as infinite, and all take FlashAttention-3. Without FlashAttention-3 in the choice, cuDNN's answer is
+    taken to be the same on each (GPUs of one kind, one Python). An agreed choice holds for the processes' group
+    (forget_agreed)."""
     if not three or dtype16 != torch.bfloat16:
         return kernel(shape, device, out_dtype), out_dtype
     key = (shape, device, out_dtype, dtype16) if agree is None else (shape, device, out_dtype, dtype16, "agreed")
@@ -243,6 +245,14 @@ def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
     if found[0] is _flash3:
         flash3.say("fp8")
     return found
+
+
+def forget_agreed() -> None:
+    """Drop the choices agreed with other processes. A new group (a worker pool started again beside ComfyUI's
+    process, which kept its choices) has made none: a rank that kept one would go straight to the exchange while the
+    new ranks wait for its times in the agreement, and neither collective would ever complete."""
+    for key in [k for k in _CHOSEN if k[-1] == "agreed"]:
+        del _CHOSEN[key]
 
 
 def _flash3(q8, k8, v8, descale_q, descale_k, descale_v, scale_o, out) -> None:
@@ -419,4 +429,5 @@ def served() -> list[str]:
 
 
 def served_clear() -> None:
+    """Start served()'s record afresh (before a row of the bench)."""
     _SERVED.clear()

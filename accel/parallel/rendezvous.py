@@ -26,8 +26,12 @@ def free_port() -> int:
 def join(backend: str, port: int, rank: int, world: int, timeout_s: float, device: torch.device | None = None) -> None:
     """This process into the default group of `world` processes meeting on 127.0.0.1:port; device: its GPU, which NCCL
     binds the group to (None on the CPU). timeout_s: how long a collective waits for the others before it fails."""
+    from ..engine import fp8_attention
+
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s), device_id=device)
+    # every rank of the new group takes part in its first agreements (the host's process outlives worker pools)
+    fp8_attention.forget_agreed()
 
 
 def cpu_threads(world: int) -> int:

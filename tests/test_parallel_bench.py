@@ -57,7 +57,6 @@ def test_every_layout_gives_the_one_process_output(worlds):
     assert "tiny-wan" in r.stdout and "CFG x sequence" in r.stdout and "host: CPU " in r.stdout
 
 
-
 def test_each_timed_call_follows_an_untimed_call_of_its_own_side():
     """The 1-GPU call reads the host's attention function where a spread call reads its exchange, so the engine's CUDA
     graphs of the shape are captured again at each switch (on a GPU a capture doubled both sides' medians): the
@@ -70,6 +69,7 @@ def test_each_timed_call_follows_an_untimed_call_of_its_own_side():
 
     assert interleaved(side("1 GPU", 9.0), side("spread", 5.0), 3) == ([9.0] * 3, [5.0] * 3)
     assert calls == ["1 GPU untimed", "1 GPU timed", "spread untimed", "spread timed"] * 3
+
 
 @needs_comfyui
 def test_a_world_that_does_not_divide_the_heads_is_a_row_with_the_reason(worlds):

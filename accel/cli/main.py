@@ -315,7 +315,7 @@ def _main(argv: list[str] | None) -> int:
                    help="sd-accel paths to time (torch-compile: the torch path with regional torch.compile; "
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
                         "Runtime with its CUDA graph; onnxruntime-refit: ONNX Runtime, then another checkpoint of the model "
-                        "built from its cached graph (a second row); for Flux and SD3.5: torch-fp8: fp8 matrix products "
+                        "built from its cached graph (a second row); for Flux and SD3.5 (with --gpus every model): torch-fp8: fp8 matrix products "
                         "(precision fp8), torch-fp8weights: the weights stored in fp8 as ComfyUI loads them, its own "
                         "forward and the torch path on them, with --comfyui)")
     b.add_argument("--iters", type=checks.whole(1),

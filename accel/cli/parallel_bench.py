@@ -12,9 +12,10 @@ of the busiest rank, and the relative L2 distance from the W=1 output in fp32. A
 own world (issue 58): the same processes run the 1-GPU call (each rank the whole step on its own GPU) and the layout's
 call alternately, --iters of each, each timed call after an untimed one of its own side (a switch captures the CUDA
 graphs of that shape again: they serve the attention functions they captured, the exchange or the host's), and the
-speed-up is the ratio of the two medians, so that a drift of the clocks or of the host's load falls on both. With `--paths torch-fp8` the step runs under precision fp8 (fp8 products, and fp8
-attention where it runs: sequence parallelism's too), its rows against the 1-GPU fp8 output, each saying which fp8
-attention kernel served it at which shape (or that the attention stayed 16-bit).
+speed-up is the ratio of the two medians, so that a drift of the clocks or of the host's load falls on both. With
+`--paths torch-fp8` the step runs under precision fp8 (fp8 products, and fp8 attention where it runs: sequence
+parallelism's too), its rows against the 1-GPU fp8 output, each saying which fp8 attention kernel served it at which
+shape (or that the attention stayed 16-bit).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class StandIn:
     # what the fused blocks' fp8 attention exchanges its e4m3 q and k and 16-bit v through in host's place
     # (sequence parallelism's exchange: accel/parallel/exchange.py Eight); None: under this stand-in the attention
     # stays 16-bit
-    eight: object = None
+    eight: object | None = None
 
     def __call__(self, *args, **kwargs):
         return self.call(*args, **kwargs)

@@ -116,7 +116,8 @@ def to_heads_fp8(q8: torch.Tensor, k8: torch.Tensor, v: torch.Tensor, amax: torc
     for t, lo, hi in spans:
         _copy(_bytes(t[:, whole:].unflatten(2, (w, h)).permute(2, 0, 1, 3, 4).flatten(3)), rows[..., lo:hi])
     got = _all_to_all(send, g)
-    maxima = got[:, :amax.numel() * 4].view(torch.float32).reshape(-1)  # a copy: the maxima of rank after rank
+    # the maxima of rank after rank (at world 1 a view of the received buffer: read before the next exchange)
+    maxima = got[:, :amax.numel() * 4].view(torch.float32).reshape(-1)
     rows = got[:, head:head + B * s * row].view(w, B, s, row).transpose(0, 1)
     mine = slice(g.rank * h, (g.rank + 1) * h)
     out = []

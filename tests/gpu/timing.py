@@ -70,8 +70,9 @@ class Timed:
                  f"load {load_text(self.load)}")
         lines = [timed, f"{self.plain_busy.text('plain', self.unit)}; {self.node_busy.text('node', self.unit)}"]
         if self.plain_busy.classes and self.node_busy.classes:
-            lines.append(f"GPU time by kernel class (summed, streams overlapping counted apart), "
-                         f"{self.plain_busy.by_class('plain', self.unit)}; {self.node_busy.by_class('node', self.unit)}")
+            lines.append("GPU time by kernel class (summed, streams overlapping counted apart), "
+                         f"{self.plain_busy.by_class('plain', self.unit)}; "
+                         f"{self.node_busy.by_class('node', self.unit)}")
         if self.beside is not None:
             lines.append(f"{self.beside_label}, run third in the same rounds: median {self.beside.text(self.unit)}, "
                          f"{self.beside.median / self.node.median:.2f}x the node's, "
@@ -118,7 +119,8 @@ def device_busy(events: Iterable[Any]) -> tuple[float, dict[str, float]]:
     busiest = max(spans, key=lambda d: union_length(spans[d]))
     classes: dict[str, float] = {}
     for name, (start, end) in zip(names[busiest], spans[busiest]):
-        classes[kernel_class(name)] = classes.get(kernel_class(name), 0.0) + (end - start) / 1e6
+        kind = kernel_class(name)
+        classes[kind] = classes.get(kind, 0.0) + (end - start) / 1e6
     return union_length(spans[busiest]) / 1e6, classes  # the profiler's times are microseconds
 
 

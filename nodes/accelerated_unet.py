@@ -593,9 +593,9 @@ class Session:
 
     def apply_model(self, executor, *args, **kwargs):
         """SD3: ComfyUI's MMDiT has no diffusion-model wrapper point, so for this call only its instance gets a
-        forward that serves the call as diffusion_model() does; the instance is left exactly as it was."""
-        from comfy.patcher_extension import WrappersMP
-
+        forward that serves the call as diffusion_model() does; the instance is left exactly as it was. Its own
+        forward runs no diffusion-model wrapper either (EasyCache's, added for every model, never runs on SD3): the
+        engine's call leaves out nothing the plain call would run."""
         mmdit = executor.class_obj.diffusion_model
         had, before = "forward" in mmdit.__dict__, mmdit.__dict__.get("forward")
         own = mmdit.forward
@@ -605,9 +605,7 @@ class Session:
                 return own(x, timesteps, context=context, y=y, control=control,
                            transformer_options=transformer_options, **kw)
 
-            others = [str(k) for k in transformer_options.get("wrappers", {}).get(WrappersMP.DIFFUSION_MODEL, {})
-                      if k != KEY]
-            return self._serve(mmdit, others, transformer_options, kw, plain, x, timesteps, context, y, control)
+            return self._serve(mmdit, [], transformer_options, kw, plain, x, timesteps, context, y, control)
 
         mmdit.forward = forward
         try:

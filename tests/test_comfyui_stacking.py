@@ -105,6 +105,31 @@ def test_step_cache_skips_the_same_steps_and_gives_plains_latents(pack, cache, f
     assert s.plain_calls == 0 and s.engine_calls == steps - skipped[0], (s, s.messages)
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_easycache_on_sd3_which_never_runs_its_forward_wrapper_keeps_the_engine(pack, order, caplog):
+    """ComfyUI's SD3 has no diffusion-model wrapper point: EasyCache's forward wrapper never runs there, in plain
+    ComfyUI either, and skips no step. The node does not step aside for a wrapper ComfyUI would not run: it serves
+    every call, with plain's latents."""
+    cls = host_node("nodes_easycache", CACHES["EasyCache"])
+    model, (pos, neg) = tiny("sd3", 20)
+
+    def with_cache(m):
+        return run_node(cls, m, reuse_threshold=0.5, start_percent=0.0, end_percent=1.0, verbose=False)
+
+    steps = 4
+    with caplog.at_level(logging.INFO):
+        plain = sample(with_cache(model), pos, neg, 16, steps)
+        skipped_plain = skipped_steps(caplog, "EasyCache")
+        caplog.clear()
+        acc = stacked(pack, model, order, with_cache)
+        out = sample(acc, pos, neg, 16, steps)
+        skipped = skipped_steps(caplog, "EasyCache")
+    assert skipped == skipped_plain == [0]
+    assert H.same(out, plain)
+    s = status(acc)
+    assert s.plain_calls == 0 and s.engine_calls == steps, (s, s.messages)
+
+
 def test_a_wrapper_that_may_reach_into_the_blocks_runs_comfyuis_forward_once_said(pack, caplog):
     """A diffusion-model wrapper the node does not know, added after it: it might reach into the blocks, which the
     engine's fused blocks would not show it, so the node steps aside for those calls, says so once, and the image is

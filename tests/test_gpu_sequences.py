@@ -108,6 +108,19 @@ def test_the_several_gpu_check_on_cpu_processes():
     assert not report.failures(), report.table()
 
 
+def test_the_several_gpu_fp8_check_spreads_again_after_an_unload():
+    """The fp8 check's last run follows ComfyUI's unload: the node's workers went with the model and a new pool
+    serves every call (on the CPU the node runs 16-bit: its fp8 products need a GPU)."""
+    import gpus
+
+    report = gpus.run_check("wan21-1.3b-gpus-fp8", size="tiny", device="cpu", gpus=("2",))
+    print(report.table())
+    assert [r.setting for r in report.rows][2:] == ["gpus 2", "gpus 2, again", "gpus 2 after unload"]
+    last = report.rows[-1]
+    assert last.devices == 2 and last.spread_calls == last.engine_calls == gpus.STEPS and last.start > 0
+    assert not report.failures(), report.table()
+
+
 def test_a_run_off_plain_fails():
     row = sequences.Row("m", "s", "r", error=2e-3, limit=1e-3, finite=True, engine_calls=3)
     assert not row.ok

@@ -15,6 +15,11 @@ would take a 56 GB fp32 model and about a minute a step here.
 
 flux-dev-gpus runs the same check on Flux.1-dev 1024 (20 steps, guidance 3.5 in its model, no CFG batch): each
 step of a spread run is sequence parallel, and its CUDA graphs replay in pieces between the exchanges.
+wan21-1.3b-gpus-fp8 runs Wan 2.1 1.3B's with the node's precision fp8 (fp8 attention kept under sequence parallelism),
+and once more after ComfyUI unloads the model: the node's workers go with the model and a new pool starts, whose
+ranks agree on the fp8 attention kernel afresh with ComfyUI's process, which outlived the last pool (it hung until the
+deadline when that process kept the last pool's choice; that needs two fp8 attention kernels to choose between:
+cudnn-frontend and fa3-fwd installed).
 
 `size="tiny"` runs the same check on the tiny Wan on the CPU, its workers placed on the CPU by the engine-level hook
 (accelerated_unet.use_devices), which is how the CPU tests keep this file honest.
@@ -31,8 +36,15 @@ import comfy_helpers as H
 import sequences
 import timing
 
-# a check's name: the model (sequences.MODELS) it runs; the 1.3B one (its 17-frame clip) is the short first look
-CHECKS = {"wan21-14b-gpus": "wan21-14b", "wan21-1.3b-gpus": "wan21-1.3b", "flux-dev-gpus": "flux-dev"}
+@dataclass(frozen=True)
+class Check:
+    model: str  # sequences.MODELS; the 1.3B Wan (its 17-frame clip) is the short first look
+    precision: str = "auto"  # the node's precision widget
+    unload: bool = False  # each spread node runs once more after ComfyUI unloads the model: a new pool of workers
+
+
+CHECKS = {"wan21-14b-gpus": Check("wan21-14b"), "wan21-1.3b-gpus": Check("wan21-1.3b"),
+          "flux-dev-gpus": Check("flux-dev"), "wan21-1.3b-gpus-fp8": Check("wan21-1.3b", "fp8", unload=True)}
 STEPS = 20
 TIMED_STEPS = {"wan21-14b": 1}  # steps of each timed run, by model; 5 for the others
 
@@ -82,11 +94,11 @@ class GpuReport:
                          + [f"   note: {n}" for n in self.notes])
 
 
-def spread_node(h: sequences.Harness, gpus: str):
+def spread_node(h: sequences.Harness, gpus: str, precision: str = "auto"):
     """The node's output asked for `gpus` GPUs; on the CPU its calls spread over as many CPU processes."""
     from sd_accel.nodes import accelerated_unet
 
-    out = h.node(h.model, gpus=gpus)
+    out = h.node(h.model, precision=precision, gpus=gpus)
     if h.device.type != "cuda" and gpus != "1":
         accelerated_unet.use_devices(out, ["cpu"] * int(gpus), timeout=60)
     return out
@@ -101,13 +113,16 @@ def _timed(h: sequences.Harness, node, run: sequences.Run) -> timing.Timed:
 def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[str, ...] = ("2", "4")) -> GpuReport:
     """The 1-GPU run, its yardstick, then one run per entry of gpus, each against the 1-GPU latents."""
     H.import_comfy()
+    import comfy.model_management as mm
+
     from sd_accel.nodes import accelerated_unet
 
-    h = sequences.Harness(CHECKS[name], size, device)
+    check = CHECKS[name]
+    h = sequences.Harness(check.model, size, device)
     h.model = h.build(h.dtype)
     report = GpuReport(name)
     run = sequences.Run(f"{STEPS} steps", STEPS)
-    short = sequences.Run("timed", TIMED_STEPS.get(CHECKS[name], 5))
+    short = sequences.Run("timed", TIMED_STEPS.get(check.model, 5))
     h.sample(h.model, short)  # plain's first run loads the model: not one of its timed runs
 
     def served(acc) -> tuple[int, int, int, float]:
@@ -124,7 +139,7 @@ def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[s
                                   bool(torch.isfinite(out).all()), engine, spread_calls))
         print(report.rows[-1].line(), flush=True)
 
-    one = spread_node(h, "1")
+    one = spread_node(h, "1", check.precision)
     ref, seconds = h.sample(one, run)
     first = served(one)
     g = torch.Generator().manual_seed(7)
@@ -139,11 +154,15 @@ def run_check(name: str, size: str = "full", device: str = "cuda", gpus: tuple[s
     del one
     gc.collect()
     for asked in gpus:
-        acc = spread_node(h, asked)
+        acc = spread_node(h, asked, check.precision)
         out, seconds = h.sample(acc, run)
         row(f"gpus {asked}", out, seconds, ref, served(acc))
         out, seconds = h.sample(acc, run)  # the workers up, the graphs captured: what every later run costs
         row(f"gpus {asked}, again", out, seconds, ref, (*served(acc)[:3], 0.0))
+        if check.unload:
+            mm.unload_all_models()
+            out, seconds = h.sample(acc, run)
+            row(f"gpus {asked} after unload", out, seconds, ref, served(acc))
         del acc
         gc.collect()
     h.model = None

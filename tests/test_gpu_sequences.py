@@ -5,6 +5,7 @@ model's float32 kernels, so each run must equal plain's exactly (the yardstick i
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -186,6 +187,25 @@ def test_the_stacks_give_plains_latents_and_skip_the_same_steps(stacking_on_the_
         assert fast.rows[0].flag_on is False and "not in effect here" in fast.table()
         compiled = by["TorchCompileModel"].rows[0]
         assert compiled.said == 1 and compiled.engine_calls == 0
+
+
+def test_a_sage_stack_whose_calls_all_fall_back_is_skipped_not_timed(stacking_on_the_cpu, monkeypatch, tmp_path):
+    """sageattention 1.x takes head sizes 64, 96 and 128: at SD1.5's (40, 80, 160) it raises at every call, and ComfyUI
+    logs an error and runs PyTorch's attention instead. Timed, that stack would be the errors against the node, not
+    sage: it is skipped in one line that says so. A sageattention that refuses every call stands in for it here, in the
+    flag's own process on the CPU."""
+    stacking = stacking_on_the_cpu
+    (tmp_path / "sageattention").mkdir()
+    (tmp_path / "sageattention" / "__init__.py").write_text(
+        "def sageattn(q, k, v, **kwargs):\n    raise ValueError('headdim should be in [64, 96, 128].')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(stacking, "unavailable", lambda flag, device: None)
+    monkeypatch.setitem(stacking.MODES, "stack-sage", ("sd15", ("--use-sage-attention",)))
+    (report,) = stacking.run_mode("stack-sage", size="tiny", device="cpu")
+    assert "sage attention refused" in report.skipped and "headdim should be in [64, 96, 128]" in report.skipped, \
+        report.table()
+    assert not report.failures() and report.table().count("\n") == 0
 
 
 def test_the_split_over_two_devices_against_the_nodes_own_and_with_the_node_stepping_aside():

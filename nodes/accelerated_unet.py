@@ -11,7 +11,8 @@ while this model samples. Two wrappers:
 - DIFFUSION_MODEL: around the UNet's (or Flux's, or Chroma's) forward. A call that carries nothing the engine cannot
   honour goes to the engine, built on the first such call with its real shapes; any other call runs ComfyUI's own forward
   (patches, inner wrappers and all), and the node says why once. SD3's MMDiT has no such wrapper point in ComfyUI:
-  an APPLY_MODEL wrapper gives its instance, for that call only, a forward that does the same.
+  an APPLY_MODEL wrapper gives its instance, for that call only, a forward that does the same, inner wrappers aside
+  (ComfyUI runs none there).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import comfy_helpers as H
 import sequences
 import timing
 
+
 @dataclass(frozen=True)
 class Check:
     model: str  # sequences.MODELS; the 1.3B Wan (its 17-frame clip) is the short first look

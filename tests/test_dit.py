@@ -263,6 +263,32 @@ def test_comfyuis_wan_variants_with_fused_kernels_match_their_own_forward(comfy_
     assert counts["wan"] == 3 and H.rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)
 
 
+def test_fused_wan_attention_runs_the_engines_kernel_not_comfyuis_sdpa_wrapper(comfy_pytorch_attention, monkeypatch):
+    """ComfyUI's SDPA wrapper (comfy.ops.scaled_dot_product_attention) sets its own backend order inside each call, and
+    ComfyUI 0.33's puts FlashAttention-2 before cuDNN, the slower of the two on Hopper: with the blocks fused, neither
+    their self- nor their cross-attention goes through it, and the model still matches ComfyUI's own forward."""
+    pytest.importorskip("triton")
+    import comfy.ops
+    from sd_accel.accel.engine import fusions
+
+    wrapper, calls = comfy.ops.scaled_dot_product_attention, []
+    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(args[0].shape) or wrapper(*args, **kwargs))
+    model = _tiny_wan()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 16, 3, 8, 10, generator=g).to(DEVICE)
+    ctx = torch.randn(2, 7, 32, generator=g).to(DEVICE)
+    t = torch.tensor([0.3, 0.8]).to(DEVICE)
+    with torch.no_grad():
+        ref = model(x, t, ctx)
+        plain = len(calls)
+        undo, counts = fusions.apply(model, ["wan"])
+        out = model(x, t, ctx)
+        undo()
+    assert plain == 2 * len(model.blocks) and len(calls) == plain  # ComfyUI's forward: self and cross, every block
+    assert counts["wan"] == 3 and H.rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)
+
+
 def test_fused_wan_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention):
     """An attention override in transformer_options: the block's own forward serves the call, and calls it for the
     self- and the cross-attention; a block whose cross-attention LayerNorm has a per-call weight function (lowvram)
@@ -539,8 +565,8 @@ def test_fused_blocks_serve_under_another_attention_comfyui_chose_for_the_whole_
     assert fused == blocks and sdpa and rel(out, ref) <= FUSED_TOL and torch.equal(out, again)
     said = [r.getMessage() for r in caplog.records if "ComfyUI's attention is split" in r.getMessage()]
     assert len(said) == 1 and "(--use-split-cross-attention)" in said[0], said
-    if DEVICE == "cpu":  # Wan's cross-attention, ComfyUI's own module, calls ComfyUI's function: 2 blocks, 2 calls
-        assert len(split) == (4 if fusion == "wan" else 0), split
+    if DEVICE == "cpu":  # Wan's cross-attention too runs the engine's attention: no call reaches ComfyUI's function
+        assert not split, split
         assert "on the cpu nothing is timed: the fused blocks run PyTorch's SDPA" in said[0], said
 
 

@@ -5,20 +5,21 @@ RMS-normalizes q and k over all heads' channels (Wan's q/k norm spans the row, w
 kernel's row variant), rotates them (the table is Flux's layout once the swap of the heads and tokens axes in Wan's
 rope_encode is undone, a view) and writes q, k and v in SDPA's layout; the attention; one pass that adds the gated
 attention output to the stream and applies the cross-attention's affine LayerNorm (its weight as 1 + scale, its bias
-as shift); the cross-attention, ComfyUI's own module; one pass that adds its output and normalizes and modulates the
-sum for the FFN; the tanh GELU; one in-place gated residual. Wan 2.2's modulation per frame or token (e of four dims,
-a row per run of tokens) is read by the kernels where ComfyUI's repeat_e spreads it, with no per-token copy.
+as shift); the cross-attention; one pass that adds its output and normalizes and modulates the sum for the FFN; the
+tanh GELU; one in-place gated residual. Wan 2.2's modulation per frame or token (e of four dims, a row per run of
+tokens) is read by the kernels where ComfyUI's repeat_e spreads it, with no per-token copy.
 
 The self-attention runs as the block's own self_attn module, patched too, so that the hooks on it (sequence
 parallelism marks its calls for the exchange, accel/parallel/wan.py) see every call; its attention goes through
 transformer.comfy_sdpa, or would run in fp8 where accel/engine/fp8_attention.py takes it (the rope pass writing q and
 k in e4m3 under the bound of the row norm's weights, the output going to the o projection as fp8 rows). The projections
-run as fp8 products where accel/engine/fp8.py marked them. The cross-attention (to the text's tokens) stays ComfyUI's
-module, in 16 bits. A call it does not
-cover runs the module's own forward: an attention override or another node's attention function in ComfyUI, a tensor
-the kernels cannot run on. Blocks with per-call weight functions (lowvram, a LoRA applied per call), q/k norms other
-than torch's RMSNorm, and subclasses (VACE's blocks, whose forward calls WanAttentionBlock.forward by name) keep their
-forward.
+run as fp8 products where accel/engine/fp8.py marked them. The text-to-video cross-attention (to the text's tokens)
+keeps ComfyUI's projections and norms; its attention runs in 16 bits through transformer.comfy_sdpa, the fastest
+kernel for the shape, since ComfyUI's SDPA wrapper orders the backends itself, differently by version.
+Image-to-video's keeps ComfyUI's forward. A call they do not cover runs the module's own forward: an attention
+override or another node's attention function in ComfyUI, a tensor the kernels cannot run on. Blocks with per-call
+weight functions (lowvram, a LoRA applied per call), q/k norms other than torch's RMSNorm, and subclasses (VACE's
+blocks, whose forward calls WanAttentionBlock.forward by name) keep their forward.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from torch import nn
 from .. import fp8
 from .base import Undo, comfy_attention, host_block, kernel_module, own_weights, patch_forward, reads_comfy_attention
 from .registry import fusion
-from .transformer import (EPS, Joint, gated_mlp, gated_residual_, kernels_run_on, linears, modulated_norm,
-                          norm_weight, part, plain_layer_norms)
+from .transformer import (EPS, Joint, comfy_sdpa, gated_mlp, gated_residual_, kernels_run_on, linears,
+                          modulated_norm, norm_weight, part, plain_layer_norms)
 
 WAN = "comfy.ldm.wan.model"  # its blocks' attention function is this module's optimized_attention
 
@@ -41,6 +42,7 @@ BLOCK_ATTRS = ("self_attn", "cross_attn", "norm1", "norm2", "norm3", "ffn", "mod
 BLOCK_PARAMS = ("x", "e", "freqs", "context", "context_img_len", "transformer_options")
 SELF_ATTRS = ("num_heads", "head_dim", "q", "k", "v", "o", "norm_q", "norm_k")
 SELF_PARAMS = ("x", "freqs", "transformer_options")
+CROSS_PARAMS = ("x", "context", "transformer_options", "kwargs")  # WanT2VCrossAttention's (it reads SELF_ATTRS)
 HEAD_ATTRS = ("modulation", "norm", "head")
 
 
@@ -76,6 +78,17 @@ def _self_attention(self, x, freqs, transformer_options={}):  # noqa: B006 (Comf
     if not isinstance(x, fp8.Rows) and not _fused(x, freqs, transformer_options):
         return type(self).forward(self, x, freqs, transformer_options=transformer_options)
     return fp8.project(self.o, part(_attention_inputs(self, x, freqs).attend(), 0, None, self.o))
+
+
+def _cross_attention(self, x, context, transformer_options={}, **kwargs):  # noqa: B006 (ComfyUI's signature)
+    # ComfyUI's SDPA wrapper sets its own backend order inside each call, and 0.33's puts FlashAttention-2 before cuDNN
+    # (0.3.64's cuDNN first): the engine's choice for the shape (comfy_sdpa) is the fastest kernel in either
+    if comfy_attention(WAN, transformer_options) is None:
+        return type(self).forward(self, x, context, transformer_options=transformer_options, **kwargs)
+    heads = (self.num_heads, self.head_dim)
+    q = self.norm_q(self.q(x)).unflatten(-1, heads)
+    k = self.norm_k(self.k(context)).unflatten(-1, heads)
+    return self.o(comfy_sdpa(WAN, q, k, self.v(context).unflatten(-1, heads)))
 
 
 def _block_forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}):  # noqa: B006
@@ -131,6 +144,8 @@ def apply(model: nn.Module, undo: Undo) -> int:
                 continue
             patch_forward(m, _block_forward, undo)
             patch_forward(m.self_attn, _self_attention, undo)
+            if host_block(m.cross_attn, "WanT2VCrossAttention", WAN, SELF_ATTRS, CROSS_PARAMS):
+                patch_forward(m.cross_attn, _cross_attention, undo)
         elif host_block(m, "Head", WAN, HEAD_ATTRS, ("x", "e")) and linears(m.head) and plain_layer_norms(m.norm):
             patch_forward(m, _head_forward, undo)
         else:

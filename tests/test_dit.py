@@ -287,6 +287,7 @@ def test_fused_wan_attention_runs_the_engines_kernel_not_comfyuis_sdpa_wrapper(c
         undo()
     assert plain == 2 * len(model.blocks) and len(calls) == plain  # ComfyUI's forward: self and cross, every block
     assert counts["wan"] == 3 and H.rel(out, ref) <= FUSED_TOL and not torch.equal(out, ref)
+    assert not any("forward" in vars(b.cross_attn) for b in model.blocks)  # undone
 
 
 def test_fused_wan_blocks_leave_calls_they_do_not_cover_to_comfyuis_forward(comfy_pytorch_attention):

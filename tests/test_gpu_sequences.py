@@ -46,6 +46,21 @@ def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     print(report.table())
 
 
+def test_the_timed_runs_alone_run_the_first_20_steps_and_the_timed_run_of_each_setting():
+    """SD_ACCEL_GPU_RUNS=timed: each setting's first 20-step run (compared with plain's) and its timed run, no LoRA
+    runs or widget changes, and no failure for a LoRA effect that was not measured; any other value is refused."""
+    report = sequences.run_model("sd15", size="tiny", device="cpu", runs="timed")
+    settings = {r.setting for r in report.rows}
+    assert settings and not any(s.startswith(("widget", "two nodes")) for s in settings)
+    for setting in settings:
+        assert [r.run for r in report.rows if r.setting == setting] == ["20 steps", sequences.TIMED]
+    timed = [r for r in report.rows if r.run == sequences.TIMED]
+    assert all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.RUNS for r in timed)
+    assert report.lora_effect == 0.0 and not report.failures(), report.table()
+    with pytest.raises(ValueError, match="SD_ACCEL_GPU_RUNS='lora': use all or timed"):
+        sequences.run_model("sd15", size="tiny", device="cpu", runs="lora")
+
+
 def test_comfyuis_detection_takes_the_reduced_flux2_file_for_flux2():
     """flux2-dev-10l's file, as the suite writes it on the GPU (its model's state dict; here built on the meta device:
     the keys and shapes without weights), is one ComfyUI's own detection takes for supported_models.Flux2 with the

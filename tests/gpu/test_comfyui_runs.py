@@ -5,8 +5,8 @@ SD1.5 and Flux.1-dev; full: the five models; stack: the stacks' modes; a name: t
 CUDA GPU it is skipped.
 
 SD_ACCEL_GPU_MODELS picks the models (quick, full, or names separated by commas); SD_ACCEL_GPU_SETTINGS, the node
-settings whose label contains it ("fp8, graphs on"); SD_ACCEL_GPU_REPORT names a folder for each model's table and
-JSON."""
+settings whose label contains it ("fp8, graphs on"); SD_ACCEL_GPU_RUNS=timed, just each setting's first 20-step run
+and its timed run; SD_ACCEL_GPU_REPORT names a folder for each model's table and JSON."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def _chosen() -> tuple[str, ...]:
 def test_node_matches_plain_comfyui_run_after_run(name):
     # SD_ACCEL_GPU_QUICK: tests/gpu/run's quick mode, one model per process
     quick = os.environ.get("SD_ACCEL_GPU_MODELS", "quick") == "quick" or os.environ.get("SD_ACCEL_GPU_QUICK") == "1"
-    report = sequences.run_model(name, quick=quick,
-                                 only=os.environ.get("SD_ACCEL_GPU_SETTINGS", ""))
+    report = sequences.run_model(name, quick=quick, only=os.environ.get("SD_ACCEL_GPU_SETTINGS", ""),
+                                 runs=os.environ.get("SD_ACCEL_GPU_RUNS", "all"))
     table = report.table()
     _report(name, table, {"cpu": report.cpu, "load": report.load, "yardstick": report.yardstick,
                           "rows": [dataclasses.asdict(r) for r in report.rows], "notes": report.notes})

@@ -55,9 +55,10 @@ def test_flash_attention_4_serves_a_shape_only_where_it_was_timed_faster(host_at
     assert not flash4.serves(torch.randn(1, 8, 2, 8), *[torch.randn(1, 8, 2, 8)] * 2, _reference)
 
 
-# calls: one per block's own attention (SD3's first block has a second one over the image tokens alone)
+# calls: one per block's own attention (SD3's first block has a second one over the image tokens alone; Wan's blocks
+# a second one, their text cross-attention)
 @pytest.mark.parametrize("form,name,heads,calls", [("comfy", "tiny-flux", 4, 4), ("comfy", "tiny-sd3", 2, 3),
-                                                   ("comfy", "tiny-wan", 4, 2), ("comfy", "tiny-qwen-image", 4, 2),
+                                                   ("comfy", "tiny-wan", 4, 4), ("comfy", "tiny-qwen-image", 4, 2),
                                                    ("diffusers", "tiny-flux", 4, 4), ("diffusers", "tiny-sd3", 2, 3)])
 def test_fused_blocks_run_their_attention_through_flash_attention_4(request, stand_in, form, name, heads, calls):
     pytest.importorskip("triton")

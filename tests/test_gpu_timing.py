@@ -52,7 +52,7 @@ def test_a_side_beside_runs_third_in_each_round_unprofiled(monkeypatch):
     """A third side for context (plain alone beside plain with a stack): run after the two in every round, so a drift
     falls on it alike; its median and how it compares with each side in a line of its own; not profiled."""
     calls: list[str] = []
-    monkeypatch.setattr(timing, "gpu_busy", lambda run: (0.5, {}))
+    monkeypatch.setattr(timing, "gpu_busy", lambda run: (0.5, {}, {}))
     t = timing.measure(fake("node", [1.0] * 5, calls), fake("plain", [2.0] * 5, calls), gpu=True,
                        beside=("plain alone", fake("alone", [3.0, 3.2, 2.8, 3.0, 3.0], calls)))
     assert calls == ["node", "plain", "alone"] * timing.RUNS
@@ -70,8 +70,10 @@ def test_an_even_count_takes_the_middle_two():
 
 def test_seconds_a_step_and_gpu_busy(monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(timing, "gpu_busy", lambda run: {"node": (9.0, {"gemm": 6.0, "copy": 3.0}),
-                                                         "plain": (6.0, {"attention": 2.0, "gemm": 4.0})}[run.__name__])
+    long = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor>>"
+    monkeypatch.setattr(timing, "gpu_busy", lambda run: {
+        "node": (9.0, {"gemm": 6.0, "copy": 3.0}, {f"k{i}": 1.0 + i for i in range(8)}),
+        "plain": (6.0, {"attention": 2.0, "gemm": 4.0}, {"nvjet_tst": 4.0, long: 2.0})}[run.__name__])
     node, plain = fake("node", [10.0] * 5, calls), fake("plain", [30.0] * 5, calls)
     node.__name__, plain.__name__ = "node", "plain"
     t = timing.measure(node, plain, gpu=True, per=5, unit="s/step")
@@ -82,6 +84,11 @@ def test_seconds_a_step_and_gpu_busy(monkeypatch):
     # where each side's GPU time went, the longest class first, per step as the rest
     assert t.lines()[2] == ("GPU time by kernel class (summed, streams overlapping counted apart), plain: gemm 0.800, "
                             "attention 0.400 s/step; node: gemm 1.20, copy 0.600 s/step")
+    # and the longest kernels by name, the KERNELS longest of each side, long names cut
+    assert t.lines()[3] == ("plain's longest kernels (s/step): nvjet_tst 0.800; "
+                            f"{long[:timing.NAME - 3]}... 0.400")
+    assert t.lines()[4] == "node's longest kernels (s/step): " + "; ".join(
+        f"k{i} {timing.figure((1.0 + i) / 5)}" for i in range(7, 7 - timing.KERNELS, -1))
 
 
 def test_a_profiler_that_fails_is_said_not_raised(monkeypatch):
@@ -143,9 +150,11 @@ def test_gpu_busy_reads_the_busiest_gpus_events_by_class():
               event(DeviceType.CUDA, 0, 0, 2e5, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"),
               event(DeviceType.CUDA, 0, 1e5, 3e5, "Memcpy HtoD (Pinned -> Device)"),
               event(DeviceType.CUDA, 1, 0, 1e5, "flash_fwd_kernel")]  # a less busy GPU: not counted
-    seconds, classes = timing.device_busy(events)
+    seconds, classes, kernels = timing.device_busy(events)
     assert seconds == pytest.approx(0.3)
     assert classes == pytest.approx({"gemm": 0.2, "copy": 0.2})
+    assert kernels == pytest.approx({"nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": 0.2,
+                                     "Memcpy HtoD (Pinned -> Device)": 0.2})
     assert timing.kernel_class("Memset (Device)") == "memset"
     assert timing.kernel_class("ncclDevKernel_AllToAll") == "collective"
     with pytest.raises(RuntimeError, match="no GPU activity"):

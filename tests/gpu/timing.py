@@ -7,8 +7,8 @@ node, plain, ...: a drift of the clocks or of other tenants' load falls on both 
 is its median with its range, beside the host's CPU and load. One more run of each under torch's profiler says how
 long the GPU was busy within it: how much of a speed-up is GPU work and how much is the launch overhead that CUDA
 graphs remove; and that busy time by class of kernel (the bench's classes: GEMM, attention, norm, collective, ...,
-with memory copies and sets apart), so that two runs whose GPU work differs (one model in two ComfyUI versions) say
-where.
+with memory copies and sets apart) and its longest kernels by name, so that two runs whose GPU work differs (one model
+in two ComfyUI versions) say where.
 
 The statistics and the lines are plain functions of the timers' samples, which tests/test_gpu_timing.py checks on
 the CPU; the statistics and the host's CPU and load are the bench's own (accel/cli/timing.py).
@@ -28,6 +28,8 @@ from sd_accel.accel.cli.timing import (MIN_RUNS, Spread, cpu_model, figure, host
                                        load, load_text)
 
 RUNS = MIN_RUNS  # timed runs of each side
+KERNELS = 6  # the longest kernels by name each side's profiled run lists
+NAME = 60  # characters of a kernel's name in a line (templated names run to thousands)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Busy:
     seconds: float | None = None  # None: not measured, `why` says why
     why: str = ""
     classes: tuple[tuple[str, float], ...] = ()  # the GPU's time by class of kernel, the longest first
+    kernels: tuple[tuple[str, float], ...] = ()  # the KERNELS longest kernels by name, summed over their calls
 
     def text(self, side: str, unit: str) -> str:
         if self.seconds is None:
@@ -47,6 +50,15 @@ class Busy:
 
     def by_class(self, side: str, unit: str) -> str:
         return f"{side}: " + ", ".join(f"{name} {figure(seconds)}" for name, seconds in self.classes) + f" {unit}"
+
+    def by_kernel(self, side: str, unit: str) -> str:
+        return (f"{side}'s longest kernels ({unit}): "
+                + "; ".join(f"{short(name)} {figure(seconds)}" for name, seconds in self.kernels))
+
+
+def short(name: str) -> str:
+    """A kernel's name cut to NAME characters for a line."""
+    return name if len(name) <= NAME else name[:NAME - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,8 @@ class Timed:
             lines.append("GPU time by kernel class (summed, streams overlapping counted apart), "
                          f"{self.plain_busy.by_class('plain', self.unit)}; "
                          f"{self.node_busy.by_class('node', self.unit)}")
+        lines += [b.by_kernel(side, self.unit) for side, b in (("plain", self.plain_busy), ("node", self.node_busy))
+                  if b.kernels]
         if self.beside is not None:
             lines.append(f"{self.beside_label}, run third in the same rounds: median {self.beside.text(self.unit)}, "
                          f"{self.beside.median / self.node.median:.2f}x the node's, "
@@ -102,10 +116,10 @@ def kernel_class(name: str) -> str:
     return classify(name)
 
 
-def device_busy(events: Iterable[Any]) -> tuple[float, dict[str, float]]:
+def device_busy(events: Iterable[Any]) -> tuple[float, dict[str, float], dict[str, float]]:
     """Seconds the busiest GPU was busy (a kernel, copy or memset running) among torch profiler's events (its
     FunctionEvents; those of the CPU, such as the launch calls, are not GPU work), and its events' seconds summed by
-    kernel_class; RuntimeError where none ran on a GPU."""
+    kernel_class and by name; RuntimeError where none ran on a GPU."""
     from torch.autograd import DeviceType
 
     spans: dict[int, list[tuple[float, float]]] = {}
@@ -118,13 +132,15 @@ def device_busy(events: Iterable[Any]) -> tuple[float, dict[str, float]]:
         raise RuntimeError("the profiler recorded no GPU activity")
     busiest = max(spans, key=lambda d: union_length(spans[d]))
     classes: dict[str, float] = {}
+    kernels: dict[str, float] = {}
     for name, (start, end) in zip(names[busiest], spans[busiest]):
         kind = kernel_class(name)
         classes[kind] = classes.get(kind, 0.0) + (end - start) / 1e6
-    return union_length(spans[busiest]) / 1e6, classes  # the profiler's times are microseconds
+        kernels[name] = kernels.get(name, 0.0) + (end - start) / 1e6
+    return union_length(spans[busiest]) / 1e6, classes, kernels  # the profiler's times are microseconds
 
 
-def gpu_busy(run: Callable[[], object]) -> tuple[float, dict[str, float]]:
+def gpu_busy(run: Callable[[], object]) -> tuple[float, dict[str, float], dict[str, float]]:
     """device_busy of one call of `run`."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -144,9 +160,12 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
     """gpu_busy of one more call of `run` (divided by `per`), or why it could not be measured: a profiler that fails
     is said in the table, never a failed suite."""
     try:
-        seconds, classes = gpu_busy(run)
-        return Busy(wall, seconds / per, classes=tuple(sorted(((k, v / per) for k, v in classes.items()),
-                                                               key=lambda kv: -kv[1])))
+        seconds, classes, kernels = gpu_busy(run)
+
+        def longest(times: dict[str, float], count: int | None = None) -> tuple[tuple[str, float], ...]:
+            return tuple(sorted(((k, v / per) for k, v in times.items()), key=lambda kv: -kv[1])[:count])
+
+        return Busy(wall, seconds / per, classes=longest(classes), kernels=longest(kernels, KERNELS))
     except Exception as e:  # noqa: BLE001 (CUPTI missing, a profiler error of this torch: the timing stands)
         text = str(e).strip().splitlines()
         return Busy(wall, None, f"{type(e).__name__}{': ' + text[0] if text else ''}")

@@ -57,6 +57,7 @@ def test_the_timed_runs_alone_run_the_first_20_steps_and_the_timed_run_of_each_s
     timed = [r for r in report.rows if r.run == sequences.TIMED]
     assert all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.RUNS for r in timed)
     assert report.lora_effect == 0.0 and not report.failures(), report.table()
+    assert "LoRA's effect on plain not measured" in report.table().splitlines()[0]
     with pytest.raises(ValueError, match="SD_ACCEL_GPU_RUNS='lora': use all or timed"):
         sequences.run_model("sd15", size="tiny", device="cpu", runs="lora")
 

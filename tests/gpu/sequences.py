@@ -11,7 +11,7 @@ The timed run ("20 steps again") runs again, the node's and plain ComfyUI's alte
 its row shows each side's median, and the lines below it the range, the ratio of the medians, the host's CPU and
 load, and how long the GPU was busy within one more (profiled) run of each (tests/gpu/timing.py). Its latents are
 compared once, as every run's are. SD_ACCEL_GPU_RUNS=timed runs only the first 20-step run and the timed run of each
-setting.
+setting (the yardsticks are still measured first, unless SD_ACCEL_GPU_YARDSTICK gives them).
 
 The yardstick is how far plain ComfyUI's own 16-bit run lies from its fp32 run of the same model (1 step and 20
 steps; the larger): an accelerated run may differ from plain's by 1.5 times that in 16 bits, 3 times with fp8
@@ -181,8 +181,9 @@ class Report:
     def table(self) -> str:
         fp8 = ("" if self.fp8_yardstick is None
                else f"; fp8 yardstick (plain, scaled fp8 file, vs 16-bit) {self.fp8_yardstick:.2e}")
+        lora = (f"{self.lora_effect:.2e}" if any(r.run.startswith("LoRA") for r in self.rows) else "not measured")
         lines = [f"== {self.model}: yardstick (plain 16-bit vs fp32) {self.yardstick:.2e}{fp8}; LoRA's effect on "
-                 f"plain {self.lora_effect:.2e}; CPU {self.cpu}, load {timing.load_text(self.load)}",
+                 f"plain {lora}; CPU {self.cpu}, load {timing.load_text(self.load)}",
                  f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "
                  f"{'calls':>7}  ok"]
         legend = (f"   node s, plain s: one run each (plain's: its first of that run's configuration); {TIMED}: the "

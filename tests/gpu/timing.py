@@ -28,8 +28,11 @@ from sd_accel.accel.cli.timing import (MIN_RUNS, Spread, cpu_model, figure, host
                                        load, load_text)
 
 RUNS = MIN_RUNS  # timed runs of each side
-KERNELS = 6  # the longest kernels by name each side's profiled run lists
-NAME = 60  # characters of a kernel's name in a line (templated names run to thousands)
+KERNELS = 3  # the longest kernels by name each side's profiled run lists in each of its longest classes
+CLASSES = 3  # those classes
+NAME = 60  # characters of a kernel's name in a line, its boilerplate dropped (templated names run to thousands)
+# Words of PyTorch's and CUDA's kernel names that say nothing of which kernel it is: dropped before a name is cut
+BOILERPLATE = ("void ", "at::native::", "(anonymous namespace)::", "c10::", "std::", "at::")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class Busy:
     seconds: float | None = None  # None: not measured, `why` says why
     why: str = ""
     classes: tuple[tuple[str, float], ...] = ()  # the GPU's time by class of kernel, the longest first
-    kernels: tuple[tuple[str, float], ...] = ()  # the KERNELS longest kernels by name, summed over their calls
+    # per class of the CLASSES longest: its KERNELS longest kernels by name, summed over their calls
+    kernels: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
 
     def text(self, side: str, unit: str) -> str:
         if self.seconds is None:
@@ -52,12 +56,15 @@ class Busy:
         return f"{side}: " + ", ".join(f"{name} {figure(seconds)}" for name, seconds in self.classes) + f" {unit}"
 
     def by_kernel(self, side: str, unit: str) -> str:
-        return (f"{side}'s longest kernels ({unit}): "
-                + "; ".join(f"{short(name)} {figure(seconds)}" for name, seconds in self.kernels))
+        return f"{side}'s longest kernels ({unit}): " + "; ".join(
+            f"{kind}: " + ", ".join(f"{short(name)} {figure(seconds)}" for name, seconds in names)
+            for kind, names in self.kernels)
 
 
 def short(name: str) -> str:
-    """A kernel's name cut to NAME characters for a line."""
+    """A kernel's name for a line: its boilerplate dropped, cut to NAME characters."""
+    for words in BOILERPLATE:
+        name = name.replace(words, "")
     return name if len(name) <= NAME else name[:NAME - 3] + "..."
 
 
@@ -165,7 +172,10 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
         def longest(times: dict[str, float], count: int | None = None) -> tuple[tuple[str, float], ...]:
             return tuple(sorted(((k, v / per) for k, v in times.items()), key=lambda kv: -kv[1])[:count])
 
-        return Busy(wall, seconds / per, classes=longest(classes), kernels=longest(kernels, KERNELS))
+        by_class = longest(classes)
+        named = tuple((kind, longest({n: t for n, t in kernels.items() if kernel_class(n) == kind}, KERNELS))
+                      for kind, _ in by_class[:CLASSES])
+        return Busy(wall, seconds / per, classes=by_class, kernels=named)
     except Exception as e:  # noqa: BLE001 (CUPTI missing, a profiler error of this torch: the timing stands)
         text = str(e).strip().splitlines()
         return Busy(wall, None, f"{type(e).__name__}{': ' + text[0] if text else ''}")

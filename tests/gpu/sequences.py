@@ -172,16 +172,21 @@ class Report:
     notes: list[str] = field(default_factory=list)
     sequences: bool = True  # False where the yardstick alone was measured
 
+    @property
+    def lora_runs(self) -> bool:
+        """Whether the runs had a LoRA's (SD_ACCEL_GPU_RUNS=timed has none, and measures no LoRA effect)."""
+        return any(r.run.startswith("LoRA") for r in self.rows)
+
     def failures(self) -> list[str]:
         bad = [f"{r.setting} / {r.run}" for r in self.rows if not r.ok]
-        if not self.sequences or not any(r.run.startswith("LoRA") for r in self.rows):
+        if not self.sequences or not self.lora_runs:
             return bad
         return bad + ([] if self.lora_effect > 1e-3 else [f"the LoRA changed plain's image by {self.lora_effect:.1e}"])
 
     def table(self) -> str:
         fp8 = ("" if self.fp8_yardstick is None
                else f"; fp8 yardstick (plain, scaled fp8 file, vs 16-bit) {self.fp8_yardstick:.2e}")
-        lora = (f"{self.lora_effect:.2e}" if any(r.run.startswith("LoRA") for r in self.rows) else "not measured")
+        lora = f"{self.lora_effect:.2e}" if self.lora_runs else "not measured"
         lines = [f"== {self.model}: yardstick (plain 16-bit vs fp32) {self.yardstick:.2e}{fp8}; LoRA's effect on "
                  f"plain {lora}; CPU {self.cpu}, load {timing.load_text(self.load)}",
                  f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "

@@ -172,9 +172,10 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
         def longest(times: dict[str, float], count: int | None = None) -> tuple[tuple[str, float], ...]:
             return tuple(sorted(((k, v / per) for k, v in times.items()), key=lambda kv: -kv[1])[:count])
 
-        by_class = longest(classes)
-        named = tuple((kind, longest({n: t for n, t in kernels.items() if kernel_class(n) == kind}, KERNELS))
-                      for kind, _ in by_class[:CLASSES])
+        by_class, in_class = longest(classes), {}
+        for name, t in kernels.items():
+            in_class.setdefault(kernel_class(name), {})[name] = t
+        named = tuple((kind, longest(in_class[kind], KERNELS)) for kind, _ in by_class[:CLASSES])
         return Busy(wall, seconds / per, classes=by_class, kernels=named)
     except Exception as e:  # noqa: BLE001 (CUPTI missing, a profiler error of this torch: the timing stands)
         text = str(e).strip().splitlines()

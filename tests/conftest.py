@@ -24,6 +24,13 @@ os.environ["SD_ACCEL_TEST_IMPORT_DIR"] = IMPORT_DIR
 # imported. With a GPU they run for real.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One thread for torch's CPU ops, here and in every process the tests start (the hosts' servers, the several-device
+    # workers), unless told otherwise: the tests' models are tiny, where a second thread costs more than it gains, and
+    # far more while another process runs beside (a 23x64 linear on our 2-core CI machine: 21 us on one thread, 114 us
+    # on two).
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 # Engines built by tests go to a throw-away cache, never to the user's ~/.cache/sd-accel; it goes when the run ends.
 if "SD_ACCEL_CACHE" not in os.environ:

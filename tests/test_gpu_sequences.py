@@ -35,7 +35,7 @@ def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     assert report.yardstick == 0.0 and not report.failures(), report.table()
     assert report.lora_effect > 1e-3  # the LoRA runs compare images the LoRA changed
     timed = [r for r in report.rows if r.run == sequences.TIMED]
-    assert timed and all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.RUNS for r in timed)
+    assert timed and all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.CPU_RUNS for r in timed)
     assert all(r.seconds == r.timed.node.median and r.plain_seconds == r.timed.plain.median for r in timed)
     fp8_rows = [r for r in report.rows if r.setting.startswith("fp8")]
     if name in sequences.UNETS:
@@ -55,7 +55,7 @@ def test_the_timed_runs_alone_run_the_first_20_steps_and_the_timed_run_of_each_s
     for setting in settings:
         assert [r.run for r in report.rows if r.setting == setting] == ["20 steps", sequences.TIMED]
     timed = [r for r in report.rows if r.run == sequences.TIMED]
-    assert all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.RUNS for r in timed)
+    assert all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.CPU_RUNS for r in timed)
     assert report.lora_effect == 0.0 and not report.failures(), report.table()
     assert "LoRA's effect on plain not measured" in report.table().splitlines()[0]
     with pytest.raises(ValueError, match="SD_ACCEL_GPU_RUNS='lora': use all or timed"):
@@ -121,7 +121,7 @@ def test_the_several_gpu_check_on_cpu_processes():
         assert spread.devices == 2 and spread.spread_calls == spread.engine_calls == gpus.STEPS
         assert 0 < spread.distance
     assert report.rows[2].start > 0 and report.rows[3].start == 0
-    assert len(report.timed.node.samples) == len(report.timed.plain.samples) == timing.RUNS
+    assert len(report.timed.node.samples) == len(report.timed.plain.samples) == timing.CPU_RUNS
     assert not report.failures(), report.table()
 
 
@@ -188,14 +188,15 @@ def test_the_stacks_give_plains_latents_and_skip_the_same_steps(stacking_on_the_
         if r.skipped:
             assert r.table().count("\n") == 0 and "skipped: " in r.table()
             continue
-        assert r.rows and all(row.ok and row.timed and len(row.timed.node.samples) == timing.RUNS for row in r.rows)
+        assert r.rows and all(row.ok and row.timed and len(row.timed.node.samples) == timing.CPU_RUNS
+                              for row in r.rows)
         assert [row.order for row in r.rows] == list(stacking.STACKS[r.stack].orders)
         fp8 = stacking.PRECISION.get(r.model) == "fp8"
         assert all((row.limit > 0 and row.error <= row.limit) if fp8 else row.error == 0.0 for row in r.rows)
     for cache in set(by) & {"EasyCache", "LazyCache"}:
         for row in by[cache].rows:
             assert row.skipped and 0 < row.skipped[0] < row.steps, by[cache].table()
-            assert len(row.skipped) == len(row.plain_skipped) == 1 + timing.RUNS
+            assert len(row.skipped) == len(row.plain_skipped) == 1 + timing.CPU_RUNS
     if mode == "stack-sd15":
         assert by["ControlNet"].effect > 1e-3
     if mode == "stack-sd15-tools":
@@ -244,7 +245,7 @@ def test_the_split_over_two_devices_against_the_nodes_own_and_with_the_node_step
     own, *aside = report.rows
     assert own.devices == 2 and own.spread_calls == own.engine_calls == steps and own.plain_calls == 0
     assert own.error <= own.limit and own.vs_plain <= own.limit
-    assert own.timed and len(own.timed.beside.samples) == len(own.timed.node.samples) == timing.RUNS
+    assert own.timed and len(own.timed.beside.samples) == len(own.timed.node.samples) == timing.CPU_RUNS
     assert own.timed.beside_label == "plain alone (no split)" and "run third in the same rounds" in table
     for row in aside:
         assert row.devices == 2 and row.said == 1 and row.error == 0.0 and row.timed is None

@@ -35,8 +35,8 @@ def test_median_range_and_ratio_of_the_medians():
     # plain's samples are noisy and skewed: its mean (3.0) would give another ratio than its median (2.6)
     node = fake("node", [0.72, 0.70, 0.73, 0.71, 0.72], calls)
     plain = fake("plain", [2.9, 2.6, 4.6, 2.5, 2.4], calls)
-    t = timing.measure(node, plain, gpu=False)
-    assert calls == ["node", "plain"] * timing.RUNS  # no extra (profiled) run without a GPU
+    t = timing.measure(node, plain, gpu=False, runs=5)
+    assert calls == ["node", "plain"] * 5  # no extra (profiled) run without a GPU
     assert (t.node.median, t.node.low, t.node.high) == (0.72, 0.70, 0.73)
     assert (t.plain.median, t.plain.low, t.plain.high) == (2.6, 2.4, 4.6)
     assert t.plain.samples == (2.9, 2.6, 4.6, 2.5, 2.4)  # as run, for the JSON record
@@ -59,7 +59,10 @@ def test_a_side_beside_runs_third_in_each_round_unprofiled(monkeypatch):
     assert (t.beside.median, t.beside.low, t.beside.high, t.beside_label) == (3.0, 2.8, 3.2, "plain alone")
     assert t.lines()[2] == ("plain alone, run third in the same rounds: median 3.00 s (2.80-3.20), 3.00x the node's, "
                             "1.50x plain's")
-    assert len(timing.measure(fake("n", [1.0] * 5, []), fake("p", [1.0] * 5, []), gpu=False).lines()) == 2
+    alone = timing.measure(fake("n", [1.0] * 5, []), fake("p", [1.0] * 5, []), gpu=False)
+    assert len(alone.lines()) == 2
+    # Without a GPU (the suite's harness on tiny models) the timing runs CPU_RUNS of each unless told; with one, RUNS
+    assert len(alone.node.samples) == len(alone.plain.samples) == timing.CPU_RUNS < timing.RUNS
 
 
 def test_an_even_count_takes_the_middle_two():

@@ -7,11 +7,12 @@ ModelPatcher.add_patches at strength 1 and 0.4 and removed, the model unloaded a
 model, a node widget changed between runs (a new node output on the same model, as ComfyUI makes when a widget
 changes) and two nodes on one model, alternately.
 
-The timed run ("20 steps again") runs again, the node's and plain ComfyUI's alternately, timing.RUNS times each, warm:
-its row shows each side's median, and the lines below it the range, the ratio of the medians, the host's CPU and
-load, and how long the GPU was busy within one more (profiled) run of each (tests/gpu/timing.py). Its latents are
-compared once, as every run's are. SD_ACCEL_GPU_RUNS=timed runs only the first 20-step run and the timed run of each
-setting (the yardsticks are still measured first, unless SD_ACCEL_GPU_YARDSTICK gives them).
+The timed run ("20 steps again") runs again, the node's and plain ComfyUI's alternately, timing.RUNS times each
+(timing.CPU_RUNS on the CPU, where the tests check the harness), warm: its row shows each side's median, and the lines
+below it the range, the ratio of the medians, the host's CPU and load, and how long the GPU was busy within one more
+(profiled) run of each (tests/gpu/timing.py). Its latents are compared once, as every run's are. SD_ACCEL_GPU_RUNS=timed
+runs only the first 20-step run and the timed run of each setting (the yardsticks are still measured first, unless
+SD_ACCEL_GPU_YARDSTICK gives them).
 
 The yardstick is how far plain ComfyUI's own 16-bit run lies from its fp32 run of the same model (1 step and 20
 steps; the larger): an accelerated run may differ from plain's by 1.5 times that in 16 bits, 3 times with fp8
@@ -192,7 +193,7 @@ class Report:
                  f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "
                  f"{'calls':>7}  ok"]
         legend = (f"   node s, plain s: one run each (plain's: its first of that run's configuration); {TIMED}: the "
-                  f"medians of {timing.RUNS} interleaved warm runs each, as the lines under it say")
+                  f"medians of interleaved warm runs of each, as many as the lines under it say")
         return "\n".join(lines + [line for r in self.rows for line in r.lines()] + [legend]
                          + [f"   note: {n}" for n in self.notes])
 

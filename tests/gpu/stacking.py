@@ -223,10 +223,10 @@ class StackReport:
                 f"steps, node+stack vs plain+stack; yardstick {self.yardstick:.2e}{effect}")
         columns = (f"{'order':<7} {'vs plain':>9} {'limit':>9} {'skipped':>7} {'node s':>7} {'plain s':>7} "
                    f"{'ratio':>7} {'calls':>7}  ok")
-        legend = (f"   order: the stack's node before or after the Accelerated UNet node; skipped: the cache's skipped "
-                  f"steps, node/plain; node s, plain s: the medians of {timing.RUNS} interleaved warm runs each, "
-                  f"their ranges under the row (a row without: one run each); calls: the engine's / ComfyUI's "
-                  f"forward's")
+        legend = ("   order: the stack's node before or after the Accelerated UNet node; skipped: the cache's skipped "
+                  "steps, node/plain; node s, plain s: the medians of interleaved warm runs of each (as many as the "
+                  "timed line says), their ranges under the row (a row without: one run each); calls: the engine's / "
+                  "ComfyUI's forward's")
         if any(r.spread_calls is not None for r in self.rows):
             legend += ("\n   gpus 2: the node alone with its own split over 2 GPUs, against plain with the stack; "
                        "its distance from plain's without the stack: "

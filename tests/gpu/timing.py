@@ -27,7 +27,8 @@ from sd_accel.accel.cli.profile import classify
 from sd_accel.accel.cli.timing import (MIN_RUNS, Spread, cpu_model, figure, host_cpu, interleaved,  # noqa: F401
                                        load, load_text)
 
-RUNS = MIN_RUNS  # timed runs of each side
+RUNS = MIN_RUNS  # timed runs of each side on a GPU
+CPU_RUNS = 1  # without one (tiny models, tests/test_gpu_*.py) the timed runs check the harness, and no figure is meant
 KERNELS = 3  # the longest kernels by name each side's profiled run lists in each of its longest classes
 CLASSES = 3  # those classes
 NAME = 60  # characters of a kernel's name in a line, its boilerplate dropped (templated names run to thousands)
@@ -182,11 +183,14 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
         return Busy(wall, None, f"{type(e).__name__}{': ' + text[0] if text else ''}")
 
 
-def measure(node: Callable[[], float], plain: Callable[[], float], gpu: bool, runs: int = RUNS, per: int = 1,
+def measure(node: Callable[[], float], plain: Callable[[], float], gpu: bool, runs: int | None = None, per: int = 1,
             unit: str = "s", beside: tuple[str, Callable[[], float]] | None = None) -> Timed:
-    """Interleaved warm runs of node and plain (each call returns its wall seconds, its GPU work synchronised), then
-    one more run of each under the profiler where `gpu`; every figure divided by `per` (steps, for seconds a step).
-    beside: (label, a third side) run after the two in each round, so that a drift falls on it alike."""
+    """Interleaved warm runs of node and plain (each call returns its wall seconds, its GPU work synchronised), `runs`
+    of each (RUNS on a GPU, CPU_RUNS without), then one more run of each under the profiler where `gpu`; every figure
+    divided by `per` (steps, for seconds a step). beside: (label, a third side) run after the two in each round, so
+    that a drift falls on it alike."""
+    if runs is None:
+        runs = RUNS if gpu else CPU_RUNS
     beside_s: list[float] = []
 
     def plain_then_beside() -> float:

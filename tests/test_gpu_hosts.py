@@ -1,6 +1,6 @@
 """The GPU suite's A1111/Forge harness (tests/gpu/hosts.py) on the CPU: A1111's server with the tiny checkpoint in
 fp32, every case once with the built-in UNet and with sd-accel, then the two step counts timed with the settings
-alternating (RUNS_HERE of each, not the GPU's 5: this checks the timing's code, not its figures, which on the CPU are
+alternating (timing.CPU_RUNS of each, not the GPU's 5: this checks the timing's code, not its figures, which on the CPU are
 the server's noise), through the same code as on the GPU. On the CPU the torch path runs the built-in's own kernels,
 so every image equals the built-in's and every step runs the engine."""
 
@@ -17,10 +17,11 @@ import a1111_helpers as a1
 
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 import hosts  # noqa: E402
+import timing  # noqa: E402
 
-# timed requests of each setting per step count: one here (each adds 4 requests to the test; the order and the range
-# are checked with fake timers in tests/test_gpu_timing.py and below)
-RUNS_HERE = 1
+# Timed requests of each setting per step count: the suite's CPU count (each adds 4 requests to the test; the order and
+# the range are checked with fake timers in tests/test_gpu_timing.py and below).
+RUNS_HERE = timing.CPU_RUNS
 
 
 @pytest.mark.skipif(a1.missing() is not None, reason=f"A1111 tests: {a1.missing()}")

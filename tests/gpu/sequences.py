@@ -193,7 +193,7 @@ class Report:
                  f"{'setting':<20} {'run':<18} {'vs plain':>9} {'limit':>9} {'node s':>7} {'plain s':>7} "
                  f"{'calls':>7}  ok"]
         legend = (f"   node s, plain s: one run each (plain's: its first of that run's configuration); {TIMED}: the "
-                  f"medians of interleaved warm runs of each, as many as the lines under it say")
+                  "medians of interleaved warm runs of each, as many as the lines under it say")
         return "\n".join(lines + [line for r in self.rows for line in r.lines()] + [legend]
                          + [f"   note: {n}" for n in self.notes])
 

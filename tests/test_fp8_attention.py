@@ -260,11 +260,12 @@ def test_the_package_is_imported_once(monkeypatch):
     assert tries == ["cudnn"]
 
 
-def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytorch_attention, emulated, monkeypatch):
-    """Another attention ComfyUI chose for the whole host (sage, ...) for the function the block calls (Qwen-Image's
-    optimized_attention_masked), a stand-in other than sequence parallelism's exchange (or the exchange standing in for
-    another attention than ComfyUI's PyTorch one), projections without fp8 products, 32-bit activations or a stream
-    without q/k norm (SD3.0): the 16-bit attention."""
+def test_only_comfyuis_own_attention_and_fp8_projections_take_it(comfy_pytorch_attention, emulated, monkeypatch):
+    """ComfyUI's PyTorch attention, or another of its own choices for the whole host (sub_quad here; sage, ...: timed
+    against fp8 on the GPU, below), for the function the block calls (Qwen-Image's optimized_attention_masked) take
+    it; a function of another node's in its place, a stand-in other than sequence parallelism's exchange (or the
+    exchange standing in for another attention than ComfyUI's PyTorch one), projections without fp8 products, 32-bit
+    activations or a stream without q/k norm (SD3.0): the 16-bit attention."""
     import comfy.ldm.flux.math as flux_math
     import comfy.ldm.modules.attention as attention
     import comfy.ldm.qwen_image.model as qwen
@@ -288,8 +289,14 @@ def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytor
         masked = (qwen.__name__, "optimized_attention_masked")
         assert fp8_attention.wanted(*masked, x, layer)
         monkeypatch.setattr(qwen, "optimized_attention_masked", attention.attention_sub_quad)
-        assert not fp8_attention.wanted(*masked, x, layer) and fp8_attention.wanted(module, name, x, layer)
+        assert fp8_attention.wanted(*masked, x, layer) and fp8_attention.wanted(module, name, x, layer)
         monkeypatch.setattr(flux_math, "optimized_attention", attention.attention_sub_quad)
+        assert fp8_attention.wanted(module, name, x, layer)
+
+        def nodes_own(q, k, v, heads, **kwargs):  # another node's function in ComfyUI's place
+            return attention.attention_pytorch(q, k, v, heads, **kwargs)
+
+        monkeypatch.setattr(flux_math, "optimized_attention", nodes_own)
         assert not fp8_attention.wanted(module, name, x, layer)
         monkeypatch.setattr(flux_math, "optimized_attention",
                             StandIn(attention.attention_pytorch, attention.attention_pytorch, lambda *a: None))
@@ -301,6 +308,53 @@ def test_only_comfyuis_pytorch_attention_and_fp8_projections_take_it(comfy_pytor
             assert fp8_attention.wanted(module, name, x, layer) == takes
     finally:
         undo()
+
+
+@pytest.mark.fp8_products(DEVICE)
+def test_under_another_comfyui_attention_choice_fp8_attention_serves_where_faster(emulated, monkeypatch, caplog):
+    """ComfyUI's attention for the whole host is another of its own than PyTorch's (sage on a GPU; sub_quad here):
+    where nothing is timed (the CPU) fp8 attention serves, the output the one under PyTorch's choice, said once; where
+    the host's function was timed faster than fp8 attention at the shape, the 16-bit path serves (and chooses between
+    its attention and the host's as before), said once with both times."""
+    import itertools
+
+    from sd_accel.accel.engine import host_attention
+
+    model, inp = _dit_bf16("tiny-wan"), _bf16_inputs("tiny-wan")
+    monkeypatch.setattr(host_attention, "_CHOICES", {})
+    monkeypatch.setattr(host_attention, "_SAID", set())
+    monkeypatch.setattr(fp8_attention, "_AHEAD", {})
+    with monkeypatch.context() as m:
+        H.use_comfy_attention("pytorch", m.setattr)
+        under_pytorch, _ = _fused_output(model, inp, "fp8")
+    assert len(emulated) == len(model.blocks)
+    emulated.clear()
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="sd-accel"):
+        H.use_comfy_attention("sub_quad", m.setattr)
+        untimed, _ = _fused_output(model, inp, "fp8")
+        assert len(emulated) == len(model.blocks) and torch.equal(untimed, under_pytorch)
+        said = [r.getMessage() for r in caplog.records if "fp8 attention" in r.getMessage()]
+        assert said == ["sd-accel: ComfyUI's attention is sub_quad; on the cpu nothing is timed: the fused blocks run "
+                        "fp8 attention (cuDNN)."]
+        caplog.clear()
+        emulated.clear()
+        monkeypatch.setattr(host_attention, "_CHOICES", {})
+        monkeypatch.setattr(fp8_attention, "_AHEAD", {})
+        # timed: ours first, then the host's (host_attention._timed); the host's twice as fast, for every attention
+        times = itertools.cycle([1.0, 0.5])
+        m.setattr(host_attention, "_may_time", lambda q: True)
+        m.setattr(host_attention, "call_ms", lambda fn, q, k, v: next(times))
+        timed, _ = _fused_output(model, inp, "fp8")
+        assert not emulated and not torch.equal(timed, under_pytorch)
+        said = [r.getMessage() for r in caplog.records if "fp8 attention" in r.getMessage()]
+        assert said == ["sd-accel: ComfyUI's attention is sub_quad; the fused blocks run it: 0.50 ms against 1.00 ms "
+                        f"for fp8 attention (cuDNN) at {emulated_tokens(model, inp)} tokens."]
+
+
+def emulated_tokens(model, inp) -> int:
+    """The image tokens of tiny-wan's input: its self-attention's sequence length."""
+    x = inp["x"]
+    return x.shape[2] * (x.shape[3] // model.patch_size[1]) * (x.shape[4] // model.patch_size[2])
 
 
 def test_the_outputs_scales_are_made_once(emulated, monkeypatch):

@@ -15,9 +15,13 @@ attention) it stays fp8: q and k cross the exchange as e4m3 bytes, v in 16 bits 
 rank quantizes the v rows it received by the largest of all ranks' (the one process's scale); the kernel is chosen at
 the gathered shape (all tokens, the rank's heads), and its output goes back as it came out of the kernel.
 
-Blocks without qk norm (SD3.0), heads cuDNN does not take, a host attention other than ComfyUI's PyTorch one (in its
-place or behind the exchange), any other stand-in, a missing package or an older GPU: 16-bit attention as before, said
-once per reason. So too where FlashAttention-4 is installed, at a head size it takes where cuDNN's fp8 kernel was not
+Where ComfyUI's attention for the whole host is another of its own (--use-sage-attention, --use-flash-attention,
+...), fp8 attention is timed against it at the shape's first call on the GPU and serves where faster (host_attention's
+rule and message; on the CPU nothing is timed and fp8 serves); where the other is faster, the 16-bit path runs and
+chooses between its attention and that one as before. Blocks without qk norm (SD3.0), heads cuDNN does not take, a
+function in ComfyUI's place that is not one of its own choices, a host attention other than the PyTorch one behind
+the exchange, any other stand-in, a missing package or an older GPU: 16-bit attention as before, said once per
+reason. So too where FlashAttention-4 is installed, at a head size it takes where cuDNN's fp8 kernel was not
 measured faster than its 16-bit one (BENCHMARKS.md, on an H200; Blackwell not measured): 128 (Flux, Chroma,
 Qwen-Image, Wan) keeps fp8 attention, SD3.5's 64 does not.
 """
@@ -35,7 +39,7 @@ from torch import nn
 
 from . import flash3, flash4, fp8, host_attention
 from .attention import StandIn
-from .fusions.base import comfy_function, comfy_pytorch, kernel_module
+from .fusions.base import comfy_choice, comfy_function, comfy_host, comfy_pytorch, kernel_module
 
 log = logging.getLogger("sd-accel")
 
@@ -264,6 +268,14 @@ def _ms(run: Kernel, shape: tuple[int, int, int, int], device: torch.device, out
         quantize_output: bool) -> float:
     """Milliseconds per call of `run` on random e4m3 inputs of `shape` (the time does not depend on the values), with
     fp8.quantized of its 16-bit output where `quantize_output`."""
+    call, nothing = _on_random_inputs(run, shape, device, out_dtype, quantize_output), torch.empty(0, device=device)
+    return host_attention.call_ms(lambda *_: call(), nothing, nothing, nothing)
+
+
+def _on_random_inputs(run: Kernel, shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype,
+                      quantize_output: bool) -> Callable[[], None]:
+    """A call of `run` on random e4m3 inputs of `shape`, with fp8.quantized of its 16-bit output where
+    `quantize_output`: what one fp8 attention costs."""
     q8, k8, v8 = (torch.randn(shape, device=device).to(fp8.FP8) for _ in range(3))
     scalars = [torch.ones(1, device=device) for _ in range(4)]  # each its own allocation: cuDNN takes them aligned
     out = torch.empty(shape, device=device, dtype=out_dtype)
@@ -273,7 +285,7 @@ def _ms(run: Kernel, shape: tuple[int, int, int, int], device: torch.device, out
         if quantize_output:
             fp8.quantized(out.view(shape[0], shape[1], -1))
 
-    return host_attention.call_ms(lambda *_: call(), q8, k8, v8)
+    return call
 
 
 def _say(what: str, level: int) -> None:
@@ -287,12 +299,15 @@ def _say(what: str, level: int) -> None:
 def wanted(module_name: str, name: str, x: torch.Tensor, *projections: nn.Module) -> bool:
     """Whether a fused block of ComfyUI's `module_name`, whose attention is that module's function `name`, may take
     fp8 attention for the sequence its `projections` (the q, k and v projections of every stream) write: all of them
-    make fp8 products, the activations are 16-bit, and the attention the block would run is ComfyUI's PyTorch one (no
-    other host choice), itself or through sequence parallelism's exchange (no other stand-in)."""
+    make fp8 products, the activations are 16-bit, and the attention the block would run is one of ComfyUI's own
+    choices for the whole host (its PyTorch one, sage, ...: `sequence` times another against fp8), or ComfyUI's
+    PyTorch one through sequence parallelism's exchange (no other stand-in)."""
     if not (x.dtype in (torch.bfloat16, torch.float16) and all(fp8.marked(p) for p in projections)):
         return False
     fn, host = comfy_function(module_name, name)
-    return comfy_pytorch(host) and (fn is host or _exchange(fn) is not None)
+    if fn is host:
+        return comfy_choice(host) is not None
+    return comfy_pytorch(host) and _exchange(fn) is not None
 
 
 def _exchange(fn) -> object | None:
@@ -401,11 +416,40 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
                             eight_bit_consumers, exchange.agree if exchange is not None else None)
     if run is None:
         return None
+    host = comfy_function(module_name, name)[1]
+    if not comfy_pytorch(host) and not _ahead_of_host(host, shape, like.device, like.dtype, run, out_dtype,
+                                                      run is _flash3 and eight_bit_consumers):
+        return None
     _served(shape, exchange, run)
     rope = kernel_module("qk_rope")
     return Sequence(rope.empty_qkv(batch, tokens, heads, head_dim, like, qk_fp8=True),
                     rope.qk_descales([q for q, _ in norms], [k for _, k in norms]),
                     rope.new_v_amax(like.device), run, out_dtype, exchange, whole or 0)
+
+
+# (shape, device, 16-bit dtype, the host's function) -> whether fp8 attention serves there rather than the host's
+_AHEAD: dict[tuple, bool] = {}
+
+
+def _ahead_of_host(host: Callable, shape: tuple[int, int, int, int], device: torch.device, dtype16: torch.dtype,
+                   run: Kernel, out_dtype: torch.dtype, quantize_output: bool) -> bool:
+    """Whether fp8 attention (`run`, writing out_dtype) serves `shape` where `host`, another of ComfyUI's own
+    attention functions than its PyTorch one, is its choice for the whole host: host_attention's choice between the
+    two, timed at the shape's first call on the GPU (fp8 where nothing is timed), said once. False at a moment that
+    cannot be timed (a capture): the 16-bit path serves that call."""
+    key = (shape, device, dtype16, host)
+    found = _AHEAD.get(key)
+    if found is None:
+        q = torch.randn(shape, device=device, dtype=dtype16)
+        call = _on_random_inputs(run, shape, device, out_dtype, quantize_output)
+        theirs = comfy_host(host, lambda q, k, v: host(q.flatten(2), k.flatten(2), v.flatten(2), q.shape[2]))
+        choice = host_attention.choose((*key, "fp8"), q, q, q, lambda *_: call(), theirs.attend)
+        if choice is None:
+            return False
+        host_attention.say(choice, f"fp8 attention ({'FlashAttention-3' if run is _flash3 else 'cuDNN'})", theirs,
+                           q, q, topic="fp8")
+        found = _AHEAD[key] = not choice.host
+    return found
 
 
 def _served(shape: tuple[int, int, int, int], exchange, run: Kernel) -> None:

@@ -61,7 +61,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ours: Attend, ours
     if choice is None:
         return ours(q, k, v)
     if new:
-        _say(choice, ours_name(), host, q, k)
+        say(choice, ours_name(), host, q, k)
     return (host.attend if choice.host else ours)(q, k, v)
 
 
@@ -110,9 +110,10 @@ def call_ms(fn: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> fl
     return start.elapsed_time(end) / TIMED
 
 
-def _say(choice: Choice, ours_name: str, host: Host, q: torch.Tensor, k: torch.Tensor) -> None:
-    """Once per host function and outcome: a model whose shapes split between the two says both."""
-    said = (host.fn, choice.host, choice.ours_ms is None)
+def say(choice: Choice, ours_name: str, host: Host, q: torch.Tensor, k: torch.Tensor, topic: str = "") -> None:
+    """Once per host function, outcome and topic (fp8 attention's choice is said apart from the 16-bit one's): a model
+    whose shapes split between the two says both."""
+    said = (topic, host.fn, choice.host, choice.ours_ms is None)
     if said in _SAID:
         return
     _SAID.add(said)

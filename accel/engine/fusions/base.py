@@ -398,7 +398,12 @@ def comfy_attend(host: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     theirs(q, k, v), host called in the form of q, k and v (host_attention.py). ours_name() says what ours runs."""
     if comfy_pytorch(host):
         return ours(q, k, v)
+    return host_attention.attend(q, k, v, ours, ours_name, comfy_host(host, theirs))
+
+
+def comfy_host(host: Callable, theirs: Attend) -> host_attention.Host:
+    """ComfyUI's attention function `host`, its choice for the whole host, as host_attention takes it: `theirs`
+    calls it in the form of the caller's q, k and v; the message says where it comes from."""
     name = comfy_choice(host)
     flag = COMFY_FLAGS.get(name)
-    why = f"ComfyUI's attention is {name}" + (f" ({flag})" if flag else "")
-    return host_attention.attend(q, k, v, ours, ours_name, host_attention.Host(host, name, why, theirs))
+    return host_attention.Host(host, name, f"ComfyUI's attention is {name}" + (f" ({flag})" if flag else ""), theirs)

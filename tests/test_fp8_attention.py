@@ -313,42 +313,66 @@ def test_only_comfyuis_own_attention_and_fp8_projections_take_it(comfy_pytorch_a
 @pytest.mark.fp8_products(DEVICE)
 def test_under_another_comfyui_attention_choice_fp8_attention_serves_where_faster(emulated, monkeypatch, caplog):
     """ComfyUI's attention for the whole host is another of its own than PyTorch's (sage on a GPU; sub_quad here):
-    where nothing is timed (the CPU) fp8 attention serves, the output the one under PyTorch's choice, said once; where
-    the host's function was timed faster than fp8 attention at the shape, the 16-bit path serves (and chooses between
-    its attention and the host's as before), said once with both times."""
+    where nothing is timed (the CPU) fp8 attention serves, the output the one under PyTorch's choice; timed (a faked
+    clock here, each function still called), fp8 attention serves where faster, with the same output; where the host's
+    function is faster the 16-bit path serves, the output that path's under the same host. Each said once."""
     import itertools
 
     from sd_accel.accel.engine import host_attention
 
     model, inp = _dit_bf16("tiny-wan"), _bf16_inputs("tiny-wan")
-    monkeypatch.setattr(host_attention, "_CHOICES", {})
-    monkeypatch.setattr(host_attention, "_SAID", set())
-    monkeypatch.setattr(fp8_attention, "_AHEAD", {})
+    tokens = emulated_tokens(model, inp)
+
+    def fresh():
+        for name, empty in (("_CHOICES", {}), ("_SAID", set())):
+            monkeypatch.setattr(host_attention, name, empty)
+        monkeypatch.setattr(fp8_attention, "_AHEAD", {})
+        monkeypatch.setattr(fp8_attention, "_SAID", set())
+        emulated.clear()
+        caplog.clear()
+
+    def fp8_lines():
+        return [r.getMessage() for r in caplog.records if "fp8 attention" in r.getMessage()]
+
+    def clock(ours_ms, host_ms, m):
+        """host_attention times ours, then the host's (_timed): each function runs once, then the scripted time."""
+        times = itertools.cycle([ours_ms, host_ms])
+
+        def call_ms(fn, q, k, v):
+            fn(q, k, v)
+            return next(times)
+
+        m.setattr(host_attention, "_may_time", lambda q: True)
+        m.setattr(host_attention, "call_ms", call_ms)
+
     with monkeypatch.context() as m:
         H.use_comfy_attention("pytorch", m.setattr)
         under_pytorch, _ = _fused_output(model, inp, "fp8")
     assert len(emulated) == len(model.blocks)
-    emulated.clear()
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="sd-accel"):
-        H.use_comfy_attention("sub_quad", m.setattr)
+        sub_quad = H.use_comfy_attention("sub_quad", m.setattr)
+        fresh()
         untimed, _ = _fused_output(model, inp, "fp8")
         assert len(emulated) == len(model.blocks) and torch.equal(untimed, under_pytorch)
-        said = [r.getMessage() for r in caplog.records if "fp8 attention" in r.getMessage()]
-        assert said == ["sd-accel: ComfyUI's attention is sub_quad; on the cpu nothing is timed: the fused blocks run "
-                        "fp8 attention (cuDNN)."]
-        caplog.clear()
-        emulated.clear()
-        monkeypatch.setattr(host_attention, "_CHOICES", {})
-        monkeypatch.setattr(fp8_attention, "_AHEAD", {})
-        # timed: ours first, then the host's (host_attention._timed); the host's twice as fast, for every attention
-        times = itertools.cycle([1.0, 0.5])
-        m.setattr(host_attention, "_may_time", lambda q: True)
-        m.setattr(host_attention, "call_ms", lambda fn, q, k, v: next(times))
-        timed, _ = _fused_output(model, inp, "fp8")
-        assert not emulated and not torch.equal(timed, under_pytorch)
-        said = [r.getMessage() for r in caplog.records if "fp8 attention" in r.getMessage()]
-        assert said == ["sd-accel: ComfyUI's attention is sub_quad; the fused blocks run it: 0.50 ms against 1.00 ms "
-                        f"for fp8 attention (cuDNN) at {emulated_tokens(model, inp)} tokens."]
+        assert fp8_lines() == ["sd-accel: ComfyUI's attention is sub_quad; on the cpu nothing is timed: the fused "
+                               "blocks run fp8 attention (cuDNN)."]
+        fresh()
+        clock(0.5, 1.0, m)
+        faster, _ = _fused_output(model, inp, "fp8")  # the kernel's calls: the timing's, then one a block
+        assert len(emulated) == 1 + len(model.blocks) and torch.equal(faster, under_pytorch)
+        assert fp8_lines() == ["sd-accel: ComfyUI's attention is sub_quad; the fused blocks run fp8 attention (cuDNN): "
+                               f"0.50 ms against 1.00 ms for sub_quad at {tokens} tokens."]
+        fresh()
+        clock(1.0, 0.5, m)
+        sub_quad.clear()
+        slower, _ = _fused_output(model, inp, "fp8")
+        assert len(emulated) == 1 and sub_quad  # fp8 attention timed alone; the host's function timed and serving
+        assert fp8_lines() == ["sd-accel: ComfyUI's attention is sub_quad: sub_quad 0.50 ms against 1.00 ms for fp8 "
+                               f"attention (cuDNN) at {tokens} tokens; the fused blocks' attention stays 16-bit there."]
+        fresh()
+        m.setattr(fp8_attention, "wanted", lambda *args: False)
+        sixteen, _ = _fused_output(model, inp, "fp8")
+        assert torch.equal(slower, sixteen)
 
 
 def emulated_tokens(model, inp) -> int:

@@ -246,8 +246,6 @@ def choose(shape: tuple[int, int, int, int], device: torch.device, out_dtype: to
         elif agree is not None:  # the others wait for this rank's times: cuDNN's never the faster
             agree([math.inf, 0.0], device)
         _CHOSEN[key] = found
-    if found[0] is _flash3:
-        flash3.say("fp8")
     return found
 
 
@@ -268,20 +266,20 @@ def _ms(run: Kernel, shape: tuple[int, int, int, int], device: torch.device, out
         quantize_output: bool) -> float:
     """Milliseconds per call of `run` on random e4m3 inputs of `shape` (the time does not depend on the values), with
     fp8.quantized of its 16-bit output where `quantize_output`."""
-    call, nothing = _on_random_inputs(run, shape, device, out_dtype, quantize_output), torch.empty(0, device=device)
-    return host_attention.call_ms(lambda *_: call(), nothing, nothing, nothing)
+    q8 = torch.randn(shape, device=device, dtype=torch.bfloat16).to(fp8.FP8)
+    call = _on(run, q8, out_dtype, quantize_output)
+    return host_attention.call_ms(lambda *_: call(), q8, q8, q8)
 
 
-def _on_random_inputs(run: Kernel, shape: tuple[int, int, int, int], device: torch.device, out_dtype: torch.dtype,
-                      quantize_output: bool) -> Callable[[], None]:
-    """A call of `run` on random e4m3 inputs of `shape`, with fp8.quantized of its 16-bit output where
-    `quantize_output`: what one fp8 attention costs."""
-    q8, k8, v8 = (torch.randn(shape, device=device).to(fp8.FP8) for _ in range(3))
+def _on(run: Kernel, x8: torch.Tensor, out_dtype: torch.dtype, quantize_output: bool) -> Callable[[], None]:
+    """A call of `run` with the e4m3 tensor x8 as q, k and v (the time does not depend on the values), with
+    fp8.quantized of its 16-bit output where `quantize_output`: what one fp8 attention costs."""
+    shape, device = tuple(x8.shape), x8.device
     scalars = [torch.ones(1, device=device) for _ in range(4)]  # each its own allocation: cuDNN takes them aligned
     out = torch.empty(shape, device=device, dtype=out_dtype)
 
     def call() -> None:
-        run(q8, k8, v8, *scalars, out)
+        run(x8, x8, x8, *scalars, out)
         if quantize_output:
             fp8.quantized(out.view(shape[0], shape[1], -1))
 
@@ -420,6 +418,8 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
     if not comfy_pytorch(host) and not _ahead_of_host(host, shape, like.device, like.dtype, run, out_dtype,
                                                       run is _flash3 and eight_bit_consumers):
         return None
+    if run is _flash3:
+        flash3.say("fp8")
     _served(shape, exchange, run)
     rope = kernel_module("qk_rope")
     return Sequence(rope.empty_qkv(batch, tokens, heads, head_dim, like, qk_fp8=True),
@@ -435,21 +435,40 @@ def _ahead_of_host(host: Callable, shape: tuple[int, int, int, int], device: tor
                    run: Kernel, out_dtype: torch.dtype, quantize_output: bool) -> bool:
     """Whether fp8 attention (`run`, writing out_dtype) serves `shape` where `host`, another of ComfyUI's own
     attention functions than its PyTorch one, is its choice for the whole host: host_attention's choice between the
-    two, timed at the shape's first call on the GPU (fp8 where nothing is timed), said once. False at a moment that
-    cannot be timed (a capture): the 16-bit path serves that call."""
+    two, timed at the shape's first call on the GPU on one random tensor (fp8 where nothing is timed), said once;
+    16-bit where the timing runs out of memory. Unchosen and fp8 in the compile-ahead run (kernels/ahead.py: it
+    compiles the fp8 path's kernels, the real run chooses); False, unchosen, in a capture: the 16-bit path serves
+    that call."""
     key = (shape, device, dtype16, host)
     found = _AHEAD.get(key)
-    if found is None:
+    if found is not None:
+        return found
+    from ...kernels import ahead
+
+    if ahead.recording():
+        return True
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    kernel_name = f"fp8 attention ({'FlashAttention-3' if run is _flash3 else 'cuDNN'})"
+    theirs = comfy_host(host, lambda q, k, v: host(q.flatten(2), k.flatten(2), v.flatten(2), q.shape[2]))
+    try:
         q = torch.randn(shape, device=device, dtype=dtype16)
-        call = _on_random_inputs(run, shape, device, out_dtype, quantize_output)
-        theirs = comfy_host(host, lambda q, k, v: host(q.flatten(2), k.flatten(2), v.flatten(2), q.shape[2]))
+        call = _on(run, q.to(fp8.FP8), out_dtype, quantize_output)
         choice = host_attention.choose((*key, "fp8"), q, q, q, lambda *_: call(), theirs.attend)
-        if choice is None:
-            return False
-        host_attention.say(choice, f"fp8 attention ({'FlashAttention-3' if run is _flash3 else 'cuDNN'})", theirs,
-                           q, q, topic="fp8")
-        found = _AHEAD[key] = not choice.host
-    return found
+    except torch.OutOfMemoryError:
+        _say(f"{theirs.why}: fp8 attention at {shape[1]} tokens could not be timed against it (out of memory); the "
+             "fused blocks' attention stays 16-bit there", logging.WARNING)
+        _AHEAD[key] = False
+        return False
+    if choice is None:
+        return False
+    if choice.host:
+        _say(f"{theirs.why}: {theirs.name} {choice.host_ms:.2f} ms against {choice.ours_ms:.2f} ms for {kernel_name} "
+             f"at {shape[1]} tokens; the fused blocks' attention stays 16-bit there", logging.WARNING)
+    else:
+        host_attention.say(choice, kernel_name, theirs, q, q, topic="fp8")
+    _AHEAD[key] = not choice.host
+    return not choice.host
 
 
 def _served(shape: tuple[int, int, int, int], exchange, run: Kernel) -> None:

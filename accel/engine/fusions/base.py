@@ -304,7 +304,7 @@ def attend(m: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head
 # gives the function; the others come without one (sub-quadratic where its PyTorch attention is off, as on the CPU;
 # xformers wherever it is installed)
 COMFY_FLAGS = {"sage": "--use-sage-attention", "flash": "--use-flash-attention",
-               "split": "--use-split-cross-attention"}
+               "split": "--use-split-cross-attention", "comfy_kitchen_int8": "--use-ck-attention"}
 
 
 def comfy_function(module_name: str, name: str = "optimized_attention") -> tuple[Callable | None, Callable | None]:

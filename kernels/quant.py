@@ -5,18 +5,19 @@ MLP's hidden activation goes from its first projection's output straight to the 
 tanh GELU, or SwiGLU (SiLU of the row's first half times its second half, Flux.2's and Z-Image's MLPs: the 16-bit
 input read once, the half-width product never written in 16 bits).
 
-A row of up to MAX_K loaded elements is held in registers whole: one read. A longer one (Flux.2's SwiGLU input, 2 x
-18,432) would spill them, so its program walks it in steps of LOOP_BLOCK twice: the largest magnitude, then the
-activation again, scaled and stored (the second read mostly from L2).
+A row of up to MAX_K loaded elements that fills at least FILL of its power-of-two block is held in registers whole:
+one read. A longer one (Flux.2's SwiGLU input, 2 x 18,432) would spill them, and a row that fills less (Wan's 8,960-wide
+MLP hidden in a block of 16,384) computes its activation on the masked lanes too, so its program walks it in steps of
+LOOP_BLOCK twice: the largest magnitude, then the activation again, scaled and stored (the second read mostly from L2).
 
 Also per-tensor quantization by a largest magnitude already on the device (`quantize_tensor`: an attention's v, whose
 partial maxima the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it.
 
 The scale is the largest magnitude times float32's 1/448 (what torch's CUDA division by a number computes), the
-values are divided by it as IEEE divides (div_rn: Triton's "/" approximates on NVIDIA GPUs) and rounded to e4m3 in
-float32 (common.e4m3) before the conversion, which is then exact: the kernel gives its reference's bytes, on the GPU
-and under Triton's CPU interpreter (which converts to fp8 wrongly). The GPU's own conversion gives the same bytes in
-no measurable time less (docs/perf-notes.md)."""
+values are multiplied by its reciprocal (one IEEE division a row, div_rn: Triton's "/" approximates on NVIDIA GPUs; a
+division per value made the pass compute-bound, 2.4 times as long at Wan's MLP rows) and rounded to e4m3 in float32
+(common.e4m3) before the conversion, which is then exact: the kernel gives its reference's values, on the GPU and
+under Triton's CPU interpreter (which converts to fp8 wrongly)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,15 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # the most elements of a row (twice the output's with SwiGLU) one program holds in registers at once
 MAX_K = 16384
-# a longer row's step: 16 elements of each input a thread at 4 warps (not timed against other steps yet)
-LOOP_BLOCK = 2048
+# the least share of its power-of-two block a row held in registers fills
+FILL = 0.6
+# a walked row's step, 8 elements of each input a thread: the fastest of 512-4096 and 2-8 warps at Wan 2.1's 8,960-wide
+# GELU rows on an H200, within 4% of the fastest at 12,288 and 13,824 (BENCHMARKS.md)
+LOOP_BLOCK = 1024
 LOOP_WARPS = 4
+# a row held whole: about 32 elements a thread, at most 8 warps
+HELD_PER_THREAD = 32
+HELD_MAX_WARPS = 8
 # every program of quantize_tensor loads all the partial maxima it is given
 MAX_AMAX = 1024
 # An all-zero row still gets a scale that divides safely.
@@ -63,13 +70,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.conste
         for k in range(0, K, BLOCK_K):
             amax = tl.maximum(amax, tl.abs(_activated(x_row, k + cols, K, GELU, SWIGLU)))
         scale = tl.maximum(tl.max(amax, 0) * (1.0 / 448.0), 1e-12)
+        inv = tl.math.div_rn(1.0, scale)
         for k in range(0, K, BLOCK_K):
             x = _activated(x_row, k + cols, K, GELU, SWIGLU)
-            tl.store(q_row + k + cols, e4m3(tl.math.div_rn(x, scale)).to(q_ptr.dtype.element_ty), mask=k + cols < K)
+            tl.store(q_row + k + cols, e4m3(x * inv).to(q_ptr.dtype.element_ty), mask=k + cols < K)
     else:
         x = _activated(x_row, cols, K, GELU, SWIGLU)
         scale = tl.maximum(tl.max(tl.abs(x), 0) * (1.0 / 448.0), 1e-12)
-        tl.store(q_row + cols, e4m3(tl.math.div_rn(x, scale)).to(q_ptr.dtype.element_ty), mask=cols < K)
+        inv = tl.math.div_rn(1.0, scale)
+        tl.store(q_row + cols, e4m3(x * inv).to(q_ptr.dtype.element_ty), mask=cols < K)
     tl.store(s_ptr + row, scale)
 
 
@@ -111,11 +120,12 @@ def quantize_rows(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> 
     q = torch.empty(M, K, device=x.device, dtype=FP8)
     s = torch.empty(M, 1, device=x.device, dtype=torch.float32)
     if M:
-        loop = width > MAX_K
+        loop = width > MAX_K or K < FILL * pow2(K)
         block_k = LOOP_BLOCK if loop else pow2(K)
         with on_device(x):
             _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), GELU=gelu, SWIGLU=swiglu, BLOCK_K=block_k,
-                                        LOOP=loop, num_warps=LOOP_WARPS if loop else warps(pow2(width), 64))
+                                        LOOP=loop, num_warps=LOOP_WARPS if loop else
+                                        min(HELD_MAX_WARPS, warps(block_k, HELD_PER_THREAD)))
     return q, s
 
 
@@ -128,7 +138,7 @@ def quantize_rows_ref(x: torch.Tensor, gelu: bool = False, swiglu: bool = False)
         gate, up = xf.chunk(2, dim=1)
         xf = F.silu(gate) * up
     s = (xf.abs().amax(dim=1, keepdim=True) * (1.0 / FP8_MAX)).clamp_min(MIN_SCALE)
-    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+    return (xf * (1.0 / s)).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 
 def quantize_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

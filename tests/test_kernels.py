@@ -471,7 +471,8 @@ def test_bench_smoke():
 
     rows = bench_kernels(device=DEVICE, tiny=True)
     assert {r["kernel"] for r in rows} == {"group_norm+silu", "geglu+bias", "geglu_linear", "swiglu",
-                                              "quantize_rows+swiglu", "skip_layer_norm", "add_bias_residual",
+                                              "quantize_rows", "quantize_rows+gelu", "quantize_rows+swiglu",
+                                              "skip_layer_norm", "add_bias_residual",
                                               "upsample_nearest2x", "upsample_conv3x3", "attention"}
     for r in rows:
         assert r["triton_ms"] > 0 and r["torch_ms"] > 0 and r["copy_gbps"] > 0

@@ -1,5 +1,5 @@
-"""Micro-benchmark: each Triton kernel against the torch ops it replaces, on Stable Diffusion shapes (and Flux.2's for
-the SwiGLU kernels). (geglu_linear, a GEMM, against cuBLAS's GEMM and the GEGLU kernel, and attention against cuDNN's,
+"""Micro-benchmark: each Triton kernel against the torch ops it replaces, on Stable Diffusion shapes (Flux.2's for
+the SwiGLU kernels, Wan 2.1 1.3B's and Flux.1's for the fp8 row quantization). (geglu_linear, a GEMM, against cuBLAS's GEMM and the GEGLU kernel, and attention against cuDNN's,
 also in TFLOP/s.)
 
 Reports median ms, achieved GB/s over the compulsory traffic (every input read once, every output written once; the
@@ -139,13 +139,18 @@ def _swiglu_case(name: str, shape: tuple[int, ...], device: torch.device, dtype:
                 torch.Size(shape).numel() * dtype.itemsize * 3 // 2)
 
 
-def _swiglu_fp8_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
-    # Against its torch reference in float32 (SiLU, product, row maximum, scaling, conversion), the torch ops that
-    # quantized rows this wide before, but for the SiLU and product then run in 16 bits.
+def _quantize_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype,
+                   activation: str = "") -> Case:
+    """Rows to e4m3 with their scales, each fp8 product's input; after the MLP's activation where given ("gelu", or
+    "swiglu": rows [gate | up], the output half as wide). Against its torch reference in float32 (activation, row
+    maximum, scaling, conversion); with SwiGLU, the torch ops that quantized rows this wide before, but for the SiLU
+    and product then run in 16 bits."""
     rows, width = shape
-    return Case("quantize_rows+swiglu", name, shape, _inputs([shape], device, dtype),
-                lambda a: quant.quantize_rows(a, swiglu=True), lambda a: quant.quantize_rows_ref(a, swiglu=True),
-                rows * width * dtype.itemsize + rows * width // 2 + rows * 4)
+    flags = {activation: True} if activation else {}
+    out_width = width // 2 if activation == "swiglu" else width
+    return Case("quantize_rows" + (f"+{activation}" if activation else ""), name, shape, _inputs([shape], device, dtype),
+                lambda a: quant.quantize_rows(a, **flags), lambda a: quant.quantize_rows_ref(a, **flags),
+                rows * width * dtype.itemsize + rows * out_width + rows * 4)
 
 
 def _layer_norm_case(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Case:
@@ -205,8 +210,10 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
                 _geglu_case("tiny", (1, 16, 128), device, dtype),
                 _geglu_linear_case("tiny", 16, 32, 32, device, dtype),
                 _swiglu_case("tiny", (16, 2 * 96), device, dtype),
-                _swiglu_fp8_case("tiny", (16, 2 * 96), device, dtype),
-                _swiglu_fp8_case("tiny rows past one block", (4, 2 * 9000), device, dtype),
+                _quantize_case("tiny", (16, 2 * 96), device, dtype, "swiglu"),
+                _quantize_case("tiny rows past one block", (4, 2 * 9000), device, dtype, "swiglu"),
+                _quantize_case("tiny", (16, 96), device, dtype),
+                _quantize_case("tiny rows walked in steps", (4, 300), device, dtype, "gelu"),
                 _layer_norm_case("tiny", (1, 16, 64), device, dtype),
                 _bias_residual_case("tiny", (1, 16, 64), device, dtype),
                 _upsample_case("tiny", (1, 16, 4, 4), device, dtype),
@@ -230,7 +237,12 @@ def cases(device: torch.device, dtype: torch.dtype, tiny: bool) -> list[Case]:
     # Flux.2-dev at 1024 px, batch 1: the double blocks' image and text MLPs, the single blocks' (both streams)
     for name, rows in [("flux2 double img", 4096), ("flux2 double txt", 512), ("flux2 single", 4608)]:
         out.append(_swiglu_case(name, (rows, 2 * 18432), device, dtype))
-        out.append(_swiglu_fp8_case(name, (rows, 2 * 18432), device, dtype))
+        out.append(_quantize_case(name, (rows, 2 * 18432), device, dtype, "swiglu"))
+    # Wan 2.1 1.3B's 17-frame 480p clip and Flux.1-dev at 1024 px, CFG's batch of 2 for Wan: a block's attention output
+    # rows and its MLP's hidden rows
+    for name, rows, width, hidden in [("wan21 1.3b", 15600, 1536, 8960), ("flux1", 5120, 3072, 12288)]:
+        out.append(_quantize_case(name, (rows, width), device, dtype))
+        out.append(_quantize_case(name, (rows, hidden), device, dtype, "gelu"))
     for name, shape in [("sd15 64x64", (2, 4096, 320)), ("sdxl 64x64", (2, 4096, 640)),
                         ("sdxl 32x32", (2, 1024, 1280))]:
         out.append(_layer_norm_case(name, shape, device, dtype))

@@ -1,6 +1,6 @@
 """Micro-benchmark: each Triton kernel against the torch ops it replaces, on Stable Diffusion shapes (Flux.2's for
-the SwiGLU kernels, Wan 2.1 1.3B's and Flux.1's for the fp8 row quantization). (geglu_linear, a GEMM, against cuBLAS's GEMM and the GEGLU kernel, and attention against cuDNN's,
-also in TFLOP/s.)
+the SwiGLU kernels, Wan 2.1 1.3B's and Flux.1's for the fp8 row quantization). (geglu_linear, a GEMM, against
+cuBLAS's GEMM and the GEGLU kernel, and attention against cuDNN's, also in TFLOP/s.)
 
 Reports median ms, achieved GB/s over the compulsory traffic (every input read once, every output written once; the
 same byte count for both sides, so the GB/s compare like the ms do), and the device's copy bandwidth (a large
@@ -148,7 +148,8 @@ def _quantize_case(name: str, shape: tuple[int, ...], device: torch.device, dtyp
     rows, width = shape
     flags = {activation: True} if activation else {}
     out_width = width // 2 if activation == "swiglu" else width
-    return Case("quantize_rows" + (f"+{activation}" if activation else ""), name, shape, _inputs([shape], device, dtype),
+    kernel = "quantize_rows" + (f"+{activation}" if activation else "")
+    return Case(kernel, name, shape, _inputs([shape], device, dtype),
                 lambda a: quant.quantize_rows(a, **flags), lambda a: quant.quantize_rows_ref(a, **flags),
                 rows * width * dtype.itemsize + rows * out_width + rows * 4)
 

@@ -15,16 +15,20 @@ partial maxima the pass that wrote it gathered), with no host sync, so that a CU
 
 The scale is the largest magnitude times float32's 1/448 (what torch's CUDA division by a number computes), the
 values are multiplied by its reciprocal (one IEEE division a row, div_rn: Triton's "/" approximates on NVIDIA GPUs; a
-division per value made the pass compute-bound, 2.4 times as long at Wan's MLP rows) and rounded to e4m3 in float32
-(common.e4m3) before the conversion, which is then exact: the kernel gives its reference's values, on the GPU and
-under Triton's CPU interpreter (which converts to fp8 wrongly)."""
+division per value made the pass compute-bound, 2.4 times as long at Wan's MLP rows) and converted to e4m3. On NVIDIA
+GPUs with fp8 (compute capability 8.9 and later) the conversion is the GPU's own instruction (round to nearest even,
+saturating), as torch's; elsewhere (ROCm, older GPUs, Triton's CPU interpreter, which converts to fp8 wrongly) the
+values are rounded to e4m3 in float32 first (common.e4m3), so that the conversion is exact. The kernel gives its
+reference's values either way; the rounding in float32 took about a fifth of the pass's time at Wan's MLP rows."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
-from .common import cdiv, e4m3, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
+from .common import cdiv, e4m3, interpreted, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
 from .errors import BadInput
 
 FP8 = torch.float8_e4m3fn
@@ -47,6 +51,13 @@ MIN_SCALE = 1e-12
 
 
 @jit
+def _to_e4m3(x, q_ptr, NATIVE: tl.constexpr):
+    if NATIVE:
+        return x.to(q_ptr.dtype.element_ty)
+    return e4m3(x).to(q_ptr.dtype.element_ty)
+
+
+@jit
 def _activated(x_row, cols, K, GELU: tl.constexpr, SWIGLU: tl.constexpr):
     """A row's values at cols (masked past K) in float32, through the activation. With SWIGLU the row holds 2K values:
     the gate's, then the up projection's."""
@@ -61,7 +72,7 @@ def _activated(x_row, cols, K, GELU: tl.constexpr, SWIGLU: tl.constexpr):
 
 @jit(do_not_specialize=("M",))
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.constexpr, SWIGLU: tl.constexpr,
-                          BLOCK_K: tl.constexpr, LOOP: tl.constexpr):
+                          BLOCK_K: tl.constexpr, LOOP: tl.constexpr, NATIVE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * row_stride, q_ptr + row * K
     cols = tl.arange(0, BLOCK_K)
@@ -73,12 +84,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.conste
         inv = tl.math.div_rn(1.0, scale)
         for k in range(0, K, BLOCK_K):
             x = _activated(x_row, k + cols, K, GELU, SWIGLU)
-            tl.store(q_row + k + cols, e4m3(x * inv).to(q_ptr.dtype.element_ty), mask=k + cols < K)
+            tl.store(q_row + k + cols, _to_e4m3(x * inv, q_ptr, NATIVE), mask=k + cols < K)
     else:
         x = _activated(x_row, cols, K, GELU, SWIGLU)
         scale = tl.maximum(tl.max(tl.abs(x), 0) * (1.0 / 448.0), 1e-12)
         inv = tl.math.div_rn(1.0, scale)
-        tl.store(q_row + cols, e4m3(x * inv).to(q_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(q_row + cols, _to_e4m3(x * inv, q_ptr, NATIVE), mask=cols < K)
     tl.store(s_ptr + row, scale)
 
 
@@ -95,6 +106,17 @@ def _quantize_tensor_kernel(x_ptr, amax_ptr, q_ptr, descale_ptr, scale_ptr, N, A
     if tl.program_id(0) == 0:
         tl.store(descale_ptr, descale)
         tl.store(scale_ptr, 1.0 / descale)
+
+
+def _native_fp8(x: torch.Tensor, kernel) -> bool:
+    """Whether a kernel launched on x converts float32 to e4m3 with the GPU's own instruction (see the docstring)."""
+    return (x.device.type == "cuda" and torch.version.hip is None and not interpreted(kernel)
+            and _has_fp8_conversion(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_conversion(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -124,7 +146,7 @@ def quantize_rows(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> 
         block_k = LOOP_BLOCK if loop else pow2(K)
         with on_device(x):
             _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), GELU=gelu, SWIGLU=swiglu, BLOCK_K=block_k,
-                                        LOOP=loop, num_warps=LOOP_WARPS if loop else
+                                        LOOP=loop, NATIVE=_native_fp8(x, _quantize_rows_kernel), num_warps=LOOP_WARPS if loop else
                                         min(HELD_MAX_WARPS, warps(block_k, HELD_PER_THREAD)))
     return q, s
 

@@ -153,6 +153,24 @@ def test_bad_demo_option_is_one_line_before_any_work(tmp_path, case):
     assert not list(tmp_path.glob("**/*.png"))
 
 
+def test_a_comfyui_whose_requirements_are_missing_is_one_line_naming_the_package(tmp_path):
+    """ComfyUI 0.33 imports comfy-aimdo and comfy-kitchen, which 0.3.64 did not: `bench --comfyui` in a Python without
+    one of ComfyUI's packages says which and how to install them, not ComfyUI's stack trace. psutil stands for the
+    missing package (both versions import it before any model file), hidden from the bench's own process."""
+    from comfy_helpers import comfy_root
+
+    root = comfy_root()
+    if root is None:
+        pytest.skip("no ComfyUI checkout (COMFYUI_ROOT)")
+    hide = "import sys; sys.modules['psutil'] = None; from sd_accel.accel.cli.main import main; sys.exit(main())"
+    r = run("-c", hide, "bench", "--models", "wan21-1.3b", "--paths", "torch", "--no-compile", "--comfyui", str(root),
+            cache=str(tmp_path), PYTHONPATH=os.pathsep.join([str(root), os.environ["PYTHONPATH"]]))
+    line = one_line(r)  # nothing built before it
+    assert "Traceback" not in r.stderr
+    assert f"ComfyUI at {root.resolve()}" in line and "it imports psutil" in line, line
+    assert f"pip install -r {root.resolve() / 'requirements.txt'}" in line, line
+
+
 def test_unknown_doctor_backend_is_one_line(tmp_path):
     line = one_line(run("-m", "sd_accel", "doctor", "--backend", "warp", cache=str(tmp_path)))
     assert "--backend" in line and "'warp'" in line and "auto, torch, onnxruntime, off" in line

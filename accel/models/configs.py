@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import BadInput
+
 UNET_CONFIGS: dict[str, dict] = {
     # runwayml/stable-diffusion-v1-5 unet/config.json
     "sd15": dict(
@@ -135,15 +137,11 @@ def build_comfy_unet(name: str, comfyui_root: str | Path, seed: int = 0, device:
     """ComfyUI's own UNetModel (from the checkout at comfyui_root) of a published architecture, seeded weights."""
     if name not in LDM_UNET_CONFIGS:
         raise ValueError(f"no ComfyUI config for {name!r}; choose one of {', '.join(LDM_UNET_CONFIGS)}")
-    _require_importable(host_import_paths("comfyui", comfyui_root))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
-    import comfy.ops
+    ops = comfy_ops(comfyui_root)
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
 
     unet = UNetModel(**LDM_UNET_CONFIGS[name], dtype=torch.float32, device="cpu",
-                     operations=comfy.ops.disable_weight_init)
+                     operations=ops.disable_weight_init)
     return seed_parameters(unet, seed).to(device, dtype).eval().requires_grad_(False)
 
 
@@ -207,6 +205,27 @@ def host_import_paths(host: str, root: str | Path) -> list[Path]:
             raise ValueError(f"{root} is not a Forge checkout (no backend/nn/unet.py).")
         return [root, root / "packages_3rdparty"]
     raise ValueError(f"unknown host {host!r}; choose comfyui, a1111 or forge")
+
+
+def comfy_ops(comfyui_root: str | Path) -> types.ModuleType:
+    """ComfyUI's comfy.ops from the checkout at comfyui_root (its folder on the import path), ComfyUI set to the CPU
+    where torch sees no GPU. BadInput, naming the package, where one that ComfyUI imports is not installed (ComfyUI
+    0.33 imports comfy-aimdo and comfy-kitchen, which 0.3.64 did not): its own ModuleNotFoundError would be a stack
+    trace deep inside ComfyUI."""
+    _require_importable(host_import_paths("comfyui", comfyui_root))
+    try:
+        import comfy.cli_args
+
+        comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
+        import comfy.ops
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.split(".")[0] == "comfy":
+            raise
+        root = Path(comfyui_root).expanduser().resolve()
+        raise BadInput(f"ComfyUI at {root} cannot be imported here: it imports {e.name.split('.')[0]}, which this "
+                       f"Python does not have ({e}).", f"Install ComfyUI's requirements into it: {sys.executable} -m "
+                       f"pip install -r {root / 'requirements.txt'}") from e
+    return comfy.ops
 
 
 def _require_importable(folders: list[Path]) -> None:
@@ -551,14 +570,9 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
         raise ValueError(f"unknown form {form!r}; choose diffusers or comfy")
     if comfyui_root is None:
         raise ValueError("the comfy form needs comfyui_root (a ComfyUI checkout)")
-    _require_importable(host_import_paths("comfyui", comfyui_root))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
-    import comfy.ops
-
+    comfy_ops_module = comfy_ops(comfyui_root)
     # ComfyUI's layers skip their init (the checkpoint's weights replace it); every tensor is drawn below.
-    ops = comfy.ops.manual_cast if dtype == torch.float8_e4m3fn else comfy.ops.disable_weight_init
+    ops = comfy_ops_module.manual_cast if dtype == torch.float8_e4m3fn else comfy_ops_module.disable_weight_init
     model = _comfy_dit(name, dtype, device, ops)
     return seed_dit_parameters(model, seed).eval().requires_grad_(False)
 
@@ -663,10 +677,7 @@ def build_comfy_video_vae(name: str, comfyui_root: str | Path, seed: int = 0, de
     seed_dit_parameters), from the checkout at comfyui_root, whose folder must be on the import path."""
     if name not in COMFY_VIDEO_VAE_CONFIGS:
         raise ValueError(f"unknown video VAE config {name!r}; choose one of {', '.join(COMFY_VIDEO_VAE_CONFIGS)}")
-    _require_importable(host_import_paths("comfyui", comfyui_root))
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
+    comfy_ops(comfyui_root)
     module, cfg = COMFY_VIDEO_VAE_CONFIGS[name]
     with torch.device(device):  # ComfyUI's layers skip their init: every tensor is drawn below
         model = importlib.import_module(f"comfy.ldm.wan.{module}").WanVAE(**cfg)

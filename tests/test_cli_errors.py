@@ -156,15 +156,19 @@ def test_bad_demo_option_is_one_line_before_any_work(tmp_path, case):
 def test_a_comfyui_whose_requirements_are_missing_is_one_line_naming_the_package(tmp_path):
     """ComfyUI 0.33 imports comfy-aimdo and comfy-kitchen, which 0.3.64 did not: `bench --comfyui` in a Python without
     one of ComfyUI's packages says which and how to install them, not ComfyUI's stack trace. psutil stands for the
-    missing package (both versions import it before any model file), hidden from the bench's own process."""
+    missing package (both versions import it before any model file): a package of that name first on the import path
+    of the bench and of any process it starts raises as a missing one does."""
     from comfy_helpers import comfy_root
 
     root = comfy_root()
     if root is None:
         pytest.skip("no ComfyUI checkout (COMFYUI_ROOT)")
-    hide = "import sys; sys.modules['psutil'] = None; from sd_accel.accel.cli.main import main; sys.exit(main())"
-    r = run("-c", hide, "bench", "--models", "wan21-1.3b", "--paths", "torch", "--no-compile", "--comfyui", str(root),
-            cache=str(tmp_path), PYTHONPATH=os.pathsep.join([str(root), os.environ["PYTHONPATH"]]))
+    missing = tmp_path / "missing" / "psutil"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'psutil'\", name='psutil')\n")
+    r = run("-m", "sd_accel", "bench", "--models", "wan21-1.3b", "--paths", "torch", "--no-compile", "--comfyui",
+            str(root), cache=str(tmp_path / "cache"),
+            PYTHONPATH=os.pathsep.join([str(missing.parent), os.environ["PYTHONPATH"]]))
     line = one_line(r)  # nothing built before it
     assert "Traceback" not in r.stderr
     assert f"ComfyUI at {root.resolve()}" in line and "it imports psutil" in line, line

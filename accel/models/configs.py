@@ -219,10 +219,11 @@ def comfy_ops(comfyui_root: str | Path) -> types.ModuleType:
         comfy.cli_args.args.cpu = comfy.cli_args.args.cpu or not torch.cuda.is_available()
         import comfy.ops
     except ModuleNotFoundError as e:
-        if not e.name or e.name.split(".")[0] == "comfy":
+        package = (e.name or "comfy").split(".")[0]
+        if package == "comfy":
             raise
         root = Path(comfyui_root).expanduser().resolve()
-        raise BadInput(f"ComfyUI at {root} cannot be imported here: it imports {e.name.split('.')[0]}, which this "
+        raise BadInput(f"ComfyUI at {root} cannot be imported here: it imports {package}, which this "
                        f"Python does not have ({e}).", f"Install ComfyUI's requirements into it: {sys.executable} -m "
                        f"pip install -r {root / 'requirements.txt'}") from e
     return comfy.ops
@@ -570,10 +571,10 @@ def build_dit(name: str, form: str = "diffusers", seed: int = 0, device: torch.d
         raise ValueError(f"unknown form {form!r}; choose diffusers or comfy")
     if comfyui_root is None:
         raise ValueError("the comfy form needs comfyui_root (a ComfyUI checkout)")
-    comfy_ops_module = comfy_ops(comfyui_root)
+    ops = comfy_ops(comfyui_root)
     # ComfyUI's layers skip their init (the checkpoint's weights replace it); every tensor is drawn below.
-    ops = comfy_ops_module.manual_cast if dtype == torch.float8_e4m3fn else comfy_ops_module.disable_weight_init
-    model = _comfy_dit(name, dtype, device, ops)
+    layers = ops.manual_cast if dtype == torch.float8_e4m3fn else ops.disable_weight_init
+    model = _comfy_dit(name, dtype, device, layers)
     return seed_dit_parameters(model, seed).eval().requires_grad_(False)
 
 

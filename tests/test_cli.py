@@ -410,3 +410,26 @@ def test_bench_first_call_times_each_size_in_fresh_processes():
     assert "first s" in r.stderr and "Triton's compilation = process 1 - process 2" in r.stderr
     bad = run("bench", "--first-call", "--models", "sd99")
     assert bad.returncode == 2 and "no first-call shapes for 'sd99'" in bad.stderr
+
+
+def test_bench_runs_in_its_own_process_when_the_hosts_folder_is_on_the_path_through_a_link(tmp_path, monkeypatch):
+    """`bench --comfyui DIR` starts itself again with DIR on PYTHONPATH only where the folder is not on the import path
+    already; a folder on it through a link (a checkout whose ../shared is one) counts as on it."""
+    import argparse
+
+    from sd_accel.accel.cli import main as cli
+
+    tree = tmp_path / "ComfyUI"
+    (tree / "comfy" / "ldm" / "modules" / "diffusionmodules").mkdir(parents=True)
+    (tree / "comfy" / "ldm" / "modules" / "diffusionmodules" / "openaimodel.py").write_text("")
+    link = tmp_path / "linked"
+    link.symlink_to(tree)
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: calls.append(env["PYTHONPATH"]) or 0)
+    args = argparse.Namespace(comfyui=str(tree), a1111=None, forge=None, kernels=False, vae=False, first_call=False,
+                              unet=False, gpus=None, argv=["bench", "--comfyui", str(tree)])
+    assert cli._host_process(args) == 0
+    assert calls[0].split(os.pathsep)[0] == str(tree)
+    monkeypatch.syspath_prepend(str(link))
+    assert cli._host_process(args) is None
+    assert len(calls) == 1

@@ -151,9 +151,9 @@ def _host_process(args: argparse.Namespace) -> int | None:
     if host is None or ((args.kernels or args.vae or args.first_call) and not (args.unet or args.gpus)
                         and not _video_vaes(args)):
         return None
-    from ..models.configs import host_import_paths
+    from ..models.configs import host_import_paths, off_import_path
 
-    missing = [str(p) for p in host_import_paths(*host) if str(p) not in sys.path]
+    missing = [str(p) for p in off_import_path(host_import_paths(*host))]
     if not missing:
         return None
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*missing, *filter(None, [os.environ.get("PYTHONPATH")])]))

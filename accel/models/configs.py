@@ -229,9 +229,14 @@ def comfy_ops(comfyui_root: str | Path) -> types.ModuleType:
     return comfy.ops
 
 
+def off_import_path(folders: list[Path]) -> list[Path]:
+    """The folders not on this process's import path; a folder reached through a link counts as on it."""
+    on_path = {Path(p).resolve() for p in sys.path if p}
+    return [f for f in folders if f.resolve() not in on_path]
+
+
 def _require_importable(folders: list[Path]) -> None:
-    on_path = {Path(p).resolve() for p in sys.path if p}  # the same folder through a link counts
-    missing = [str(f) for f in folders if f.resolve() not in on_path]
+    missing = [str(f) for f in off_import_path(folders)]
     if missing:
         raise ImportError(f"the host's folders {', '.join(missing)} are not on the import path; start Python with "
                           "them on PYTHONPATH (python -m sd_accel bench does).")

@@ -655,6 +655,72 @@ def test_ltx2_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention
     assert torch.equal(back, ref) and not any("forward" in vars(m) for m in model.modules())
 
 
+class _Replaying:
+    """GraphCache's contract, kept on the CPU: the first call at a signature runs fn itself; the next warms up on
+    copies of its tensors and keeps them as the graph's buffers; each later one (the capturing one included) copies
+    its tensors into the buffers and runs fn there, as a replay runs the captured kernels on them, and hands out
+    copies of the outputs."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.seen, self.buffers, self.replays = fn, set(), {}, 0
+
+    def __call__(self, tensors, token):
+        key = (tuple((t.shape, t.dtype) for t in tensors), token)
+        if key not in self.seen:
+            self.seen.add(key)
+            return self.fn(*tensors)
+        if key not in self.buffers:
+            self.buffers[key] = [t.clone() for t in tensors]
+            self.fn(*self.buffers[key])
+        for dst, src in zip(self.buffers[key], tensors):
+            dst.copy_(src)
+        self.replays += 1
+        return [t.clone() for t in self.fn(*self.buffers[key])]
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+
+def test_ltx2_block_stack_replayed_from_its_graphs_buffers_equals_the_fused_blocks(comfy_pytorch_attention):
+    """With the fused blocks, LTX-2's block stack is what CUDA graphs capture (its forward copies coordinates from the
+    CPU and cannot be captured whole): its calls go through the graph's buffers (here _Replaying on the CPU) and give
+    the fused blocks' output exactly, call after call, at a second size too; a call whose first block STG perturbs
+    runs the stack as it is; a model whose blocks are not fused has no stack to capture; undone, the method is
+    ComfyUI's."""
+    pytest.importorskip("triton")
+    _ltx2_class()
+    from sd_accel.accel.engine import fusions
+    from sd_accel.accel.engine.fusions import ltx2
+    from sd_accel.accel.engine.stack_graphs import StackGraphs
+    from sd_accel.accel.models import configs
+    from sd_accel.accel.models.dit import CanonicalDiT
+
+    model = configs.build_dit("tiny-ltx2", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
+    canon = CanonicalDiT(model)
+    assert canon.uncapturable and ltx2.stack(model) is None  # ComfyUI's own blocks: nothing of ours to capture
+    sizes = [configs.dit_example_inputs("tiny-ltx2", batch=2, latent=latent, device=DEVICE)
+             for latent in ((8, 10), (6, 8))]
+    undo, counts = fusions.apply(model)
+    assert counts["ltx2"] == 2
+    with torch.no_grad():
+        fused = [canon(**inp) for inp in sizes]
+        stack_graphs = StackGraphs(lambda: ("weights",), lambda: None, max_graphs=4, device_type=torch.device(DEVICE).type)
+        stack_graphs.graphs = _Replaying(stack_graphs.run)
+        stacked = fusions.Undo()
+        stack_graphs.apply(model, ltx2.stack(model), stacked)
+        for inp, ref in [*zip(sizes, fused)] * 4:
+            assert torch.equal(canon(**inp), ref)
+        assert stack_graphs.graphs.replays == 6  # at each size: the method run, then captured and replayed, twice more
+        stg = {"stg_self_attn_blocks": (0,)}  # STG's perturbed self-attention in the first block
+        perturbed = canon(**sizes[0], transformer_options=stg)
+        assert stack_graphs.graphs.replays == 6 and len(stack_graphs.graphs.seen) == 2
+        stacked()
+        assert "_process_transformer_blocks" not in vars(model)
+        assert torch.equal(perturbed, canon(**sizes[0], transformer_options=stg))
+        assert not torch.equal(perturbed, fused[0])
+    undo()
+
+
 def test_ltx2_calls_with_inputs_the_engine_does_not_take_run_comfyuis_own_forward_and_say_so(pack, caplog):
     """A denoise mask (image to video's first frame kept), a text attention mask, LTXVModalityGuidance's extra pass
     with the audio-video cross attention severed, and video alone: such calls run ComfyUI's own forward, said once in

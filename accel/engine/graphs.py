@@ -174,19 +174,20 @@ class _Entry:
     pieces: _Pieces
     buffers: _Buffers
     inputs: list[torch.Tensor]
-    output: torch.Tensor
+    output: torch.Tensor | list[torch.Tensor]
     token: tuple
 
 
 class GraphCache:
-    """Replays `fn(*tensors)` from a CUDA graph per input signature; at most `max_graphs` live at once.
+    """Replays `fn(*tensors)` (a tensor, or a list of them) from a CUDA graph per input signature; at most
+    `max_graphs` live at once.
 
     The first call at a signature runs `fn` itself, and the graph is captured when the signature comes again: a new
     image size gives its first output after one plain step (which also does the lazy initialisation, Triton's
     compilation and cuDNN's algorithm choice the capture must not see), and a size used once costs no capture."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], max_graphs: int = 4,
-                 run_first: Callable[..., torch.Tensor] | None = None) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor | list[torch.Tensor]], max_graphs: int = 4,
+                 run_first: Callable[..., torch.Tensor | list[torch.Tensor]] | None = None) -> None:
         self.fn = fn
         # How the plain call at a new signature runs fn: run_first(fn, *tensors).
         self.run_first = run_first or (lambda fn, *tensors: fn(*tensors))
@@ -205,7 +206,7 @@ class GraphCache:
     def signature(tensors: Sequence[torch.Tensor]) -> tuple:
         return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
 
-    def __call__(self, tensors: Sequence[torch.Tensor], token: tuple) -> torch.Tensor:
+    def __call__(self, tensors: Sequence[torch.Tensor], token: tuple) -> torch.Tensor | list[torch.Tensor]:
         key = self.signature(tensors)
         entry = self._entries.get(key)
         if entry is not None and entry.token != token:
@@ -224,7 +225,9 @@ class GraphCache:
             dst.copy_(src)
         entry.pieces.replay()
         # Graphs share one pool, so another shape's replay may reuse this output's memory: hand out a copy.
-        return entry.output.clone()
+        if isinstance(entry.output, torch.Tensor):
+            return entry.output.clone()
+        return [t.clone() for t in entry.output]
 
     def _capture(self, tensors: Sequence[torch.Tensor], token: tuple) -> _Entry:
         start = time.perf_counter()

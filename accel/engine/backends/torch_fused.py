@@ -37,6 +37,7 @@ from ...plan.options import Runtime, TorchOptions
 from ...progress import NullProgress, Progress
 from ..attention import FlashAttnProcessor, read, said_by, sdpa_kernels
 from ..graphs import GraphCache, WeightsWatch
+from ..stack_graphs import StackGraphs
 
 log = logging.getLogger("sd-accel")
 
@@ -125,21 +126,33 @@ class TorchEngine:
         self._widened = None  # a UNet's fp8-stored weights as 16-bit copies (accel/engine/widen.py)
         self._layout_at_suspend: list | None = None
         self.said: set = set()  # what the patched forwards said once (attention.said_by), said once for this engine
+        self._stack_applied = False  # the block stack's method replays graphs (stack_graphs.py)
         progress.stage("prepare torch path", total=3)
         if options.precision == "fp8" and isinstance(unet, CanonicalUNet):
             log.warning("sd-accel: precision fp8 is for the diffusion transformers; this UNet computes in %s as "
                         "before (fp8 could not make SD1.x or SDXL much faster: BENCHMARKS.md, \"fp8 for the UNets\").",
                         str(unet.dtype).removeprefix("torch."))
+        self._weights = WeightsWatch(module)
+        graphs = options.cuda_graphs and self.on_gpu
+        # A model whose whole forward cannot be captured may have a block stack that can (stack_graphs.py): its graphs
+        # are made in _apply, with the fused blocks they capture.
+        self._stack: StackGraphs | None = None
+        if graphs and unet.uncapturable and isinstance(unet, CanonicalDiT):
+            self._stack = StackGraphs(lambda: (self._weights.token(), read()), self._refresh_fp8, options.max_graphs)
         self._apply(progress)
         self._forward = unet
-        graphs = options.cuda_graphs and self.on_gpu
-        if graphs and unet.uncapturable:
-            log.warning("sd-accel: %s; this model runs without CUDA graphs.", unet.uncapturable)
-            graphs = False
-        self.graphs = GraphCache(self._graph_fn, max_graphs=options.max_graphs, run_first=self._compiling_ahead) \
-            if graphs else None
+        if self._stack is not None and self._stack_applied:
+            log.info("sd-accel: %s; CUDA graphs capture its block stack, the rest of each call runs without them.",
+                     unet.uncapturable)
+            self.graphs = self._stack.graphs
+        else:
+            if graphs and unet.uncapturable:
+                log.warning("sd-accel: %s; this model runs without CUDA graphs.", unet.uncapturable)
+                graphs = False
+            self._stack = None
+            self.graphs = GraphCache(self._graph_fn, max_graphs=options.max_graphs,
+                                     run_first=self._compiling_ahead) if graphs else None
         self._layout: tuple = ()
-        self._weights = WeightsWatch(module)
         progress.advance()
         progress.done()
 
@@ -197,8 +210,21 @@ class TorchEngine:
             if self.fusion_counts is None:
                 log.info("sd-accel: fused kernels in %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
             self.fusion_counts = counts
+            if self._stack is not None:
+                from ..fusions import ltx2
+
+                stack = ltx2.stack(module)
+                self._stack_applied = stack is not None
+                if stack is not None:
+                    marks = fusions.Undo()
+                    self._stack.apply(module, stack, marks)
+                    self._undo.append(marks)
         if options.compile:
             self._compile_blocks(module)
+
+    def _refresh_fp8(self) -> None:
+        if self._fp8 is not None:
+            self._fp8.refresh()
 
     def _undo_changes(self) -> None:
         while self._undo:
@@ -297,7 +323,7 @@ class TorchEngine:
             timesteps = timesteps.expand(x.shape[0])
         if guidance is not None and guidance.dim() == 0:
             guidance = guidance.expand(x.shape[0])
-        if self.graphs is None or kwargs or not x.is_cuda or not self.unet.device == x.device:
+        if self.graphs is None or self._stack is not None or kwargs or not x.is_cuda or not self.unet.device == x.device:
             return self._compiling_ahead(self._run, x_in, timesteps, ctx, y, control, guidance, **kwargs).to(x.dtype)
         ctrl, layout = _flatten_control(control)
         self._layout = (y is not None, guidance is not None, layout)

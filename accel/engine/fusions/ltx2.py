@@ -28,6 +28,7 @@ have changed (host_block: the attention and MLP classes are read too) keep their
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -35,7 +36,8 @@ from torch import nn
 
 from .. import fp8
 from . import packing
-from .base import Undo, comfy_attention, host_block, kernel_module, own_weights, patch_forward, reads_comfy_attention
+from .base import (Undo, comfy_attention, host_block, kernel_module, of_class, own_weights, patch_forward,
+                   reads_comfy_attention)
 from .registry import fusion
 from .transformer import comfy_sdpa, gated_residual_, linears, mlp, project_packed
 
@@ -57,6 +59,13 @@ MLP_ATTRS = ("net",)
 ATTENTIONS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
 # transformer_options entries by which nodes switch parts of a block off or perturb them (ComfyUI's defaults: none)
 SWITCHES = ("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn", "stg_skip_self_attn")
+# LTXAVModel's method that runs the blocks (CUDA graphs capture it alone: accel/engine/stack_graphs.py), what it takes,
+# the arguments that carry the call's tensors, and ComfyUI's class of per-frame timesteps they may hold
+STACK_METHOD = "_process_transformer_blocks"
+STACK_PARAMS = ("self", "x", "context", "attention_mask", "timestep", "pe", "transformer_options",
+                "self_attention_mask", "kwargs")
+STACK_TREES = ("x", "context", "timestep", "pe")
+SLOTTED = ("CompressedTimestep",)
 
 
 def _host(name: str):
@@ -227,3 +236,35 @@ def apply(model: nn.Module, undo: Undo) -> int:
     if n:
         reads_comfy_attention(ATTENTION)
     return n
+
+
+def _fused_block(m: nn.Module) -> bool:
+    forward = vars(m).get("forward")
+    return getattr(forward, "__func__", None) is _block_forward
+
+
+def stack(model: nn.Module):
+    """LTXAVModel's block stack as accel/engine/stack_graphs.py captures it, where every block is fused and the
+    method takes what ComfyUI 0.33's does; None elsewhere (the model then runs without CUDA graphs)."""
+    from ..stack_graphs import Stack
+
+    method = getattr(type(model), STACK_METHOD, None)
+    if not (of_class(model, "LTXAVModel", AV_MODEL, "transformer_blocks") and callable(method)
+            and tuple(inspect.signature(method).parameters) == STACK_PARAMS and len(model.transformer_blocks)
+            and all(_fused_block(b) for b in model.transformer_blocks)):
+        return None
+    return Stack(STACK_METHOD, STACK_TREES, SLOTTED, _stack_serves)
+
+
+def _stack_serves(named: dict) -> bool:
+    """Whether a graph may serve a call of the block stack: every block's call one the fused forward serves, no block
+    replaced (patches_replace), perturbed (STG) or streamed in by ComfyUI's prefetch."""
+    options = named["transformer_options"] or {}
+    x, timestep = named["x"], named["timestep"]
+    if not (isinstance(x, (list, tuple)) and len(x) == 2 and isinstance(timestep, (list, tuple))
+            and len(timestep) == 5 and isinstance(timestep[2], (list, tuple))):
+        return False
+    return (not options.get("patches_replace", {}).get("dit") and not options.get("stg_self_attn_blocks")
+            and not options.get("prefetch_dynamic_vbars")
+            and _fused(x[0], x[1], named["attention_mask"], named["self_attention_mask"],
+                       (timestep[0], timestep[1], *timestep[2]), options))

@@ -11,7 +11,8 @@ float32.
 
 Wan normalizes q and k over all heads' channels, not per head: `qk_row_norm_rope` takes its three projections and
 its rotary table (Wan's rope_encode, heads and tokens axes swapped back: Flux's layout), one program per run of
-tokens across all heads.
+tokens across all heads. LTX-2 normalizes the same way and rotates with a table per token and head that pairs
+element j of a head with element j + head_dim / 2 (its split rotary embedding): `qk_row_norm_split_rope`.
 
 For fp8 attention both passes may write q and k in e4m3 instead, each divided by a per-tensor descale read from the
 device: after an RMSNorm over n channels with weight w every element is bounded by sqrt(n) * max|w| (n is head_dim
@@ -144,6 +145,63 @@ def _row_norm_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr,
     v_max = 0.0
     for h in range(H):
         v_max = tl.maximum(v_max, _copy_v(vs_ptr + src + h * D, v_ptr + dst + h * D, mask))
+    if V_AMAX:
+        _fold_amax(amax_ptr, v_max, tl.program_id(0) * tl.num_programs(1) + b, SLOTS)
+
+
+@jit
+def _row_rstd(in_ptr, src, mask, eps, H: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr):
+    """1 / RMS over the H * D channels of BLOCK_L rows, read as the heads' halves (src: element j of each row)."""
+    squares = tl.zeros((BLOCK_L,), dtype=tl.float32)
+    for h in range(2 * H):
+        x = tl.load(in_ptr + src + h * (D // 2), mask=mask, other=0.0).to(tl.float32)
+        squares += tl.sum(x * x, 1)
+    return tl.rsqrt(squares / (H * D) + eps)[:, None]
+
+
+@jit
+def _split_rotate_store(in_ptr, w_ptr, out_ptr, src, dst, j, mask, rstd, m00, m01, m10, m11, descale_ptr,
+                        D: tl.constexpr, QK_FP8: tl.constexpr):
+    """One head of BLOCK_L rows normalized (rounded to the input dtype, as the eager norm's output is) and rotated,
+    element j with element j + D / 2, and stored."""
+    x1 = tl.load(in_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(in_ptr + src + D // 2, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + j, mask=j < D // 2, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + D // 2 + j, mask=j < D // 2, other=0.0).to(tl.float32)
+    x1 = (x1 * rstd * w1).to(in_ptr.dtype.element_ty).to(tl.float32)
+    x2 = (x2 * rstd * w2).to(in_ptr.dtype.element_ty).to(tl.float32)
+    _store_qk(out_ptr + dst, m00 * x1 + m01 * x2, mask, descale_ptr, QK_FP8)
+    _store_qk(out_ptr + dst + D // 2, m10 * x1 + m11 * x2, mask, descale_ptr, QK_FP8)
+
+
+# row_stride and pe_stride stay specialized, as above
+@jit(do_not_specialize=("L",))
+def _row_norm_split_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr,
+                                amax_ptr, L, row_stride, pe_stride, descale_stride, eps, H: tl.constexpr,
+                                D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_L: tl.constexpr,
+                                QK_FP8: tl.constexpr, V_AMAX: tl.constexpr, SLOTS: tl.constexpr):
+    # As _row_norm_rope_kernel, with a table per token and head whose rotations pair element j of a head with
+    # element j + D / 2 (LTX-2's split rotary embedding): each head is read as its two halves, and each head's table
+    # is read once for q and k.
+    b = tl.program_id(1)
+    tok = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (tok < L) & (j < D // 2)
+    row = (b * L + tok).to(tl.int64)
+    src = row * row_stride + j
+    dst = row * (H * D) + j
+    q_rstd = _row_rstd(qs_ptr, src, mask, eps, H, D, BLOCK_L)
+    k_rstd = _row_rstd(ks_ptr, src, mask, eps, H, D, BLOCK_L)
+    for h in range(H):
+        m00, m01, m10, m11 = _rotations(pe_ptr + b * pe_stride, tok.to(tl.int64) * H + h, tok, L, D, BLOCK_L,
+                                        2 * BLOCK_HALF)
+        _split_rotate_store(qs_ptr, qw_ptr + h * D, q_ptr, src + h * D, dst + h * D, j, mask, q_rstd, m00, m01, m10,
+                            m11, descale_ptr, D, QK_FP8)
+        _split_rotate_store(ks_ptr, kw_ptr + h * D, k_ptr, src + h * D, dst + h * D, j, mask, k_rstd, m00, m01, m10,
+                            m11, descale_ptr + descale_stride, D, QK_FP8)
+    v_max = 0.0
+    for h in range(2 * H):
+        v_max = tl.maximum(v_max, _copy_v(vs_ptr + src + h * (D // 2), v_ptr + dst + h * (D // 2), mask))
     if V_AMAX:
         _fold_amax(amax_ptr, v_max, tl.program_id(0) * tl.num_programs(1) + b, SLOTS)
 
@@ -326,6 +384,41 @@ def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.T
             num_warps=4)
 
 
+def qk_row_norm_split_rope(qkv: Sequence[torch.Tensor], heads: int,
+                           out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, eps: float, pe: torch.Tensor, descales: Optional[torch.Tensor] = None,
+                           v_amax: Optional[torch.Tensor] = None) -> None:
+    """As qk_row_norm_rope, with LTX-2's split rotary table: pe (B|1, L, heads, head_dim / 2, 2, 2), float32 or the
+    projections' dtype, a rotation per token and head that pairs element j of a head with element j + head_dim / 2."""
+    sq, sk, sv = _sources(qkv, heads)
+    require(sq, _row_norm_split_rope_kernel, "qk_row_norm_split_rope")
+    B, L, D, total = _layout("qk_row_norm_split_rope", sq, heads, out, descales, v_amax)
+    C = heads * D
+    if total != L:
+        raise BadInput(f"qk_row_norm_split_rope: the outputs hold {total} tokens; q, k and v have {L}.",
+                       "Make the outputs with empty_qkv for these tokens.")
+    for w in (q_weight, k_weight):
+        if w.numel() != C or w.device != sq.device:
+            raise BadInput(f"qk_row_norm_split_rope: a norm weight has {w.numel()} elements; rows have {C}.",
+                           "Pass the RMSNorm weights over all heads.")
+    if pe.dtype not in (torch.float32, sq.dtype) or pe.shape[1:] != (L, heads, D // 2, 2, 2) \
+            or pe.shape[0] not in (1, B) or pe.device != sq.device:
+        raise BadInput(f"qk_row_norm_split_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 or "
+                       f"{sq.dtype} (B|1, {L}, {heads}, {D // 2}, 2, 2).", "Pass the split rotary table of these tokens.")
+    pe = pe.contiguous()
+    if B * L == 0:
+        return
+    block_half = pow2(D // 2)
+    block_l = max(1, min(pow2(L), 2048 // block_half))
+    descale_ptr, amax_ptr, descale_stride = _fp8_args(descales, v_amax, sq)
+    with on_device(sq):
+        _row_norm_split_rope_kernel[(cdiv(L, block_l), B)](
+            sq, sk, sv, q_weight.contiguous(), k_weight.contiguous(), pe, *out, descale_ptr, amax_ptr, L, sq.stride(1),
+            pe.stride(0) if pe.shape[0] > 1 else 0, descale_stride, eps, H=heads, D=D, BLOCK_HALF=block_half,
+            BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, SLOTS=_slots(v_amax),
+            num_warps=4)
+
+
 def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,
                      k_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, pe: Optional[torch.Tensor] = None,
                      offset: int = 0, descales: Optional[torch.Tensor] = None
@@ -350,5 +443,5 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Ten
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "empty_qkv", "new_v_amax", "qk_descales",
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "qk_row_norm_split_rope", "empty_qkv", "new_v_amax", "qk_descales",
            "supported", "AMAX_SLOTS", "FP8"]

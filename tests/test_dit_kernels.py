@@ -174,6 +174,39 @@ def test_qk_row_norm_rope_is_wan_attention_input(B, L, H, D, dtype):
         qk_rope.qk_row_norm_rope((q, k, v), H, got, qw[:D], kw, 1e-6, pe)
 
 
+@pytest.mark.parametrize("B,L,H,D,dtype,pe_batch", [(2, 13, 3, 8, torch.float32, 2), (1, 21, 5, 16, torch.bfloat16, 1),
+                                                     (2, 7, 2, 128, torch.bfloat16, 1)])
+def test_qk_row_norm_split_rope_is_ltx2_attention_input(B, L, H, D, dtype, pe_batch):
+    """LTX-2's self-attention inputs: q and k RMS-normalized over all heads, then rotated by its split table (B|1, L,
+    heads, D / 2, 2, 2) in the projections' dtype, element j of each head with element j + D / 2, in float32 on the
+    normalized values rounded to the dtype, as ComfyUI's rms norm and comfy-kitchen's apply_rope_split_half compute
+    them; in e4m3 under the row's bound, the 16-bit result quantized."""
+    q, k, v = (_randn(B, L, H * D, dtype=dtype, seed=s, scale=2.0) for s in (3, 4, 5))
+    qw, kw = (_randn(H * D, seed=s, offset=1.0, scale=0.1).to(dtype) for s in (1, 2))
+    a = _randn(pe_batch, L, H, D // 2, seed=6, scale=3.0).float()
+    c, s_ = torch.cos(a).to(dtype), torch.sin(a).to(dtype)
+    pe = torch.stack([c, -s_, s_, c], dim=-1).reshape(pe_batch, L, H, D // 2, 2, 2)
+    got = qk_rope.empty_qkv(B, L, H, D, q)
+    qk_rope.qk_row_norm_split_rope((q, k, v), H, got, qw, kw, 1e-6, pe)
+
+    def ltx2(t, w):
+        x1, x2 = F.rms_norm(t, (H * D,), w, 1e-6).view(B, L, H, D).float().chunk(2, dim=-1)
+        r = pe.float()
+        return torch.cat([r[..., 0, 0] * x1 + r[..., 0, 1] * x2, r[..., 1, 0] * x1 + r[..., 1, 1] * x2], -1).to(dtype)
+
+    for out, want in zip(got, (ltx2(q, qw), ltx2(k, kw), v.view(B, L, H, D))):
+        _close(out, want, dtype)
+    descales = qk_rope.qk_descales([qw], [kw])
+    eight = qk_rope.empty_qkv(B, L, H, D, q, qk_fp8=True)
+    amax = qk_rope.new_v_amax(DEVICE)
+    qk_rope.qk_row_norm_split_rope((q, k, v), H, eight, qw, kw, 1e-6, pe, descales=descales, v_amax=amax)
+    for out, ref, d in zip(eight[:2], got[:2], descales[:, 0]):
+        _e4m3_close(out, (ref.float() / d).to(qk_rope.FP8), d)
+    assert torch.equal(eight[2], v.view(B, L, H, D)) and amax.max().item() == v.float().abs().max().item()
+    with pytest.raises(BadInput, match="split rotary table"):
+        qk_rope.qk_row_norm_split_rope((q, k, v), H, got, qw, kw, 1e-6, pe.transpose(1, 2))
+
+
 def test_qk_norm_rope_errors_say_what_to_do():
     qkv = _randn(1, 4, 48)
     out = qk_rope.empty_qkv(1, 4, 2, 8, qkv)

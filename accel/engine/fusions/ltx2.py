@@ -3,17 +3,20 @@ builds them for LTX-2) with the DiT pieces.
 
 An LTX-2 block runs two streams, video and audio, each with a self-attention, a cross attention to its own text and an
 MLP, and between them two cross attentions (audio to video, video to audio). None of the shared patterns fits it:
-their adaLN pass is a LayerNorm (kernels/adaln.py), where LTX-2 normalizes by the RMS alone; its q/k RMSNorm spans all
-heads (Wan's, but its rotary table is per head and splits each head in halves, which kernels/qk_rope.py does not read);
-its attentions are of four kinds per stream. So it is a pattern of its own (docs/engineering.md), restated in ComfyUI's
+their adaLN pass is a LayerNorm (kernels/adaln.py), where LTX-2 normalizes by the RMS alone; its attentions are of four
+kinds per stream. So it is a pattern of its own (docs/engineering.md), restated in ComfyUI's
 order (the streams are updated in place, so the order is the numerics) from the shared pieces and ComfyUI's own:
 
-- the modulated RMS norms, q/k RMSNorms and rotary embeddings are ComfyUI's own calls (comfy-kitchen's rms_adaln and
-  rope kernels on the GPU, as ComfyUI 0.33 runs them), so the numerics are ComfyUI's;
+- the modulated RMS norms are ComfyUI's own calls (comfy-kitchen's rms_adaln on the GPU, as ComfyUI 0.33 runs them);
+- a self-attention's q/k RMSNorm (over all heads, as Wan's) and split rotary embedding (a table per token and head that
+  pairs each head's halves) are one pass that writes q, k and v in the attention's layout (transformer.Joint,
+  kernels/qk_rope.py's qk_row_norm_split_rope), in e4m3 where fp8 attention takes the sequence; the cross attentions'
+  norms and rotations are ComfyUI's own calls (comfy-kitchen's rope kernels);
 - a self-attention's q, k and v are one GEMM and a cross attention's k and v another (packing.pack_same_width), or a
   product each as fp8 products where accel/engine/fp8.py marked the projections (the `precision` option);
 - the attention is transformer.comfy_sdpa: the fastest 16-bit kernel timed at the shape (PyTorch's SDPA,
-  FlashAttention-4 or -3), or ComfyUI's own attention where it was timed faster;
+  FlashAttention-4 or -3), or ComfyUI's own attention where it was timed faster; a self-attention's runs in fp8 where
+  accel/engine/fp8_attention.py takes it;
 - the MLP is transformer.mlp: the tanh GELU in the first product's epilogue (16 bits) or in the pass that quantizes the
   second's input (fp8);
 - the gated residuals are kernels/adaln.py's gated_add_, in place.
@@ -39,7 +42,7 @@ from . import packing
 from .base import (Undo, comfy_attention, host_block, kernel_module, of_class, own_weights, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
-from .transformer import comfy_sdpa, gated_residual_, linears, mlp, project_packed
+from .transformer import Joint, comfy_sdpa, gated_residual_, linears, mlp, norm_weight, part, project_packed
 
 LTX = "comfy.ldm.lightricks"  # the package of its classes
 AV_MODEL = "comfy.ldm.lightricks.av_model"
@@ -115,10 +118,18 @@ def _rope(q: torch.Tensor, k: torch.Tensor, pe, k_pe) -> tuple[torch.Tensor, tor
 
 def _attention(a: nn.Module, x: torch.Tensor, context: torch.Tensor | None, pe=None, k_pe=None) -> torch.Tensor:
     """ComfyUI's CrossAttention of x (to context; to itself where None) without mask or gates: the projections packed or
-    in fp8, the norms and rotation ComfyUI's, the attention comfy_sdpa's."""
+    in fp8, the attention comfy_sdpa's; a self-attention rotated by a split table normalizes, rotates and lays out q,
+    k and v in one pass (Joint, in fp8 where fp8 attention takes it), other calls run ComfyUI's norms and rotation."""
     if context is None:  # self-attention: q, k and v of one input
         projected = project_packed((a.to_q, a.to_k, a.to_v), x)
         q, k, v = projected.chunk(3, dim=-1) if isinstance(projected, torch.Tensor) else projected
+        if _split_table(pe, q, a.heads) and kernel_module("qk_rope").supported(q):
+            B, L = x.shape[:2]
+            norm = tuple(norm_weight(n.weight, q) for n in (a.q_norm, a.k_norm))
+            joint = Joint(ATTENTION, B, L, a.heads, q, (a.to_q, a.to_k, a.to_v), [norm], (a.to_out[0],))
+            eps = a.q_norm.eps if a.q_norm.eps is not None else torch.finfo(q.dtype).eps  # nn.RMSNorm's default
+            joint.write_split_rows((q, k, v), norm, eps, pe[0])
+            return fp8.project(a.to_out[0], part(joint.attend(), 0, None, a.to_out[0]))
     else:
         q = fp8.project(a.to_q, x)
         projected = project_packed((a.to_k, a.to_v), context)
@@ -128,6 +139,17 @@ def _attention(a: nn.Module, x: torch.Tensor, context: torch.Tensor | None, pe=N
     heads = lambda t: t.reshape(B, t.shape[1], H, -1)  # noqa: E731
     out = comfy_sdpa(ATTENTION, heads(q), heads(k), heads(v))
     return fp8.project(a.to_out[0], out)
+
+
+def _split_table(pe, q: torch.Tensor, heads: int) -> bool:
+    """Whether pe is LTX-2's split rotary table for q's tokens, (B|1, L, heads, head_dim / 2, 2, 2), in float32 or
+    q's dtype (ComfyUI's (table, split) pair)."""
+    if not (isinstance(pe, (tuple, list)) and len(pe) == 2 and pe[1] is True and isinstance(pe[0], torch.Tensor)):
+        return False
+    table = pe[0]
+    return (table.dim() == 6 and table.shape[0] in (1, q.shape[0])
+            and tuple(table.shape[1:]) == (q.shape[1], heads, q.shape[-1] // heads // 2, 2, 2)
+            and table.dtype in (torch.float32, q.dtype) and table.device == q.device)
 
 
 def _rms_adaln(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:

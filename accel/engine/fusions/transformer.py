@@ -108,6 +108,12 @@ class Joint:
         by pe."""
         kernel_module("qk_rope").qk_row_norm_rope(projected, self.heads, self.qkv, *norm, eps, pe, **self._fp8_args())
 
+    def write_split_rows(self, projected: tuple[torch.Tensor, ...], norm: tuple, eps: float,
+                         pe: torch.Tensor) -> None:
+        """As write_rows, rotated by LTX-2's split table (a rotation per token and head, pairing each head's halves)."""
+        kernel_module("qk_rope").qk_row_norm_split_rope(projected, self.heads, self.qkv, *norm, eps, pe,
+                                                        **self._fp8_args())
+
     def _fp8_args(self) -> dict:
         return self.eight.kernel_args() if self.eight else {}
 

@@ -155,6 +155,25 @@ def test_wans_self_attention_takes_fp8_attention_under_fp8(comfy_pytorch_attenti
 
 
 @pytest.mark.fp8_products(DEVICE)
+def test_ltx2s_self_attentions_take_fp8_attention_under_fp8(comfy_pytorch_attention, emulated, monkeypatch):
+    """Under precision fp8 LTX-2's video and audio self-attentions run in fp8 (q and k written in e4m3 by the pass of
+    its split rotary table), close to ComfyUI's own forward; its cross attentions stay 16-bit."""
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "LTXAV"):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no LTX-2 (supported_models.LTXAV, 0.33 and later)")
+    model, inp = _dit_bf16("tiny-ltx2"), _bf16_inputs("tiny-ltx2")
+    eight, counts = _fused_output(model, inp, "fp8")
+    assert counts["fp8"] > 0 and len(emulated) == 2 * len(model.transformer_blocks)
+    with monkeypatch.context() as m:
+        m.setattr(fp8_attention, "wanted", lambda *args: False)
+        sixteen, _ = _fused_output(model, inp, "fp8")
+    with torch.no_grad():
+        own = CanonicalDiT(model)(**inp)
+    assert 0 < rel(eight, own) <= 5e-2 and 0 < rel(eight, sixteen) <= 5e-2
+
+
+@pytest.mark.fp8_products(DEVICE)
 def test_weights_stored_in_fp8_take_fp8_attention_under_auto(comfy_pytorch_attention, emulated):
     """ComfyUI's fp8_e4m3fn weight dtype: precision auto makes the projections fp8 products, and the attention
     follows; "16bit" keeps both 16-bit."""

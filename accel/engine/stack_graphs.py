@@ -92,7 +92,7 @@ class StackGraphs:
         # runs a call twice, while the blocks update the streams they are given in place.
         self.graphs = GraphCache(self.run, max_graphs=max_graphs)
         self._token, self._before, self.device_type = token, before, device_type
-        self._call: tuple | None = None  # the call being served: (model, own method, spec, other arguments)
+        self._call: tuple | None = None  # the call served: (model, own method, spec, trees, other arguments)
 
     def apply(self, model: nn.Module, stack: Stack, undo: Undo) -> None:
         own = getattr(type(model), stack.method)

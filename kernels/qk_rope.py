@@ -178,14 +178,14 @@ def _split_rotate_store(in_ptr, w_ptr, out_ptr, src, dst, j, mask, rstd, m00, m0
 @jit(do_not_specialize=("L",))
 def _row_norm_split_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr,
                                 amax_ptr, L, row_stride, pe_stride, descale_stride, eps, H: tl.constexpr,
-                                D: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_L: tl.constexpr,
+                                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                                 QK_FP8: tl.constexpr, V_AMAX: tl.constexpr, SLOTS: tl.constexpr):
     # As _row_norm_rope_kernel, with a table per token and head whose rotations pair element j of a head with
     # element j + D / 2 (LTX-2's split rotary embedding): each head is read as its two halves, and each head's table
     # is read once for q and k.
     b = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
-    j = tl.arange(0, BLOCK_HALF)[None, :]
+    j = tl.arange(0, BLOCK_D // 2)[None, :]
     mask = (tok < L) & (j < D // 2)
     row = (b * L + tok).to(tl.int64)
     src = row * row_stride + j
@@ -194,7 +194,7 @@ def _row_norm_split_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, 
     k_rstd = _row_rstd(ks_ptr, src, mask, eps, H, D, BLOCK_L)
     for h in range(H):
         m00, m01, m10, m11 = _rotations(pe_ptr + b * pe_stride, tok.to(tl.int64) * H + h, tok, L, D, BLOCK_L,
-                                        2 * BLOCK_HALF)
+                                        BLOCK_D)
         _split_rotate_store(qs_ptr, qw_ptr + h * D, q_ptr, src + h * D, dst + h * D, j, mask, q_rstd, m00, m01, m10,
                             m11, descale_ptr, D, QK_FP8)
         _split_rotate_store(ks_ptr, kw_ptr + h * D, k_ptr, src + h * D, dst + h * D, j, mask, k_rstd, m00, m01, m10,
@@ -349,39 +349,57 @@ def qk_norm_rope(qkv: Union[torch.Tensor, Sequence[torch.Tensor]], heads: int,
             SLOTS=_slots(v_amax), num_warps=4)
 
 
+def _row_inputs(name: str, kernel, qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.Tensor, ...],
+                q_weight: torch.Tensor, k_weight: torch.Tensor, descales: Optional[torch.Tensor],
+                v_amax: Optional[torch.Tensor]) -> tuple:
+    """(q, k, v, B, L, head_dim) of a row-norm call (the norm over all heads' channels), its arguments but the
+    rotary table checked."""
+    sq, sk, sv = _sources(qkv, heads)
+    require(sq, kernel, name)
+    B, L, D, total = _layout(name, sq, heads, out, descales, v_amax)
+    if total != L:
+        raise BadInput(f"{name}: the outputs hold {total} tokens; q, k and v have {L}.",
+                       "Make the outputs with empty_qkv for these tokens.")
+    for w in (q_weight, k_weight):
+        if w.numel() != heads * D or w.device != sq.device:
+            raise BadInput(f"{name}: a norm weight has {w.numel()} elements; rows have {heads * D}.",
+                           "Pass the RMSNorm weights over all heads.")
+    return sq, sk, sv, B, L, D
+
+
+def _launch_rows(kernel, sources: tuple, heads: int, out: tuple[torch.Tensor, ...], q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, pe: torch.Tensor, descales: Optional[torch.Tensor],
+                 v_amax: Optional[torch.Tensor]) -> None:
+    """A row-norm kernel over its checked arguments: one program per run of tokens of a sample, all heads."""
+    sq = sources[0]
+    B, L, C = sq.shape
+    if B * L == 0:
+        return
+    pe = pe.contiguous()
+    block_d = pow2(C // heads)
+    block_l = max(1, min(pow2(L), 4096 // block_d))
+    descale_ptr, amax_ptr, descale_stride = _fp8_args(descales, v_amax, sq)
+    with on_device(sq):
+        kernel[(cdiv(L, block_l), B)](
+            *sources, q_weight.contiguous(), k_weight.contiguous(), pe, *out, descale_ptr, amax_ptr, L, sq.stride(1),
+            pe.stride(0) if pe.shape[0] > 1 else 0, descale_stride, eps, H=heads, D=C // heads, BLOCK_D=block_d,
+            BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, SLOTS=_slots(v_amax),
+            num_warps=4)
+
+
 def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, pe: torch.Tensor,
                      descales: Optional[torch.Tensor] = None, v_amax: Optional[torch.Tensor] = None) -> None:
     """Write the three (B, L, heads * head_dim) projections q, k and v into out[0..2], each (B, L, heads, head_dim):
     q and k RMS-normalized over all heads' channels with q_weight and k_weight (heads * head_dim each: Wan's
     q/k norm), then rotated by pe (B|1, 1, L, head_dim / 2, 2, 2). `descales` and `v_amax` as for qk_norm_rope."""
-    sq, sk, sv = _sources(qkv, heads)
-    require(sq, _row_norm_rope_kernel, "qk_row_norm_rope")
-    B, L, D, total = _layout("qk_row_norm_rope", sq, heads, out, descales, v_amax)
-    C = heads * D
-    if total != L:
-        raise BadInput(f"qk_row_norm_rope: the outputs hold {total} tokens; q, k and v have {L}.",
-                       "Make the outputs with empty_qkv for these tokens.")
-    for w in (q_weight, k_weight):
-        if w.numel() != C or w.device != sq.device:
-            raise BadInput(f"qk_row_norm_rope: a norm weight has {w.numel()} elements; rows have {C}.",
-                           "Pass the RMSNorm weights over all heads.")
+    sq, sk, sv, B, L, D = _row_inputs("qk_row_norm_rope", _row_norm_rope_kernel, qkv, heads, out, q_weight,
+                                      k_weight, descales, v_amax)
     if pe.dtype != torch.float32 or pe.shape[-4:] != (L, D // 2, 2, 2) or pe.shape[0] not in (1, B) \
             or pe.device != sq.device:
         raise BadInput(f"qk_row_norm_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 "
                        f"(B|1, 1, {L}, {D // 2}, 2, 2).", "Pass the rotary table of these tokens.")
-    pe = pe.contiguous()
-    if B * L == 0:
-        return
-    block_d = pow2(D)
-    block_l = max(1, min(pow2(L), 4096 // block_d))
-    descale_ptr, amax_ptr, descale_stride = _fp8_args(descales, v_amax, sq)
-    with on_device(sq):
-        _row_norm_rope_kernel[(cdiv(L, block_l), B)](
-            sq, sk, sv, q_weight.contiguous(), k_weight.contiguous(), pe, *out, descale_ptr, amax_ptr, L, sq.stride(1),
-            pe.stride(0) if pe.shape[0] > 1 else 0, descale_stride, eps, H=heads, D=D, BLOCK_D=block_d,
-            BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, SLOTS=_slots(v_amax),
-            num_warps=4)
+    _launch_rows(_row_norm_rope_kernel, (sq, sk, sv), heads, out, q_weight, k_weight, eps, pe, descales, v_amax)
 
 
 def qk_row_norm_split_rope(qkv: Sequence[torch.Tensor], heads: int,
@@ -390,33 +408,14 @@ def qk_row_norm_split_rope(qkv: Sequence[torch.Tensor], heads: int,
                            v_amax: Optional[torch.Tensor] = None) -> None:
     """As qk_row_norm_rope, with LTX-2's split rotary table: pe (B|1, L, heads, head_dim / 2, 2, 2), float32 or the
     projections' dtype, a rotation per token and head that pairs element j of a head with element j + head_dim / 2."""
-    sq, sk, sv = _sources(qkv, heads)
-    require(sq, _row_norm_split_rope_kernel, "qk_row_norm_split_rope")
-    B, L, D, total = _layout("qk_row_norm_split_rope", sq, heads, out, descales, v_amax)
-    C = heads * D
-    if total != L:
-        raise BadInput(f"qk_row_norm_split_rope: the outputs hold {total} tokens; q, k and v have {L}.",
-                       "Make the outputs with empty_qkv for these tokens.")
-    for w in (q_weight, k_weight):
-        if w.numel() != C or w.device != sq.device:
-            raise BadInput(f"qk_row_norm_split_rope: a norm weight has {w.numel()} elements; rows have {C}.",
-                           "Pass the RMSNorm weights over all heads.")
+    sq, sk, sv, B, L, D = _row_inputs("qk_row_norm_split_rope", _row_norm_split_rope_kernel, qkv, heads, out,
+                                      q_weight, k_weight, descales, v_amax)
     if pe.dtype not in (torch.float32, sq.dtype) or pe.shape[1:] != (L, heads, D // 2, 2, 2) \
             or pe.shape[0] not in (1, B) or pe.device != sq.device:
         raise BadInput(f"qk_row_norm_split_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 or "
                        f"{sq.dtype} (B|1, {L}, {heads}, {D // 2}, 2, 2).", "Pass the split rotary table of these tokens.")
-    pe = pe.contiguous()
-    if B * L == 0:
-        return
-    block_half = pow2(D // 2)
-    block_l = max(1, min(pow2(L), 2048 // block_half))
-    descale_ptr, amax_ptr, descale_stride = _fp8_args(descales, v_amax, sq)
-    with on_device(sq):
-        _row_norm_split_rope_kernel[(cdiv(L, block_l), B)](
-            sq, sk, sv, q_weight.contiguous(), k_weight.contiguous(), pe, *out, descale_ptr, amax_ptr, L, sq.stride(1),
-            pe.stride(0) if pe.shape[0] > 1 else 0, descale_stride, eps, H=heads, D=D, BLOCK_HALF=block_half,
-            BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, SLOTS=_slots(v_amax),
-            num_warps=4)
+    _launch_rows(_row_norm_split_rope_kernel, (sq, sk, sv), heads, out, q_weight, k_weight, eps, pe, descales,
+                 v_amax)
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,

@@ -26,7 +26,8 @@ FP8 = torch.float8_e4m3fn
 @jit(do_not_specialize=("M", "L"))
 def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, L, C, R, g_stride, g_tstride,
                   sc_stride, sc_tstride, sh_stride, sh_tstride, eps, HAS_UPDATE: tl.constexpr, HAS_GATE: tl.constexpr,
-                  HAS_SHIFT: tl.constexpr, OUT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+                  HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, RMS: tl.constexpr, OUT_FP8: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.arange(0, BLOCK_C)[None, :]
     mask = (rows < M) & (cols < C)
@@ -40,11 +41,13 @@ def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, 
         s = (x + u).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + off, s, mask=mask)
         x = s.to(tl.float32)  # normalize the stream as stored, so that (y, s) are consistent
-    mean = tl.sum(x, 1) / C
-    d = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(d * d, 1) / C + eps)
-    scale = tl.load(sc_ptr + batch * sc_stride + run * sc_tstride + cols, mask=mask, other=0.0).to(tl.float32)
-    y = d * rstd[:, None] * (1.0 + scale)
+    if RMS:
+        d = x
+    else:
+        d = tl.where(mask, x - (tl.sum(x, 1) / C)[:, None], 0.0)
+    y = d * tl.rsqrt(tl.sum(d * d, 1) / C + eps)[:, None]
+    if HAS_SCALE:
+        y *= 1.0 + tl.load(sc_ptr + batch * sc_stride + run * sc_tstride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SHIFT:
         y += tl.load(sh_ptr + batch * sh_stride + run * sh_tstride + cols, mask=mask, other=0.0).to(tl.float32)
     if OUT_FP8:  # each row scaled to e4m3's range, as kernels/quant.py's quantize_rows does
@@ -104,11 +107,12 @@ def _run_length(L: int, *runs: int) -> int:
     return per if per * T == L and per else per + 1
 
 
-def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor], eps: float = 1e-6,
-                         update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
-                         out_fp8: bool = False) -> Union[torch.Tensor, tuple]:
-    """LN(x) * (1 + scale) + shift over the last dim of x (B, L, C) (no shift when None); with `update` (and
-    `gate`), s = x + (gate *) update first and returns (LN(s) * (1 + scale) + shift, s). With out_fp8 (CUDA only: the
+def modulated_layer_norm(x: torch.Tensor, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
+                         eps: float = 1e-6, update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
+                         out_fp8: bool = False, rms: bool = False, in_place: bool = False) -> Union[torch.Tensor, tuple]:
+    """LN(x) * (1 + scale) + shift over the last dim of x (B, L, C) (no scale or shift when None; with rms, the
+    norm divides by the RMS alone, as RMSNorm); with `update` (and `gate`), s = x + (gate *) update first and returns
+    (LN(s) * (1 + scale) + shift, s), s written into x with in_place (x contiguous). With out_fp8 (CUDA only: the
     Triton interpreter converts to fp8 wrongly) the normalized output comes quantized for an fp8 matrix product, as
     (e4m3 rows (B * L, C), float32 row scales (B * L, 1)) in place of the tensor."""
     require(x, _adaln_kernel, "modulated_layer_norm")
@@ -120,6 +124,9 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[t
                        f"up to {MAX_C} channels.", "Use modulated_layer_norm_ref (torch) for this tensor.")
     if update is None and gate is not None:
         raise BadInput("modulated_layer_norm: a gate goes with an update.", "Pass the update it gates, or no gate.")
+    if in_place and (update is None or not x.is_contiguous()):
+        raise BadInput("modulated_layer_norm: in_place writes x + (gate *) update into a contiguous x.",
+                       "Pass an update and a contiguous x, or leave in_place off.")
     if update is not None and (update.shape != x.shape or update.dtype != x.dtype or update.device != x.device):
         raise BadInput(f"modulated_layer_norm: update {tuple(update.shape)} {update.dtype} does not match x "
                        f"{tuple(x.shape)} {x.dtype}.", "Pass an update of x's shape, dtype and device.")
@@ -133,7 +140,7 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[t
     M = B * L
     y = torch.empty(M, C, device=x.device, dtype=FP8) if out_fp8 else torch.empty_like(x)
     ys = torch.empty(M, 1, device=x.device, dtype=torch.float32) if out_fp8 else y
-    s = torch.empty_like(x) if update is not None else x
+    s = torch.empty_like(x) if update is not None and not in_place else x
     if M:
         block_c = pow2(C)
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
@@ -141,7 +148,8 @@ def modulated_layer_norm(x: torch.Tensor, scale: torch.Tensor, shift: Optional[t
             _adaln_kernel[(cdiv(M, block_m),)](
                 x, u, g, sc, sh, y, s, ys, M, L, C, R, g_stride, g_tstride, sc_stride, sc_tstride, sh_stride,
                 sh_tstride, eps, HAS_UPDATE=update is not None, HAS_GATE=gate is not None,
-                HAS_SHIFT=shift is not None, OUT_FP8=out_fp8, BLOCK_M=block_m, BLOCK_C=block_c,
+                HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, RMS=rms, OUT_FP8=out_fp8, BLOCK_M=block_m,
+                BLOCK_C=block_c,
                 num_warps=warps(block_m * block_c, 32))
     out = (y, ys) if out_fp8 else y
     return (out, s) if update is not None else out
@@ -174,8 +182,9 @@ def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
     return x
 
 
-def modulated_layer_norm_ref(x: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor], eps: float = 1e-6,
-                             update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None
+def modulated_layer_norm_ref(x: torch.Tensor, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
+                             eps: float = 1e-6, update: Optional[torch.Tensor] = None,
+                             gate: Optional[torch.Tensor] = None, rms: bool = False
                              ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The torch reference of `modulated_layer_norm` (computed in float32, rounded once)."""
     L = x.shape[1]
@@ -188,7 +197,9 @@ def modulated_layer_norm_ref(x: torch.Tensor, scale: torch.Tensor, shift: Option
 
     s = x if update is None else (x.float() + (update.float() if gate is None else view(gate) * update.float())
                                   ).to(x.dtype)
-    y = F.layer_norm(s.float(), (x.shape[-1],), eps=eps) * (1 + view(scale))
+    y = (F.rms_norm if rms else F.layer_norm)(s.float(), (x.shape[-1],), eps=eps)
+    if scale is not None:
+        y = y * (1 + view(scale))
     if shift is not None:
         y = y + view(shift)
     return y.to(x.dtype) if update is None else (y.to(x.dtype), s)

@@ -48,6 +48,27 @@ def test_gated_residual_then_modulated_layer_norm(B, L, C, dtype):
     _close(s, s_ref, dtype)
 
 
+@pytest.mark.parametrize("B,L,C,dtype", [(2, 11, 48, torch.float32), (1, 9, 200, torch.bfloat16)])
+def test_rms_form_is_ltx2s_rms_adaln_after_its_residual_in_place(B, L, C, dtype):
+    """LTX-2's video norms: comfy-kitchen's rms_adaln (RMS norm, then the modulation) and the plain RMS norm before
+    its text attention, each after the residual ComfyUI adds to the stream in place just before."""
+    x, u = _randn(B, L, C, dtype=dtype, offset=1.0), _randn(B, L, C, dtype=dtype, seed=2)
+    shift, scale, gate, *_ = _flux_mod(B, C, dtype, 6)
+    rms = lambda s: F.rms_norm(s.float(), (C,), eps=1e-6)  # noqa: E731
+    _close(adaln.modulated_layer_norm(x, scale, shift, rms=True), rms(x) * (1 + scale.float()) + shift.float(), dtype)
+    s_want = x.float() + gate.float() * u.float()
+    y_ref, s_ref = adaln.modulated_layer_norm_ref(x, None, None, update=u, gate=gate, rms=True)
+    ptr = x.data_ptr()
+    y, s = adaln.modulated_layer_norm(x, None, None, update=u, gate=gate, rms=True, in_place=True)
+    assert s is x and x.data_ptr() == ptr
+    _close(s, s_want, dtype)
+    _close(y, rms(s), dtype)
+    _close(y, y_ref, dtype)
+    _close(s, s_ref, dtype)
+    with pytest.raises(BadInput, match="in_place"):
+        adaln.modulated_layer_norm(x[:, ::2], scale, shift, update=u[:, ::2], rms=True, in_place=True)
+
+
 @pytest.mark.parametrize("B,L,C,dtype", [(2, 11, 48, torch.float32), (1, 9, 1300, torch.bfloat16)])
 def test_gated_add_is_the_gated_residual_in_place(B, L, C, dtype):
     x, u = _randn(B, L, C, dtype=dtype), _randn(B, L, C, dtype=dtype, seed=2)
@@ -375,25 +396,27 @@ def test_swiglu_of_two_tensors_keeps_float16_finite_as_comfyui_does(dtype):
         sw.swiglu(gate, up[:, :20])
 
 
-@pytest.mark.parametrize("B,L,C,dtype,update", [(2, 13, 40, torch.bfloat16, False), (1, 9, 3072, torch.bfloat16, True),
-                                                (3, 5, 64, torch.float16, True)])
-def test_modulated_layer_norm_hands_fp8_rows_to_the_next_product(B, L, C, dtype, update):
-    """out_fp8: the modulated LayerNorm's output quantized per row in the same pass (CUDA only: the interpreter
-    converts to fp8 wrongly, and says so)."""
+@pytest.mark.parametrize("B,L,C,dtype,update,rms", [(2, 13, 40, torch.bfloat16, False, False),
+                                                    (1, 9, 3072, torch.bfloat16, True, False),
+                                                    (3, 5, 64, torch.float16, True, False),
+                                                    (2, 7, 4096, torch.bfloat16, True, True)])
+def test_modulated_layer_norm_hands_fp8_rows_to_the_next_product(B, L, C, dtype, update, rms):
+    """out_fp8: the modulated LayerNorm's (or RMS norm's: LTX-2's video stream) output quantized per row in the same
+    pass (CUDA only: the interpreter converts to fp8 wrongly, and says so)."""
     x = _randn(B, L, C, dtype=dtype, offset=2.0)
     shift, scale, gate, *_ = _flux_mod(B, C, dtype, 1)
     u = _randn(B, L, C, dtype=dtype, seed=3) if update else None
     g = gate if update else None
     if DEVICE != "cuda":
         with pytest.raises(BadInput, match="CUDA only"):
-            adaln.modulated_layer_norm(x, scale, shift, update=u, gate=g, out_fp8=True)
+            adaln.modulated_layer_norm(x, scale, shift, update=u, gate=g, out_fp8=True, rms=rms)
         return
-    out = adaln.modulated_layer_norm(x, scale, shift, update=u, gate=g, out_fp8=True)
+    out = adaln.modulated_layer_norm(x, scale, shift, update=u, gate=g, out_fp8=True, rms=rms)
     (q, s), stream = out if update else (out, None)
     if update:
-        torch.testing.assert_close(stream, adaln.modulated_layer_norm(x, scale, shift, update=u, gate=g)[1])
+        torch.testing.assert_close(stream, adaln.modulated_layer_norm(x, scale, shift, update=u, gate=g, rms=rms)[1])
         x = stream
-    want = adaln.modulated_layer_norm_ref(x.float(), scale.float(), shift.float()).reshape(B * L, C)
+    want = adaln.modulated_layer_norm_ref(x.float(), scale.float(), shift.float(), rms=rms).reshape(B * L, C)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (B * L, C) and s.shape == (B * L, 1)
     _within_one_e4m3_step(q, s, want)
 

@@ -7,7 +7,9 @@ their adaLN pass is a LayerNorm (kernels/adaln.py), where LTX-2 normalizes by th
 kinds per stream. So it is a pattern of its own (docs/engineering.md), restated in ComfyUI's
 order (the streams are updated in place, so the order is the numerics) from the shared pieces and ComfyUI's own:
 
-- the modulated RMS norms are ComfyUI's own calls (comfy-kitchen's rms_adaln on the GPU, as ComfyUI 0.33 runs them);
+- the video stream's RMS norms (modulated, as comfy-kitchen's rms_adaln that ComfyUI 0.33 calls, or plain before its
+  text attention) are kernels/adaln.py's pass in its RMS form: it adds the residual ComfyUI adds just before (in place),
+  and quantizes the output for the fp8 products that read it; the audio stream's (a few hundred tokens) are ComfyUI's;
 - a self-attention's q/k RMSNorm (over all heads, as Wan's) and split rotary embedding (a table per token and head that
   pairs each head's halves) are one pass that writes q, k and v in the attention's layout (transformer.Joint,
   kernels/qk_rope.py's qk_row_norm_split_rope), in e4m3 where fp8 attention takes the sequence; the cross attentions'
@@ -42,7 +44,8 @@ from . import packing
 from .base import (Undo, comfy_attention, host_block, kernel_module, of_class, own_weights, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
-from .transformer import Joint, comfy_sdpa, gated_residual_, linears, mlp, norm_weight, part, project_packed
+from .transformer import (Joint, comfy_sdpa, gated_residual_, linears, mlp, modulated_norm, norm_weight, part,
+                          project_packed)
 
 LTX = "comfy.ldm.lightricks"  # the package of its classes
 AV_MODEL = "comfy.ldm.lightricks.av_model"
@@ -72,7 +75,7 @@ SLOTTED = ("CompressedTimestep",)
 
 
 def _host(name: str):
-    """ComfyUI's module `name` as its blocks call it (comfy.quant_ops's ck, common_dit's rms_norm, model's rope)."""
+    """ComfyUI's module `name` as its blocks call it (common_dit's rms_norm, model's rope)."""
     return sys.modules[name]
 
 
@@ -95,12 +98,13 @@ def _ada(table: torch.Tensor, t, x: torch.Tensor, indices: slice) -> tuple[torch
 def _fused(vx: torch.Tensor, ax: torch.Tensor, attention_mask, self_attention_mask, timesteps,
            transformer_options: dict | None) -> bool:
     """Whether the fused forward serves a block call: both streams present, no mask, modulation per sample, nothing
-    switched off or perturbed, ComfyUI's attention chosen for the whole host, tensors the kernels run on, not training
+    switched off or perturbed, ComfyUI's attention chosen for the whole host, tensors the kernels run on (the video
+    stream contiguous: its norms update it in place), not training
     (ComfyUI's forward then takes other paths)."""
     options = transformer_options or {}
     mm = _host("comfy.model_management")
     return (attention_mask is None and self_attention_mask is None and not any(k in options for k in SWITCHES)
-            and vx.dim() == 3 and ax.dim() == 3 and vx.numel() > 0 and ax.numel() > 0
+            and vx.dim() == 3 and ax.dim() == 3 and vx.is_contiguous() and vx.numel() > 0 and ax.numel() > 0
             and vx.shape[0] == ax.shape[0] and all(_per_sample(t) for t in timesteps)
             and not mm.in_training and kernel_module("adaln").supported(vx) and kernel_module("adaln").supported(ax)
             and comfy_attention(ATTENTION, options) is not None)
@@ -152,9 +156,13 @@ def _split_table(pe, q: torch.Tensor, heads: int) -> bool:
             and table.dtype in (torch.float32, q.dtype) and table.device == q.device)
 
 
-def _rms_adaln(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's modulated RMS norm of the video stream (comfy-kitchen's fused kernel)."""
-    return _host("comfy.quant_ops").ck.rms_adaln(x, scale, shift)
+def _video_norm(vx: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, *consumers: nn.Module,
+                update: torch.Tensor | None = None, gate: torch.Tensor | None = None):
+    """The video stream's RMS norm, modulated as ComfyUI's rms_adaln (plain where scale is None), as one pass of
+    kernels/adaln.py that quantizes it for the fp8 products of `consumers` where they take it; with `update`, vx +=
+    (gate *) update in place first, as ComfyUI adds a residual before the norm that reads it."""
+    out = modulated_norm(vx, scale, shift, *consumers, update=update, gate=gate, rms=True, in_place=update is not None)
+    return out if update is None else out[0]
 
 
 def _audio_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -181,10 +189,13 @@ def _block_forward(self, x, v_context=None, a_context=None, attention_mask=None,
     if not _fused(vx, ax, attention_mask, self_attention_mask, timesteps, transformer_options):
         return type(self).forward(self, *args)
     rms_norm = _host("comfy.ldm.common_dit").rms_norm
-    # video: self-attention, its text
+    # video: self-attention; its text attention's input normalized in the pass that adds the self-attention's gated
+    # output (ComfyUI's addcmul_, then rms_norm); the text attention's output added in the next pass of vx
     shift, scale, gate = _ada(self.scale_shift_table, v_timestep, vx, slice(0, 3))
-    gated_residual_(vx, gate, _attention(self.attn1, _rms_adaln(vx, scale, shift), None, v_pe))
-    vx.add_(_text(self.attn2, vx, v_context))
+    a = self.attn1
+    attn1 = _attention(a, _video_norm(vx, scale, shift, a.to_q, a.to_k, a.to_v), None, v_pe)
+    h = _video_norm(vx, None, None, self.attn2.to_q, update=attn1, gate=gate)
+    text = _attention(self.attn2, h, v_context)
     # audio: self-attention, its text
     shift, scale, gate = _ada(self.audio_scale_shift_table, a_timestep, ax, slice(0, 3))
     gated_residual_(ax, gate, _attention(self.audio_attn1, _audio_norm(ax, scale, shift), None, a_pe))
@@ -195,17 +206,19 @@ def _block_forward(self, x, v_context=None, a_context=None, attention_mask=None,
                                                 ax, slice(None))
     v_scale, v_shift, v_scale2, v_shift2 = _ada(self.scale_shift_table_a2v_ca_video[:4], v_cross_scale_shift_timestep,
                                                 vx, slice(None))
-    a2v = _attention(self.audio_to_video_attn, _rms_adaln(vx, v_scale, v_shift), ax_norm * (1 + a_scale) + a_shift,
+    a = self.audio_to_video_attn
+    a2v = _attention(a, _video_norm(vx, v_scale, v_shift, a.to_q, update=text), ax_norm * (1 + a_scale) + a_shift,
                      v_cross_pe, a_cross_pe)
     gate = _ada(self.scale_shift_table_a2v_ca_video[4:], v_cross_gate_timestep, vx, slice(None))[0]
-    gated_residual_(vx, gate, a2v)
-    v2a = _attention(self.video_to_audio_attn, ax_norm * (1 + a_scale2) + a_shift2, _rms_adaln(vx, v_scale2, v_shift2),
-                     a_cross_pe, v_cross_pe)
+    a = self.video_to_audio_attn
+    v2a = _attention(a, ax_norm * (1 + a_scale2) + a_shift2,
+                     _video_norm(vx, v_scale2, v_shift2, a.to_k, a.to_v, update=a2v, gate=gate), a_cross_pe,
+                     v_cross_pe)
     gate = _ada(self.scale_shift_table_a2v_ca_audio[4:], a_cross_gate_timestep, ax, slice(None))[0]
     gated_residual_(ax, gate, v2a)
     # the MLPs
     shift, scale, gate = _ada(self.scale_shift_table, v_timestep, vx, slice(3, 6))
-    gated_residual_(vx, gate, _mlp(self.ff, _rms_adaln(vx, scale, shift)))
+    gated_residual_(vx, gate, _mlp(self.ff, _video_norm(vx, scale, shift, self.ff.net[0].proj)))
     shift, scale, gate = _ada(self.audio_scale_shift_table, a_timestep, ax, slice(3, 6))
     gated_residual_(ax, gate, _mlp(self.audio_ff, _audio_norm(ax, scale, shift)))
     return vx, ax

@@ -156,12 +156,15 @@ def project_part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int
     return y
 
 
-def modulated_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, *consumers: nn.Module,
-                   update: torch.Tensor | None = None, gate: torch.Tensor | None = None):
-    """The adaLN pass (kernels/adaln.py) for the projections `consumers` read its output with: when fp8 products
-    serve all of them on CUDA, the output comes as fp8.Rows, quantized in the same pass."""
+def modulated_norm(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, *consumers: nn.Module,
+                   update: torch.Tensor | None = None, gate: torch.Tensor | None = None, rms: bool = False,
+                   in_place: bool = False):
+    """The adaLN pass (kernels/adaln.py; an RMS norm with rms, the stream updated in x with in_place) for the
+    projections `consumers` read its output with: when fp8 products serve all of them on CUDA, the output comes as
+    fp8.Rows, quantized in the same pass."""
     rows = x.device.type == "cuda" and fp8.takes_rows(x, *consumers)
-    out = kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS, update=update, gate=gate, out_fp8=rows)
+    out = kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS, update=update, gate=gate, out_fp8=rows,
+                                                      rms=rms, in_place=in_place)
     h, s = out if update is not None else (out, None)
     if rows:
         h = fp8.Rows(h[0], h[1], tuple(x.shape[:-1]), x.dtype)

@@ -1,6 +1,7 @@
 """adaLN: LayerNorm without affine, then the diffusion transformer's modulation `LN(x) * (1 + scale) + shift`, in one
-pass; optionally after the gated residual that precedes it, `s = x + gate * update`, returning (y, s). And the gated
-residual alone, in place (`gated_add_`), where no norm follows in the same block.
+pass (or an RMS norm without weight, LTX-2's, with or without the modulation); optionally after the gated residual
+that precedes it, `s = x + gate * update`, returning (y, s), s written over x where asked. And the gated residual
+alone, in place (`gated_add_`), where no norm follows in the same block.
 
 In a DiT block (Flux, SD3/MMDiT) the attention output's gated residual feeds the MLP's modulated LayerNorm: one read
 of x and the update gives both the new residual stream and the MLP's input. scale, shift and gate are per sample and

@@ -14,7 +14,7 @@ its rotary table (Wan's rope_encode, heads and tokens axes swapped back: Flux's 
 tokens across all heads. LTX-2 normalizes the same way and rotates with a table per token and head that pairs
 element j of a head with element j + head_dim / 2 (its split rotary embedding): `qk_row_norm_split_rope`.
 
-For fp8 attention both passes may write q and k in e4m3 instead, each divided by a per-tensor descale read from the
+For fp8 attention each pass may write q and k in e4m3 instead, each divided by a per-tensor descale read from the
 device: after an RMSNorm over n channels with weight w every element is bounded by sqrt(n) * max|w| (n is head_dim
 per head, heads * head_dim for Wan's row; a rotation keeps the norm of each pair), so a descale set from that bound
 never overflows, and e4m3, a floating-point format, keeps its relative precision below the bound. v, which no norm
@@ -279,9 +279,9 @@ def empty_qkv(batch: int, tokens: int, heads: int, head_dim: int, like: torch.Te
 
 
 def qk_descales(q_weights: Sequence[torch.Tensor], k_weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The descales of q and k for the e4m3 output of `qk_norm_rope` / `qk_row_norm_rope` in column 0 of a (2, 4)
-    float32 tensor on the weights' device (each row 16 bytes: a library reading them as tensors of their own may want
-    them aligned), from the RMSNorm weights of every stream written into the sequence (one q and one k weight per
+    """The descales of q and k for the e4m3 output of `qk_norm_rope` / `qk_row_norm_rope` / `qk_row_norm_split_rope`
+    in column 0 of a (2, 4) float32 tensor on the weights' device (each row 16 bytes: a library reading them as
+    tensors of their own may want them aligned), from the RMSNorm weights of every stream written into the sequence (one q and one k weight per
     stream, all of one size: the streams normalize the same channels): an RMSNorm over a weight's n elements bounds
     max|x| by sqrt(n) * max|w|, with room for the rounding to the input dtype before the rotation and for a 16-bit
     rotary table. Computed on the device: no host sync, and a CUDA graph that replays it follows a changed weight."""

@@ -9,6 +9,7 @@ console line that names it. Skipped where the ComfyUI under test (0.3.64) has no
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import types
 
@@ -681,12 +682,13 @@ class _Replaying:
         self.buffers.clear()
 
 
-def test_ltx2_block_stack_replayed_from_its_graphs_buffers_equals_the_fused_blocks(comfy_pytorch_attention):
+def test_ltx2_block_stack_replayed_from_its_graphs_buffers_equals_the_fused_blocks(comfy_pytorch_attention,
+                                                                                   monkeypatch):
     """With the fused blocks, LTX-2's block stack is what CUDA graphs capture (its forward copies coordinates from the
     CPU and cannot be captured whole): its calls go through the graph's buffers (here _Replaying on the CPU) and give
     the fused blocks' output exactly, call after call, at a second size too; a call whose first block STG perturbs
-    runs the stack as it is; a model whose blocks are not fused has no stack to capture; undone, the method is
-    ComfyUI's."""
+    runs the stack as it is; a model whose blocks are not fused, or whose method another node wraps (on the model or
+    its class: a wrapper decides per call), has no stack to capture; undone, the method is ComfyUI's."""
     pytest.importorskip("triton")
     _ltx2_class()
     from sd_accel.accel.engine import fusions
@@ -702,6 +704,14 @@ def test_ltx2_block_stack_replayed_from_its_graphs_buffers_equals_the_fused_bloc
              for latent in ((8, 10), (6, 8))]
     undo, counts = fusions.apply(model)
     assert counts["ltx2"] == 2
+    own = type(model)._process_transformer_blocks
+    model._process_transformer_blocks = functools.partial(own, model)
+    assert ltx2.stack(model) is None
+    del model._process_transformer_blocks
+    monkeypatch.setattr(type(model), "_process_transformer_blocks", functools.wraps(own)(lambda *a, **k: own(*a, **k)))
+    assert ltx2.stack(model) is None
+    monkeypatch.undo()
+    assert ltx2.stack(model) is not None
     with torch.no_grad():
         fused = [canon(**inp) for inp in sizes]
         stack_graphs = StackGraphs(lambda: ("weights",), lambda: None, max_graphs=4, device_type=torch.device(DEVICE).type)

@@ -3,8 +3,8 @@ builds them for LTX-2) with the DiT pieces.
 
 An LTX-2 block runs two streams, video and audio, each with a self-attention, a cross attention to its own text and an
 MLP, and between them two cross attentions (audio to video, video to audio). None of the shared patterns fits it:
-their adaLN pass is a LayerNorm (kernels/adaln.py), where LTX-2 normalizes by the RMS alone; its attentions are of four
-kinds per stream. So it is a pattern of its own (docs/engineering.md), restated in ComfyUI's
+they normalize with a LayerNorm, where LTX-2 normalizes by the RMS alone, and its attentions are of four kinds per
+stream. So it is a pattern of its own (docs/engineering.md), restated in ComfyUI's
 order (the streams are updated in place, so the order is the numerics) from the shared pieces and ComfyUI's own:
 
 - the video stream's RMS norms (modulated, as comfy-kitchen's rms_adaln that ComfyUI 0.33 calls, or plain before its
@@ -21,7 +21,7 @@ order (the streams are updated in place, so the order is the numerics) from the 
   accel/engine/fp8_attention.py takes it;
 - the MLP is transformer.mlp: the tanh GELU in the first product's epilogue (16 bits) or in the pass that quantizes the
   second's input (fp8);
-- the gated residuals are kernels/adaln.py's gated_add_, in place.
+- the other gated residuals (the video MLP's, the audio stream's) are kernels/adaln.py's gated_add_, in place.
 
 A call it does not cover runs the block's own forward: an attention mask (guiding latents' self-attention mask, a text
 mask), modulation per token or per frame (a denoise mask, keyframes), a stream switched off or empty (audio-only or
@@ -284,7 +284,11 @@ def stack(model: nn.Module):
     from ..stack_graphs import Stack
 
     method = getattr(type(model), STACK_METHOD, None)
+    # a wrapper of the method (another node's, on the class or the model) decides per call in Python, which a graph
+    # would freeze: only ComfyUI's own method is captured
     if not (of_class(model, "LTXAVModel", AV_MODEL, "transformer_blocks") and callable(method)
+            and inspect.unwrap(method) is method and getattr(method, "__module__", None) == AV_MODEL
+            and STACK_METHOD not in vars(model)
             and tuple(inspect.signature(method).parameters) == STACK_PARAMS and len(model.transformer_blocks)
             and all(_fused_block(b) for b in model.transformer_blocks)):
         return None

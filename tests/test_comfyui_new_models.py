@@ -700,10 +700,12 @@ def test_ltx2_block_stack_replayed_from_its_graphs_buffers_equals_the_fused_bloc
     model = configs.build_dit("tiny-ltx2", "comfy", comfyui_root=H.comfy_root(), device=DEVICE)
     canon = CanonicalDiT(model)
     assert canon.uncapturable and ltx2.stack(model) is None  # ComfyUI's own blocks: nothing of ours to capture
+    assert fusions.block_stack(model) is None
     sizes = [configs.dit_example_inputs("tiny-ltx2", batch=2, latent=latent, device=DEVICE)
              for latent in ((8, 10), (6, 8))]
     undo, counts = fusions.apply(model)
     assert counts["ltx2"] == 2
+    assert fusions.block_stack(model) == ltx2.stack(model)  # what the engine asks the fusions for
     own = type(model)._process_transformer_blocks
     model._process_transformer_blocks = functools.partial(own, model)
     assert ltx2.stack(model) is None

@@ -211,9 +211,7 @@ class TorchEngine:
                 log.info("sd-accel: fused kernels in %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
             self.fusion_counts = counts
             if self._stack is not None:
-                from ..fusions import ltx2
-
-                stack = ltx2.stack(module)
+                stack = fusions.block_stack(module)
                 self._stack_applied = stack is not None
                 if stack is not None:
                     marks = fusions.Undo()

@@ -35,7 +35,17 @@ ORDER: tuple[str, ...] = tuple(FUSIONS)
 DIT: tuple[str, ...] = ("flux", "chroma", "flux_diffusers", "mmdit", "mmdit_diffusers", "wan", "qwen_image",
                          "z_image", "ltx2")
 
-__all__ = ["FUSIONS", "ORDER", "Undo", "apply", "base", "packing", "registry"]
+__all__ = ["FUSIONS", "ORDER", "Undo", "apply", "block_stack", "base", "packing", "registry"]
+
+
+def block_stack(model: nn.Module):
+    """The block stack CUDA graphs may capture alone (accel/engine/stack_graphs.py), as the fusion that patched the
+    model's blocks declares it; None where none does."""
+    for f in FUSIONS.values():
+        stack = f.stack(model) if f.stack is not None else None
+        if stack is not None:
+            return stack
+    return None
 
 
 def apply(model: nn.Module, names: Iterable[str] | None = None) -> tuple[Undo, dict[str, int]]:

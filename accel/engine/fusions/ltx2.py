@@ -254,25 +254,6 @@ def _block_covered(m: nn.Module) -> bool:
             and _mlp_covered(m.ff) and _mlp_covered(m.audio_ff))
 
 
-@fusion("ltx2")
-def apply(model: nn.Module, undo: Undo) -> int:
-    n = 0
-    for m in model.modules():
-        if not host_block(m, "BasicAVTransformerBlock", AV_MODEL, BLOCK_ATTRS, BLOCK_PARAMS) or not _block_covered(m):
-            continue
-        patch_forward(m, _block_forward, undo)
-        for name in ATTENTIONS:
-            a = getattr(m, name)
-            if name in ("attn1", "audio_attn1"):
-                packing.pack_same_width(model, [a.to_q, a.to_k, a.to_v], undo)
-            else:
-                packing.pack_same_width(model, [a.to_k, a.to_v], undo)
-        n += 1
-    if n:
-        reads_comfy_attention(ATTENTION)
-    return n
-
-
 def _fused_block(m: nn.Module) -> bool:
     forward = vars(m).get("forward")
     return getattr(forward, "__func__", None) is _block_forward
@@ -307,3 +288,22 @@ def _stack_serves(named: dict) -> bool:
             and not options.get("prefetch_dynamic_vbars")
             and _fused(x[0], x[1], named["attention_mask"], named["self_attention_mask"],
                        (timestep[0], timestep[1], *timestep[2]), options))
+
+
+@fusion("ltx2", stack=stack)
+def apply(model: nn.Module, undo: Undo) -> int:
+    n = 0
+    for m in model.modules():
+        if not host_block(m, "BasicAVTransformerBlock", AV_MODEL, BLOCK_ATTRS, BLOCK_PARAMS) or not _block_covered(m):
+            continue
+        patch_forward(m, _block_forward, undo)
+        for name in ATTENTIONS:
+            a = getattr(m, name)
+            if name in ("attn1", "audio_attn1"):
+                packing.pack_same_width(model, [a.to_q, a.to_k, a.to_v], undo)
+            else:
+                packing.pack_same_width(model, [a.to_k, a.to_v], undo)
+        n += 1
+    if n:
+        reads_comfy_attention(ATTENTION)
+    return n

@@ -15,6 +15,8 @@ from torch import nn
 from .base import Undo
 
 Apply = Callable[[nn.Module, Undo], int]  # patches the model, records how to undo it, returns how many modules
+# where the patched blocks let CUDA graphs capture the model's block stack alone: what stack_graphs.Stack describes
+StackOf = Callable[[nn.Module], object]
 
 
 @dataclass(frozen=True)
@@ -22,18 +24,20 @@ class Fusion:
     name: str
     apply: Apply
     after: tuple[str, ...] = ()
+    stack: StackOf | None = None  # the model's block stack once patched (None where there is none to capture)
 
 
 _DECLARED: list[Fusion] = []
 
 
-def fusion(name: str, after: Iterable[str] = ()) -> Callable[[Apply], Apply]:
-    """Declare the decorated apply function as the fusion `name`, to run after the fusions in `after`."""
+def fusion(name: str, after: Iterable[str] = (), stack: StackOf | None = None) -> Callable[[Apply], Apply]:
+    """Declare the decorated apply function as the fusion `name`, to run after the fusions in `after`; `stack`, where
+    its model's whole forward cannot be captured, finds the block stack CUDA graphs may capture alone."""
     if isinstance(after, str):  # after=("qkv") is the string, not a tuple of one name
         raise TypeError(f"fusion {name!r}: `after` takes a tuple of names, not the string {after!r}")
 
     def declare(apply: Apply) -> Apply:
-        _DECLARED.append(Fusion(name, apply, tuple(after)))
+        _DECLARED.append(Fusion(name, apply, tuple(after), stack))
         return apply
 
     return declare

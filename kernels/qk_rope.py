@@ -369,7 +369,7 @@ def _row_inputs(name: str, kernel, qkv: Sequence[torch.Tensor], heads: int, out:
 
 def _launch_rows(kernel, sources: tuple, heads: int, out: tuple[torch.Tensor, ...], q_weight: torch.Tensor,
                  k_weight: torch.Tensor, eps: float, pe: torch.Tensor, descales: Optional[torch.Tensor],
-                 v_amax: Optional[torch.Tensor]) -> None:
+                 v_amax: Optional[torch.Tensor], table_per_head: bool = False) -> None:
     """A row-norm kernel over its checked arguments: one program per run of tokens of a sample, all heads."""
     sq = sources[0]
     B, L, C = sq.shape
@@ -378,13 +378,19 @@ def _launch_rows(kernel, sources: tuple, heads: int, out: tuple[torch.Tensor, ..
     pe = pe.contiguous()
     block_d = pow2(C // heads)
     block_l = max(1, min(pow2(L), 4096 // block_d))
+    warps = 4
+    if table_per_head:
+        # A table per token and head is read as much as q and k together: one warp per run of at most 8 tokens reads
+        # it at 1.8x the bandwidth of 32-token runs in 4 warps (an H200 at LTX-2's video shape), with the runs
+        # shortened until the grid has at least 512 programs (a sequence as short as LTX-2's audio).
+        block_l, warps = min(8, pow2(max(1, B * L // 512) + 1) // 2), 1
     descale_ptr, amax_ptr, descale_stride = _fp8_args(descales, v_amax, sq)
     with on_device(sq):
         kernel[(cdiv(L, block_l), B)](
             *sources, q_weight.contiguous(), k_weight.contiguous(), pe, *out, descale_ptr, amax_ptr, L, sq.stride(1),
             pe.stride(0) if pe.shape[0] > 1 else 0, descale_stride, eps, H=heads, D=C // heads, BLOCK_D=block_d,
             BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, SLOTS=_slots(v_amax),
-            num_warps=4)
+            num_warps=warps)
 
 
 def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -415,7 +421,7 @@ def qk_row_norm_split_rope(qkv: Sequence[torch.Tensor], heads: int,
         raise BadInput(f"qk_row_norm_split_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 or "
                        f"{sq.dtype} (B|1, {L}, {heads}, {D // 2}, 2, 2).", "Pass the split rotary table of these tokens.")
     _launch_rows(_row_norm_split_rope_kernel, (sq, sk, sv), heads, out, q_weight, k_weight, eps, pe, descales,
-                 v_amax)
+                 v_amax, table_per_head=True)
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,

@@ -12,7 +12,8 @@ float32.
 Wan normalizes q and k over all heads' channels, not per head: `qk_row_norm_rope` takes its three projections and
 its rotary table (Wan's rope_encode, heads and tokens axes swapped back: Flux's layout), one program per run of
 tokens across all heads. LTX-2 normalizes the same way and rotates with a table per token and head that pairs
-element j of a head with element j + head_dim / 2 (its split rotary embedding): `qk_row_norm_split_rope`.
+element j of a head with element j + head_dim / 2 (its split rotary embedding): `qk_row_norm_split_rope`, and
+`row_norm_split_rope` for a cross attention's q or k alone.
 
 For fp8 attention each pass may write q and k in e4m3 instead, each divided by a per-tensor descale read from the
 device: after an RMSNorm over n channels with weight w every element is bounded by sqrt(n) * max|w| (n is head_dim
@@ -179,10 +180,11 @@ def _split_rotate_store(in_ptr, w_ptr, out_ptr, src, dst, j, mask, rstd, m00, m0
 def _row_norm_split_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, q_ptr, k_ptr, v_ptr, descale_ptr,
                                 amax_ptr, L, row_stride, pe_stride, descale_stride, eps, H: tl.constexpr,
                                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                                QK_FP8: tl.constexpr, V_AMAX: tl.constexpr, SLOTS: tl.constexpr):
+                                QK_FP8: tl.constexpr, V_AMAX: tl.constexpr, SLOTS: tl.constexpr,
+                                QK: tl.constexpr):
     # As _row_norm_rope_kernel, with a table per token and head whose rotations pair element j of a head with
     # element j + D / 2 (LTX-2's split rotary embedding): each head is read as its two halves, and each head's table
-    # is read once for q and k.
+    # is read once for q and k. Without QK, q alone (a cross attention's q or k: k and v are not read).
     b = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)[:, None]
     j = tl.arange(0, BLOCK_D // 2)[None, :]
@@ -191,19 +193,23 @@ def _row_norm_split_rope_kernel(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, pe_ptr, 
     src = row * row_stride + j
     dst = row * (H * D) + j
     q_rstd = _row_rstd(qs_ptr, src, mask, eps, H, D, BLOCK_L)
-    k_rstd = _row_rstd(ks_ptr, src, mask, eps, H, D, BLOCK_L)
+    k_rstd = q_rstd
+    if QK:
+        k_rstd = _row_rstd(ks_ptr, src, mask, eps, H, D, BLOCK_L)
     for h in range(H):
         m00, m01, m10, m11 = _rotations(pe_ptr + b * pe_stride, tok.to(tl.int64) * H + h, tok, L, D, BLOCK_L,
                                         BLOCK_D)
         _split_rotate_store(qs_ptr, qw_ptr + h * D, q_ptr, src + h * D, dst + h * D, j, mask, q_rstd, m00, m01, m10,
                             m11, descale_ptr, D, QK_FP8)
-        _split_rotate_store(ks_ptr, kw_ptr + h * D, k_ptr, src + h * D, dst + h * D, j, mask, k_rstd, m00, m01, m10,
-                            m11, descale_ptr + descale_stride, D, QK_FP8)
-    v_max = 0.0
-    for h in range(2 * H):
-        v_max = tl.maximum(v_max, _copy_v(vs_ptr + src + h * (D // 2), v_ptr + dst + h * (D // 2), mask))
-    if V_AMAX:
-        _fold_amax(amax_ptr, v_max, tl.program_id(0) * tl.num_programs(1) + b, SLOTS)
+        if QK:
+            _split_rotate_store(ks_ptr, kw_ptr + h * D, k_ptr, src + h * D, dst + h * D, j, mask, k_rstd, m00, m01,
+                                m10, m11, descale_ptr + descale_stride, D, QK_FP8)
+    if QK:
+        v_max = 0.0
+        for h in range(2 * H):
+            v_max = tl.maximum(v_max, _copy_v(vs_ptr + src + h * (D // 2), v_ptr + dst + h * (D // 2), mask))
+        if V_AMAX:
+            _fold_amax(amax_ptr, v_max, tl.program_id(0) * tl.num_programs(1) + b, SLOTS)
 
 
 def supported(qkv: torch.Tensor) -> bool:
@@ -369,8 +375,9 @@ def _row_inputs(name: str, kernel, qkv: Sequence[torch.Tensor], heads: int, out:
 
 def _launch_rows(kernel, sources: tuple, heads: int, out: tuple[torch.Tensor, ...], q_weight: torch.Tensor,
                  k_weight: torch.Tensor, eps: float, pe: torch.Tensor, descales: Optional[torch.Tensor],
-                 v_amax: Optional[torch.Tensor], table_per_head: bool = False) -> None:
-    """A row-norm kernel over its checked arguments: one program per run of tokens of a sample, all heads."""
+                 v_amax: Optional[torch.Tensor], table_per_head: bool = False, **constants: bool) -> None:
+    """A row-norm kernel over its checked arguments (and the kernel's own `constants`): one program per run of tokens
+    of a sample, all heads."""
     sq = sources[0]
     B, L, C = sq.shape
     if B * L == 0:
@@ -390,7 +397,7 @@ def _launch_rows(kernel, sources: tuple, heads: int, out: tuple[torch.Tensor, ..
             *sources, q_weight.contiguous(), k_weight.contiguous(), pe, *out, descale_ptr, amax_ptr, L, sq.stride(1),
             pe.stride(0) if pe.shape[0] > 1 else 0, descale_stride, eps, H=heads, D=C // heads, BLOCK_D=block_d,
             BLOCK_L=block_l, QK_FP8=descales is not None, V_AMAX=v_amax is not None, SLOTS=_slots(v_amax),
-            num_warps=warps)
+            num_warps=warps, **constants)
 
 
 def qk_row_norm_rope(qkv: Sequence[torch.Tensor], heads: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -416,12 +423,30 @@ def qk_row_norm_split_rope(qkv: Sequence[torch.Tensor], heads: int,
     projections' dtype, a rotation per token and head that pairs element j of a head with element j + head_dim / 2."""
     sq, sk, sv, B, L, D = _row_inputs("qk_row_norm_split_rope", _row_norm_split_rope_kernel, qkv, heads, out,
                                       q_weight, k_weight, descales, v_amax)
-    if pe.dtype not in (torch.float32, sq.dtype) or pe.shape[1:] != (L, heads, D // 2, 2, 2) \
-            or pe.shape[0] not in (1, B) or pe.device != sq.device:
-        raise BadInput(f"qk_row_norm_split_rope: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 or "
-                       f"{sq.dtype} (B|1, {L}, {heads}, {D // 2}, 2, 2).", "Pass the split rotary table of these tokens.")
+    _check_split_table("qk_row_norm_split_rope", pe, sq, heads, D)
     _launch_rows(_row_norm_split_rope_kernel, (sq, sk, sv), heads, out, q_weight, k_weight, eps, pe, descales,
-                 v_amax, table_per_head=True)
+                 v_amax, table_per_head=True, QK=True)
+
+
+def row_norm_split_rope(x: torch.Tensor, heads: int, out: torch.Tensor, weight: torch.Tensor, eps: float,
+                        pe: torch.Tensor) -> None:
+    """One projection x (B, L, heads * head_dim) of a cross attention (its q or its k: LTX-2's audio-video
+    attentions), RMS-normalized over all heads' channels with weight and rotated by the split table pe (B|1, L,
+    heads, head_dim / 2, 2, 2) as qk_row_norm_split_rope does, written into out (B, L, heads, head_dim) in x's
+    dtype."""
+    sx, _, _, B, L, D = _row_inputs("row_norm_split_rope", _row_norm_split_rope_kernel, (x, x, x), heads,
+                                    (out, out, out), weight, weight, None, None)
+    _check_split_table("row_norm_split_rope", pe, sx, heads, D)
+    _launch_rows(_row_norm_split_rope_kernel, (sx, sx, sx), heads, (out, out, out), weight, weight, eps, pe, None,
+                 None, table_per_head=True, QK=False)
+
+
+def _check_split_table(name: str, pe: torch.Tensor, x: torch.Tensor, heads: int, D: int) -> None:
+    B, L = x.shape[:2]
+    if pe.dtype not in (torch.float32, x.dtype) or pe.shape[1:] != (L, heads, D // 2, 2, 2) \
+            or pe.shape[0] not in (1, B) or pe.device != x.device:
+        raise BadInput(f"{name}: pe has shape {tuple(pe.shape)} {pe.dtype}; expected float32 or {x.dtype} "
+                       f"(B|1, {L}, {heads}, {D // 2}, 2, 2).", "Pass the split rotary table of these tokens.")
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Tensor] = None,
@@ -448,5 +473,5 @@ def qk_norm_rope_ref(qkv: torch.Tensor, heads: int, q_weight: Optional[torch.Ten
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "qk_row_norm_split_rope", "empty_qkv", "new_v_amax", "qk_descales",
-           "supported", "AMAX_SLOTS", "FP8"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_row_norm_rope", "qk_row_norm_split_rope", "row_norm_split_rope",
+           "empty_qkv", "new_v_amax", "qk_descales", "supported", "AMAX_SLOTS", "FP8"]

@@ -641,15 +641,21 @@ def test_ltx2_lora_after_the_node_changes_its_latents_as_plain_and_goes_again(pa
     _lora_follows_plain(pack, model, lambda m: _sample_ltx2(m, pos, neg), lora)
 
 
-def test_ltx2_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention):
-    """LTX-2's blocks (video and audio streams, their text and each other's cross attention, split rotary embeddings)
-    through the ltx2 fusion against ComfyUI's own forward, in float32; undone, the model is ComfyUI's again."""
+def test_ltx2_with_fused_kernels_matches_its_own_forward(comfy_pytorch_attention, monkeypatch):
+    """LTX-2's blocks (video and audio streams, their text and each other's cross attention, split rotary embeddings:
+    the audio-video attentions' q and k each normalized and rotated in one pass) through the ltx2 fusion against
+    ComfyUI's own forward, in float32; undone, the model is ComfyUI's again."""
     pytest.importorskip("triton")
     _ltx2_class()
     from sd_accel.accel.engine import fusions
     from sd_accel.accel.models.dit import CanonicalDiT
+    from sd_accel.kernels import qk_rope
 
+    passes = []
+    monkeypatch.setattr(qk_rope, "row_norm_split_rope",
+                        lambda x, *a, f=qk_rope.row_norm_split_rope: passes.append(x.shape) or f(x, *a))
     ref, out, counts, back, model = _fused_and_own("tiny-ltx2")
+    assert len(passes) == 2 * 2 * 2  # 2 blocks, 2 audio-video attentions, q and k
     assert CanonicalDiT(model).spec.family == "ltx2"
     assert counts == {f: 2 if f == "ltx2" else 0 for f in fusions.DIT}  # its 2 blocks
     assert H.rel(out, ref) <= FUSED_TOL

@@ -229,6 +229,26 @@ def test_qk_row_norm_split_rope_is_ltx2_attention_input(B, L, H, D, dtype, pe_ba
         qk_rope.qk_row_norm_split_rope((q, k, v), H, got, qw, kw, 1e-6, pe.transpose(1, 2))
 
 
+@pytest.mark.parametrize("B,L,H,D,dtype,pe_batch", [(2, 9, 3, 16, torch.float32, 2), (1, 21, 4, 32, torch.bfloat16, 1)])
+def test_row_norm_split_rope_is_ltx2_cross_attention_input(B, L, H, D, dtype, pe_batch):
+    """An LTX-2 audio-video attention's q (or k) alone, from a strided view (its k is half of the packed k/v
+    projection): RMS-normalized over all heads with its weight, then rotated by the split table of its own tokens, as
+    ComfyUI's rms norm and comfy-kitchen's apply_rope_split_half1 compute it."""
+    kv = _randn(B, L, 2 * H * D, dtype=dtype, seed=7, scale=2.0)
+    x = kv[..., :H * D]
+    w = _randn(H * D, seed=8, offset=1.0, scale=0.1).to(dtype)
+    a = _randn(pe_batch, L, H, D // 2, seed=9, scale=3.0).float()
+    c, s_ = torch.cos(a), torch.sin(a)
+    pe = torch.stack([c, -s_, s_, c], dim=-1).reshape(pe_batch, L, H, D // 2, 2, 2)
+    got = torch.empty(B, L, H, D, dtype=dtype, device=x.device)
+    qk_rope.row_norm_split_rope(x, H, got, w, 1e-6, pe)
+    x1, x2 = F.rms_norm(x, (H * D,), w, 1e-6).view(B, L, H, D).float().chunk(2, dim=-1)
+    want = torch.cat([pe[..., 0, 0] * x1 + pe[..., 0, 1] * x2, pe[..., 1, 0] * x1 + pe[..., 1, 1] * x2], -1)
+    _close(got, want.to(dtype), dtype)
+    with pytest.raises(BadInput, match="split rotary table"):
+        qk_rope.row_norm_split_rope(x, H, got, w, 1e-6, pe[:, :-1])
+
+
 def test_qk_norm_rope_errors_say_what_to_do():
     qkv = _randn(1, 4, 48)
     out = qk_rope.empty_qkv(1, 4, 2, 8, qkv)

@@ -12,8 +12,8 @@ order (the streams are updated in place, so the order is the numerics) from the 
   and quantizes the output for the fp8 products that read it; the audio stream's (a few hundred tokens) are ComfyUI's;
 - a self-attention's q/k RMSNorm (over all heads, as Wan's) and split rotary embedding (a table per token and head that
   pairs each head's halves) are one pass that writes q, k and v in the attention's layout (transformer.Joint,
-  kernels/qk_rope.py's qk_row_norm_split_rope), in e4m3 where fp8 attention takes the sequence; the cross attentions'
-  norms and rotations are ComfyUI's own calls (comfy-kitchen's rope kernels);
+  kernels/qk_rope.py's qk_row_norm_split_rope), in e4m3 where fp8 attention takes the sequence; an audio-video
+  attention's q and k each one such pass (row_norm_split_rope), in 16 bits; the text attentions' norms are ComfyUI's;
 - a self-attention's q, k and v are one GEMM and a cross attention's k and v another (packing.pack_same_width), or a
   product each as fp8 products where accel/engine/fp8.py marked the projections (the `precision` option);
 - the attention is transformer.comfy_sdpa: the fastest 16-bit kernel timed at the shape (PyTorch's SDPA,
@@ -138,11 +138,27 @@ def _attention(a: nn.Module, x: torch.Tensor, context: torch.Tensor | None, pe=N
         q = fp8.project(a.to_q, x)
         projected = project_packed((a.to_k, a.to_v), context)
         k, v = projected.chunk(2, dim=-1) if isinstance(projected, torch.Tensor) else projected
-    q, k = _rope(a.q_norm(q), a.k_norm(k), pe, k_pe)
     B, H = q.shape[0], a.heads
     heads = lambda t: t.reshape(B, t.shape[1], H, -1)  # noqa: E731
+    if context is not None and pe is not None:  # the audio-video attentions: q and k rotated by tables of their own
+        q, k = _norm_rope(q, a.q_norm, pe, H), _norm_rope(k, a.k_norm, pe if k_pe is None else k_pe, H)
+    else:
+        q, k = _rope(a.q_norm(q), a.k_norm(k), pe, k_pe)
     out = comfy_sdpa(ATTENTION, heads(q), heads(k), heads(v))
     return fp8.project(a.to_out[0], out)
+
+
+def _norm_rope(t: torch.Tensor, norm: nn.Module, table, heads: int) -> torch.Tensor:
+    """A cross attention's q or k normalized (ComfyUI's q_norm / k_norm, over all heads) and rotated by `table`, as
+    (B, L, heads, head_dim): in one pass (kernels/qk_rope.py) where the table is LTX-2's split one, else by ComfyUI's
+    calls."""
+    if _split_table(table, t, heads) and kernel_module("qk_rope").supported(t):
+        B, L, C = t.shape
+        out = torch.empty(B, L, heads, C // heads, dtype=t.dtype, device=t.device)
+        eps = norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps  # nn.RMSNorm's default
+        kernel_module("qk_rope").row_norm_split_rope(t, heads, out, norm_weight(norm.weight, t), eps, table[0])
+        return out
+    return _host(f"{LTX}.model").apply_rotary_emb(norm(t), table)
 
 
 def _split_table(pe, q: torch.Tensor, heads: int) -> bool:

@@ -387,9 +387,9 @@ def _launch_rows(kernel, sources: tuple, heads: int, out: tuple[torch.Tensor, ..
     block_l = max(1, min(pow2(L), 4096 // block_d))
     warps = 4
     if table_per_head:
-        # A table per token and head is read as much as q and k together: one warp per run of at most 8 tokens reads
-        # it at 1.8x the bandwidth of 32-token runs in 4 warps (an H200 at LTX-2's video shape), with the runs
-        # shortened until the grid has at least 512 programs (a sequence as short as LTX-2's audio).
+        # A table per token and head is read as much as q and k together, and one warp per run of at most 8 tokens
+        # is the launch that reads it fastest (an H200 at LTX-2's video shape: BENCHMARKS.md, 2026-12-01); runs are
+        # shortened until the grid has at least 512 programs, so a sequence as short as LTX-2's audio fills the GPU.
         block_l, warps = min(8, pow2(max(1, B * L // 512) + 1) // 2), 1
     descale_ptr, amax_ptr, descale_stride = _fp8_args(descales, v_amax, sq)
     with on_device(sq):

@@ -793,3 +793,34 @@ def test_ltx2_fp8_products_stay_close_to_its_16bit_fused_forward(comfy_pytorch_a
     assert counts["ltx2"] == 2 and counts["fp8"] == 0
     assert counts8["fp8"] == 2 * (6 * 4 + 2 * 2)
     assert 1e-4 < H.rel(out, ref) <= 5e-2
+
+
+# ------------------------------------------------------------------------------------------------ several GPUs
+# The node's gpus option on the video models: their calls spread over processes as on GPUs (gloo on the CPU, the
+# workers placed by accelerated_unet.use_devices as tests/test_comfyui_gpus.py places them).
+
+
+@pytest.mark.parametrize("family", ["ltx2", "hunyuan-video15"])
+def test_video_models_split_their_cfg_batch_over_two_processes_and_equal_plain(pack, tmp_path, family):
+    """LTX-2 (its video and audio latents together) and HunyuanVideo 1.5 loaded from their files, the node's calls
+    spread over 2 processes: each call's conditional and unconditional halves on a process each (CFG parallel: their
+    classes have no sequence-parallel layout), and the latents plain ComfyUI's within float32's reordered sums."""
+    from sd_accel.nodes import accelerated_unet
+
+    if family == "ltx2":
+        model = _ltx2_file(tmp_path)
+        pos, neg = _ltx2_conditioning(3, frame_rate=25.0)
+        run = functools.partial(_sample_ltx2, positive=pos, negative=neg)
+    else:
+        model = _hunyuan_video15_file(tmp_path)
+        pos, neg = H.tiny_dit_conditioning("hunyuan-video", 3)
+        run = functools.partial(_sample_hunyuan_video, positive=pos, negative=neg)
+    plain = run(model)
+    acc, slot = _accelerated(pack, model, fused=False)
+    accelerated_unet.use_devices(acc, ["cpu"] * 2, timeout=60)
+    try:
+        got = run(acc)
+        assert (slot.status.layout, slot.status.spread_calls, slot.status.plain_calls) == ("CFG parallel over 2", 2, 0)
+        assert H.rel(got, plain) <= 1e-5
+    finally:
+        slot.spread.close()

@@ -384,8 +384,7 @@ def _launch_rows(kernel, sources: tuple, heads: int, out: tuple[torch.Tensor, ..
         return
     pe = pe.contiguous()
     block_d = pow2(C // heads)
-    block_l = max(1, min(pow2(L), 4096 // block_d))
-    warps = 4
+    block_l, warps = max(1, min(pow2(L), 4096 // block_d)), 4
     if table_per_head:
         # A table per token and head is read as much as q and k together, and one warp per run of at most 8 tokens
         # is the launch that reads it fastest (an H200 at LTX-2's video shape: BENCHMARKS.md, 2026-12-01); runs are

@@ -123,7 +123,8 @@ def _rope(q: torch.Tensor, k: torch.Tensor, pe, k_pe) -> tuple[torch.Tensor, tor
 def _attention(a: nn.Module, x: torch.Tensor, context: torch.Tensor | None, pe=None, k_pe=None) -> torch.Tensor:
     """ComfyUI's CrossAttention of x (to context; to itself where None) without mask or gates: the projections packed or
     in fp8, the attention comfy_sdpa's; a self-attention rotated by a split table normalizes, rotates and lays out q,
-    k and v in one pass (Joint, in fp8 where fp8 attention takes it), other calls run ComfyUI's norms and rotation."""
+    k and v in one pass (Joint, in fp8 where fp8 attention takes it), an audio-video attention its q and k in one pass
+    each (_norm_rope); the text attentions run ComfyUI's norms (they are not rotated)."""
     if context is None:  # self-attention: q, k and v of one input
         projected = project_packed((a.to_q, a.to_k, a.to_v), x)
         q, k, v = projected.chunk(3, dim=-1) if isinstance(projected, torch.Tensor) else projected
@@ -131,8 +132,7 @@ def _attention(a: nn.Module, x: torch.Tensor, context: torch.Tensor | None, pe=N
             B, L = x.shape[:2]
             norm = tuple(norm_weight(n.weight, q) for n in (a.q_norm, a.k_norm))
             joint = Joint(ATTENTION, B, L, a.heads, q, (a.to_q, a.to_k, a.to_v), [norm], (a.to_out[0],))
-            eps = a.q_norm.eps if a.q_norm.eps is not None else torch.finfo(q.dtype).eps  # nn.RMSNorm's default
-            joint.write_split_rows((q, k, v), norm, eps, pe[0])
+            joint.write_split_rows((q, k, v), norm, _eps(a.q_norm, q), pe[0])
             return fp8.project(a.to_out[0], part(joint.attend(), 0, None, a.to_out[0]))
     else:
         q = fp8.project(a.to_q, x)
@@ -155,10 +155,15 @@ def _norm_rope(t: torch.Tensor, norm: nn.Module, table, heads: int) -> torch.Ten
     if _split_table(table, t, heads) and kernel_module("qk_rope").supported(t):
         B, L, C = t.shape
         out = torch.empty(B, L, heads, C // heads, dtype=t.dtype, device=t.device)
-        eps = norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps  # nn.RMSNorm's default
-        kernel_module("qk_rope").row_norm_split_rope(t, heads, out, norm_weight(norm.weight, t), eps, table[0])
+        kernel_module("qk_rope").row_norm_split_rope(t, heads, out, norm_weight(norm.weight, t), _eps(norm, t),
+                                                     table[0])
         return out
     return _host(f"{LTX}.model").apply_rotary_emb(norm(t), table)
+
+
+def _eps(norm: nn.Module, t: torch.Tensor) -> float:
+    """An RMSNorm's epsilon for inputs like t: its own, or nn.RMSNorm's default where it has none."""
+    return norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps
 
 
 def _split_table(pe, q: torch.Tensor, heads: int) -> bool:

@@ -108,6 +108,21 @@ def test_the_yardstick_measured_alone_serves_a_later_run(tmp_path, monkeypatch):
         sequences.run_model("sd15", size="tiny", device="cpu")
 
 
+def test_a_transformers_fp8_yardstick_measured_alone_serves_a_later_run(tmp_path, monkeypatch):
+    """With fp8 settings chosen, SD_ACCEL_GPU_YARDSTICK=only measures the fp8 yardstick too, and a report holding one
+    gives it to a later run: its fp8 rows' limits are 1.5 times the given value, and no scaled fp8 file is written."""
+    monkeypatch.setenv("SD_ACCEL_GPU_YARDSTICK", "only")
+    alone = sequences.run_model("flux-dev", size="tiny", device="cpu", only="fp8")
+    assert not alone.rows and alone.fp8_yardstick > 1e-3, alone.table()
+    path = tmp_path / "flux-dev.json"
+    path.write_text(json.dumps({"model": "flux-dev", "yardstick": 1e-3, "fp8_yardstick": 5e-2}))
+    monkeypatch.setenv("SD_ACCEL_GPU_YARDSTICK", str(path))
+    monkeypatch.setattr(sequences.Harness, "measure_fp8_yardstick", lambda self: pytest.fail("measured, not taken"))
+    report = sequences.run_model("flux-dev", size="tiny", device="cpu", only="fp8", runs="timed")
+    assert report.fp8_yardstick == 5e-2 and any(f"fp8 yardstick 5.00e-02 from {path}" in n for n in report.notes)
+    assert report.rows and {r.limit for r in report.rows} == {5e-2 * 1.5} and not report.failures(), report.table()
+
+
 def test_the_several_gpu_check_on_cpu_processes():
     """tests/gpu/gpus.py's check on the tiny Wan, its spread run over 2 CPU processes, twice: every call spread, the
     latents within the measured limit of the 1-GPU run's; the second run's seconds with no start of the workers in

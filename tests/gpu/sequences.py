@@ -23,9 +23,9 @@ times that where it is the larger bound. How far rounding to e4m3 moves the late
 block's output is RMS-normalized before its residual add (Z-Image's sandwich norms), the seeded weights' quiet
 projections do not damp it. (ComfyUI's weight dtype fp8_e4m3fn casts without a scale: the seeded weights, most below
 e4m3's smallest normal, lose far more there, so it is no yardstick.) SD_ACCEL_GPU_YARDSTICK splits it from the sequences where both do not fit
-one call (Qwen-Image's 20 float32 steps take most of ten minutes): "only" measures it alone, and the path of the JSON
-report that run wrote (tests/gpu/reporting.py) gives its value to a later run, which then builds the 16-bit model
-alone and says where its yardstick came from.
+one call (Qwen-Image's 20 float32 steps take most of ten minutes): "only" measures it alone (and the fp8 one where fp8
+settings are chosen), and the path of the JSON report that run wrote (tests/gpu/reporting.py) gives their values to a
+later run, which then builds the 16-bit model alone and says where its yardsticks came from.
 
 Full size (the published architectures, seeded well-conditioned weights) on a GPU; `size="tiny"` runs the same
 sequences on tiny models, which is how the CPU tests keep this file honest.
@@ -513,21 +513,24 @@ class Harness:
         return H.detected_as(self.cls, configs.comfy_dit_config(self.config)[1], identify)
 
     def prepare(self, fp8: bool = False) -> bool:
-        """The 16-bit model (self.model) and its yardstick: measured, or given by SD_ACCEL_GPU_YARDSTICK (a report's
-        path), and with fp8 runs to come on a transformer, the fp8 yardstick. False where SD_ACCEL_GPU_YARDSTICK=only
-        asks for the yardstick alone."""
+        """The 16-bit model (self.model) and its yardstick, and with fp8 runs to come on a transformer, the fp8
+        yardstick: measured, or given by SD_ACCEL_GPU_YARDSTICK (a report's path; the fp8 one where the report holds
+        it). False where SD_ACCEL_GPU_YARDSTICK=only asks for the yardsticks alone."""
         given = os.environ.get("SD_ACCEL_GPU_YARDSTICK", "")
         if given and given != "only":
-            self.report.yardstick = yardstick_from(given, self.name)
+            self.report.yardstick, fp8_given = yardsticks_from(given, self.name)
             self.report.notes.append(f"yardstick {self.report.yardstick:.2e} from {given}")
+            if fp8 and fp8_given is not None:
+                self.report.fp8_yardstick = fp8_given
+                self.report.notes.append(f"fp8 yardstick {fp8_given:.2e} from {given}")
             self.model = self.build(self.dtype)
         else:
             self.measure_yardstick()
+        if fp8 and not self.unet and self.name not in WEIGHTS and self.report.fp8_yardstick is None:
+            self.measure_fp8_yardstick()
         if given == "only":
             self.report.sequences = False
             return False
-        if fp8 and not self.unet and self.name not in WEIGHTS:
-            self.measure_fp8_yardstick()
         return True
 
     def limit(self, fp8: bool) -> float:
@@ -585,8 +588,9 @@ class Harness:
             self.check(label, model, Run("3 steps", 3), is_fp8)
 
 
-def yardstick_from(path: str, name: str) -> float:
-    """The yardstick of `name` in the JSON report of an earlier run (SD_ACCEL_GPU_YARDSTICK=only)."""
+def yardsticks_from(path: str, name: str) -> tuple[float, float | None]:
+    """The yardstick of `name` in the JSON report of an earlier run (SD_ACCEL_GPU_YARDSTICK=only), and its fp8
+    yardstick where that run measured one."""
     try:
         record = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -595,7 +599,8 @@ def yardstick_from(path: str, name: str) -> float:
     if record.get("model") != name or not isinstance(record.get("yardstick"), (int, float)):
         raise SystemExit(f"SD_ACCEL_GPU_YARDSTICK: {path} holds no yardstick of {name} (model "
                          f"{record.get('model')!r}, yardstick {record.get('yardstick')!r})")
-    return float(record["yardstick"])
+    fp8 = record.get("fp8_yardstick")
+    return float(record["yardstick"]), float(fp8) if isinstance(fp8, (int, float)) else None
 
 
 def set_up(device: str) -> str:

@@ -55,7 +55,8 @@ def test_node_matches_plain_comfyui_run_after_run(name):
                                  runs=os.environ.get("SD_ACCEL_GPU_RUNS", "all"))
     table = report.table()
     _report(name, table, {"cpu": report.cpu, "load": report.load, "yardstick": report.yardstick,
-                          "rows": [dataclasses.asdict(r) for r in report.rows], "notes": report.notes})
+                          "fp8_yardstick": report.fp8_yardstick, "rows": [dataclasses.asdict(r) for r in report.rows],
+                          "notes": report.notes})
     failures = report.failures()
     assert not failures, f"off plain ComfyUI's: {'; '.join(failures)}\n{table}"
 

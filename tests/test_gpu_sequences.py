@@ -58,6 +58,8 @@ def test_the_timed_runs_alone_run_the_first_20_steps_and_the_timed_run_of_each_s
     assert all(len(r.timed.node.samples) == len(r.timed.plain.samples) == timing.CPU_RUNS for r in timed)
     assert report.lora_effect == 0.0 and not report.failures(), report.table()
     assert "LoRA's effect on plain not measured" in report.table().splitlines()[0]
+    said = [n for n in report.notes if n.startswith("said: ")]  # the node's console lines, each once
+    assert said and len(said) == len(set(said)) and any("path is ready" in n for n in said), report.notes
     with pytest.raises(ValueError, match="SD_ACCEL_GPU_RUNS='lora': use all or timed"):
         sequences.run_model("sd15", size="tiny", device="cpu", runs="lora")
 

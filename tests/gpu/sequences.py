@@ -33,9 +33,11 @@ sequences on tiny models, which is how the CPU tests keep this file honest.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -503,8 +505,6 @@ class Harness:
     def _detected(self):
         """A tiny model's widths for ComfyUI's detection of a file (comfy_helpers.detected_as); the published ones it
         reads. Z-Image's tiny file is identified as Lumina 2's class, which ZImage shares."""
-        import contextlib
-
         if self.size != "tiny" or self.av:  # LTX-2's file carries its config, which the detection reads
             return contextlib.nullcontext()
         from sd_accel.accel.models import configs
@@ -615,12 +615,41 @@ def said(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+class NodeMessages(logging.Handler):
+    """The node's console lines (the "sd-accel" logger, INFO and up, as ComfyUI's console shows them), each once in
+    the order first said: the report then says which path, kernels and attention ran."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if line not in self.lines:
+            self.lines.append(line)
+
+    @contextlib.contextmanager
+    def on(self):
+        logger = logging.getLogger("sd-accel")
+        level = logger.level
+        logger.addHandler(self)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+
+
 def run_model(name: str, size: str = "full", device: str = "cuda", quick: bool = False, only: str = "",
               runs: str = "all") -> Report:
     note = set_up(device)
     harness = Harness(name, size, device)
     harness.report.notes.append(note)
-    report = harness.run_all(quick, only, runs)
+    with NodeMessages().on() as said_by_node:
+        report = harness.run_all(quick, only, runs)
+    report.notes += [f"said: {line}" for line in said_by_node.lines]
     harness.model = None
     gc.collect()
     if report.rows and report.rows[-1].setting != "error" and torch.cuda.is_available():

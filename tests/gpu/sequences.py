@@ -615,22 +615,21 @@ def said(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-class NodeMessages(logging.Handler):
-    """The node's console lines (the "sd-accel" logger, INFO and up, as ComfyUI's console shows them), each once in
-    the order first said: the report then says which path, kernels and attention ran."""
+class Said(logging.Handler):
+    """The messages logged to `logger` (the root: every logger's) while it is installed, INFO and up (ComfyUI's caches
+    say what they skipped at INFO; the node's messages go to the "sd-accel" logger, as ComfyUI's console shows them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, logger: str = "") -> None:
         super().__init__(logging.INFO)
-        self.lines: list[str] = []
+        self.logger = logger
+        self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        line = record.getMessage()
-        if line not in self.lines:
-            self.lines.append(line)
+        self.messages.append(record.getMessage())
 
     @contextlib.contextmanager
     def on(self):
-        logger = logging.getLogger("sd-accel")
+        logger = logging.getLogger(self.logger or None)
         level = logger.level
         logger.addHandler(self)
         if logger.getEffectiveLevel() > logging.INFO:
@@ -641,15 +640,19 @@ class NodeMessages(logging.Handler):
             logger.removeHandler(self)
             logger.setLevel(level)
 
+    def take(self) -> list[str]:
+        taken, self.messages = self.messages, []
+        return taken
+
 
 def run_model(name: str, size: str = "full", device: str = "cuda", quick: bool = False, only: str = "",
               runs: str = "all") -> Report:
     note = set_up(device)
     harness = Harness(name, size, device)
     harness.report.notes.append(note)
-    with NodeMessages().on() as said_by_node:
+    with Said("sd-accel").on() as node:  # the node's console lines, each once: which path and attention ran
         report = harness.run_all(quick, only, runs)
-    report.notes += [f"said: {line}" for line in said_by_node.lines]
+    report.notes += [f"said: {line}" for line in dict.fromkeys(node.messages)]
     harness.model = None
     gc.collect()
     if report.rows and report.rows[-1].setting != "error" and torch.cuda.is_available():

@@ -46,7 +46,6 @@ import contextlib
 import gc
 import importlib.util
 import json
-import logging
 import os
 import pickle
 import re
@@ -243,35 +242,6 @@ class StackReport:
         return dataclasses.asdict(self)
 
 
-class Said(logging.Handler):
-    """The messages logged while it is installed on the root logger, INFO and up (ComfyUI's caches say what they
-    skipped at INFO; the node's messages go to the "sd-accel" logger, which passes them on)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    @contextlib.contextmanager
-    def on(self):
-        root = logging.getLogger()
-        level = root.level
-        root.addHandler(self)
-        if root.getEffectiveLevel() > logging.INFO:
-            root.setLevel(logging.INFO)
-        try:
-            yield self
-        finally:
-            root.removeHandler(self)
-            root.setLevel(level)
-
-    def take(self) -> list[str]:
-        taken, self.messages = self.messages, []
-        return taken
-
-
 def skipped_steps(messages: list[str], cache: str) -> list[int]:
     """The steps `cache` says it skipped, one entry per sampling run (its own summary line)."""
     return [int(m.group(1)) for text in messages for m in [re.search(rf"{cache} - skipped (\d+)/", text)] if m]
@@ -334,7 +304,7 @@ class Stacker:
         a split gave the run. Returns plain's latents."""
         h, run = self.h, self.run
         plain = host(h.model)
-        said = Said()
+        said = sequences.Said()
         status = _status(node)
         with said.on():
             ref, plain_seconds = h.sample(plain, run, conditioning=conditioning)
@@ -610,7 +580,7 @@ def flagged(args: dict) -> None:
     h.model = h.build(h.dtype)
     s = Stacker(h)
     ref = torch.load(args["plain"])
-    with Said().on() as said:
+    with sequences.Said().on() as said:
         moved = H.rel(h.plain(s.run)[0], ref)
     refused = fell_back(said.messages)
     if refused:

@@ -188,7 +188,7 @@ def stacking_on_the_cpu(monkeypatch):
     return stacking
 
 
-@pytest.mark.parametrize("mode", ["stack-sd15", "stack-sd15-tools", "stack-flux-dev"])
+@pytest.mark.parametrize("mode", ["stack-sd15", "stack-sd15-tools", "stack-flux-dev", "stack-flux-dev-controlnet"])
 def test_the_stacks_give_plains_latents_and_skip_the_same_steps(stacking_on_the_cpu, mode):
     """Each stack of the mode on its tiny model: the node with the stack against plain ComfyUI with it, latents
     compared within the limit (on the CPU the torch path runs the plain model's kernels: exact in 16-bit settings,
@@ -214,7 +214,7 @@ def test_the_stacks_give_plains_latents_and_skip_the_same_steps(stacking_on_the_
         for row in by[cache].rows:
             assert row.skipped and 0 < row.skipped[0] < row.steps, by[cache].table()
             assert len(row.skipped) == len(row.plain_skipped) == 1 + timing.CPU_RUNS
-    if mode == "stack-sd15":
+    if "ControlNet" in by:  # it changed plain's image, and the node's runs took its residuals
         assert by["ControlNet"].effect > 1e-3
     if mode == "stack-sd15-tools":
         assert "needs a CUDA GPU" in by["--use-sage-attention"].skipped

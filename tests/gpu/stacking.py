@@ -1,6 +1,6 @@
 """The Accelerated UNet node stacked with ComfyUI's own tools on the GPU (issue 55): `tests/gpu/run stack-sd15`,
-`stack-sd15-tools`, `stack-flux-dev`, `stack-flux-dev-compile`, `stack-flux-dev-flags`, `stack-sd35-medium`,
-`stack-sdxl-multigpu` (MODES; `stack`: the first three; tests/gpu/README.md has their GPU times).
+`stack-sd15-tools`, `stack-flux-dev`, `stack-flux-dev-compile`, `stack-flux-dev-flags`, `stack-flux-dev-controlnet`,
+`stack-sd35-medium`, `stack-sdxl-multigpu` (MODES; `stack`: the first three; tests/gpu/README.md has their GPU times).
 tests/test_comfyui_stacking.py pins the same stacks down on the CPU; here they run full size, each in the host's own
 sampler with the model loaded from its file by ComfyUI's loader (tests/gpu/sequences.py's Harness, its yardstick and
 limits).
@@ -13,8 +13,9 @@ applied before and after the Accelerated UNet node:
   step it ran through the engine;
 - ModelSamplingFlux / ModelSamplingSD3 (their defaults, the image's size): the engine serves every call at the shifted
   sigmas;
-- ControlNet (SD1.5): a seeded ControlNet of SD1.5's layout written to a file, loaded by comfy.controlnet and applied
-  by ControlNetApplyAdvanced, as a workflow does; the residuals reach the engine;
+- ControlNet (SD1.5 and Flux): a seeded ControlNet of the model's layout (Flux's: XLabs', an image hint and 2 double
+  blocks) written to a file, loaded by comfy.controlnet and applied by ControlNetApplyAdvanced, as a workflow does;
+  the residuals reach the engine;
 - TorchCompileModel (inductor): the node steps aside (its compiled forward traces the node's wrapper), says so once,
   and the image is plain's with the same compile (one order: both nest the same way, and each compile takes minutes);
 - `--fast fp16_accumulation` and `--use-sage-attention`: ComfyUI reads them when its modules are imported, so each runs
@@ -113,6 +114,7 @@ MODES = {
     "stack-flux-dev": ("flux-dev", ("EasyCache", "LazyCache", "ModelSamplingFlux")),
     "stack-flux-dev-compile": ("flux-dev", ("TorchCompileModel",)),
     "stack-flux-dev-flags": ("flux-dev", tuple(FLAGS)),
+    "stack-flux-dev-controlnet": ("flux-dev", ("ControlNet",)),
     "stack-sd35-medium": ("sd35-medium", ("EasyCache", "ModelSamplingSD3")),
     "stack-sdxl-multigpu": ("sdxl", ("MultiGPUCFGSplit",)),  # ComfyUI 0.33 and 2 GPUs
 }
@@ -274,8 +276,8 @@ class Stacker:
         if stack.kind == "multigpu":
             return self.multigpu(stack, report)
         if stack.kind == "controlnet":
-            if not self.h.unet:
-                report.skipped = "the ControlNet stack is SD1.5's (a UNet's ControlNet)"
+            if not (self.h.unet or self.h.cls == "Flux"):
+                report.skipped = "the ControlNet stack has SD1.5's and Flux's ControlNets"
                 return report
             conditioning = self.controlnet_conditioning()
             ref = self.compare(report, stack, "-", lambda m: m, self.h.node(self.h.model, self.precision), conditioning)
@@ -426,24 +428,15 @@ class Stacker:
     def controlnet_conditioning(self):
         """The Harness's conditioning with a seeded ControlNet of the model's layout, written to a file, loaded by
         comfy.controlnet.load_controlnet (as ControlNetLoader loads it) and applied by ControlNetApplyAdvanced."""
-        import comfy.cldm.cldm
         import comfy.controlnet
-        import comfy.ops
+        import safetensors.torch
 
-        from sd_accel.accel.models import configs
-
-        unet_only = ("out_channels", "transformer_depth_output", "use_temporal_attention", "use_temporal_resblock")
-        config = {k: v for k, v in configs.LDM_UNET_CONFIGS[self.h.config].items() if k not in unet_only}
-        with H.layers_with_weights():  # to be seeded here, not filled by DynamicVRAM's loader
-            control = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init, **config)
-        configs.seed_parameters(control, 61)
-        folder = Path(H.temporary_folder("sd-accel-gpu-controlnet-"))
-        path = H.write_diffusion_model_file(control.to(self.h.dtype), folder)
-        del control
-        # a tiny file's widths are no published model's: ComfyUI's detection is given them, its loader does the rest
-        tiny = self.h.size == "tiny"
-        with (H.detected_as("SD15", configs.LDM_UNET_CONFIGS[self.h.config], {"context_dim": 768}) if tiny
-              else contextlib.nullcontext()):
+        weights, detected = self._controlnet()
+        path = Path(H.temporary_folder("sd-accel-gpu-controlnet-")) / "controlnet.safetensors"
+        safetensors.torch.save_file({k: (v.to(self.h.dtype) if v.is_floating_point() else v).detach().contiguous()
+                                     for k, v in weights.items()}, str(path))
+        del weights
+        with detected:
             net = comfy.controlnet.load_controlnet(str(path))
         w, h = self.h.base
         hint = torch.rand(1, h, w, 3, generator=torch.Generator().manual_seed(4))  # an IMAGE: batch, height, width, RGB
@@ -452,6 +445,43 @@ class Stacker:
         apply = sys.modules["nodes"].ControlNetApplyAdvanced()
         pos, neg = self.h.conditioning
         return apply.apply_controlnet(pos, neg, net, hint, 0.8, 0.0, 1.0)
+
+    def _controlnet(self) -> tuple[dict[str, torch.Tensor], contextlib.AbstractContextManager]:
+        """(a seeded ControlNet's weights as its published files name them, the context in which ComfyUI's loader
+        reads the file). SD1.5's: the UNet's encoder; Flux's: XLabs' layout (image hint), the model's blocks, 2 double
+        and no single ones, its output projections quiet as the DiTs' residual projections are (trained ControlNets
+        start them at zero), its q/k norms' weights named `scale` (ComfyUI 0.33's own modules call them `weight`, and
+        its loader knows an XLabs file by the published name). A tiny file's widths are no published model's:
+        ComfyUI's detection is given them, its loader does the rest."""
+        import comfy.ops
+
+        from sd_accel.accel.models import configs
+
+        tiny = self.h.size == "tiny"
+        if self.h.unet:
+            import comfy.cldm.cldm
+
+            unet_only = ("out_channels", "transformer_depth_output", "use_temporal_attention", "use_temporal_resblock")
+            config = {k: v for k, v in configs.LDM_UNET_CONFIGS[self.h.config].items() if k not in unet_only}
+            with H.layers_with_weights():  # to be seeded here, not filled by DynamicVRAM's loader
+                control = comfy.cldm.cldm.ControlNet(hint_channels=3, operations=comfy.ops.disable_weight_init,
+                                                     **config)
+            configs.seed_parameters(control, 61)
+            detected = (H.detected_as("SD15", configs.LDM_UNET_CONFIGS[self.h.config], {"context_dim": 768}) if tiny
+                        else contextlib.nullcontext())
+            return control.state_dict(), detected
+        import comfy.ldm.flux.controlnet
+
+        config = {**configs.comfy_dit_config(self.h.config)[1], "depth_single_blocks": 0}
+        config["depth"] = min(config["depth"], 2)
+        with H.layers_with_weights():
+            control = comfy.ldm.flux.controlnet.ControlNetFlux(operations=comfy.ops.disable_weight_init, **config)
+        configs.seed_dit_parameters(control, 61)
+        with torch.no_grad():
+            for block in control.controlnet_blocks:
+                block.weight.mul_(0.1)
+        weights = {re.sub(r"(_norm)\.weight$", r"\1.scale", k): v for k, v in control.state_dict().items()}
+        return weights, H.detected_as("Flux", config) if tiny else contextlib.nullcontext()
 
     # -------------------------------------------------------------------------------------------- cli flags
 

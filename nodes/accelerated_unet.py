@@ -314,6 +314,22 @@ def attach(model, session: "Session") -> None:
     model.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, session.on_detach)
 
 
+def _without_serving_wrappers(run_options: dict | None, patcher) -> None:
+    """Takes the node's serving wrapper out of one sampling run's model options, for a model TorchCompileModel
+    compiles: its compiled forward would trace the wrapper into its graphs (each call then passing the wrapper's
+    frames and guards) only for the wrapper to step aside. ComfyUI's guider copies the patcher's wrappers into options
+    of its own for each run; where they are the patcher's own, nothing is taken."""
+    from comfy.patcher_extension import WrappersMP
+
+    wrappers = (run_options or {}).get("transformer_options", {}).get("wrappers")
+    if not isinstance(wrappers, dict) or wrappers is getattr(patcher, "wrappers", None):
+        return
+    for kind in (WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
+        keyed = wrappers.get(kind)
+        if isinstance(keyed, dict) and keyed is not getattr(patcher, "wrappers", {}).get(kind):
+            keyed.pop(KEY, None)
+
+
 # The diffusion-model wrappers (their keys) of ComfyUI's own nodes that take the forward as a whole: each calls it with
 # the arguments it was given, or returns without calling it (a step it takes from its cache), and reaches into no
 # block. Added after the node they run around the engine's call; any other wrapper might reach into the blocks, which
@@ -455,12 +471,13 @@ class Session:
                 self.slot.end_run()
             self._objects = objects
             if self.patcher is not None and self.patcher.model_options.get("torch_compile_kwargs") is not None:
-                # ComfyUI's compiled model traces the forward, the node's wrapper with it, which then steps aside
                 self.slot.tell("torch.compile", "TorchCompileModel compiles this model: its compiled forward runs, "
                                "not sd-accel's engine. Leave TorchCompileModel out to accelerate (the node's "
                                "torch_compile option compiles the engine's blocks).")
             if self.slot.spread is not None:
                 self.slot.spread.hold(_replaced_here(objects))
+        if self.patcher is not None and self.patcher.model_options.get("torch_compile_kwargs") is not None:
+            _without_serving_wrappers(getattr(executor.class_obj, "model_options", None), self.patcher)
         device, started = getattr(self.patcher, "load_device", None), time.perf_counter()
         try:
             return executor(*args, **kwargs)

@@ -188,9 +188,11 @@ def test_sampling_shift_gives_plains_latents_and_keeps_the_engine(pack, family, 
 @pytest.mark.parametrize("family,order", [("sd15", "after")])
 def test_torch_compile_model_runs_its_compiled_forward_once_said(pack, family, order, caplog, monkeypatch):
     """TorchCompileModel compiles the diffusion model, tracing its forward and the wrappers in it: the node steps
-    aside (its engine inside a traced forward would be traced too) with one message, and the latents are plain's
-    with the same compile. What the node meets is dynamo's tracing, whatever the backend: on the CPU the node's
-    backends (inductor, cudagraphs) take minutes to compile, so torch.compile gets dynamo's eager backend here."""
+    aside (its engine inside a traced forward would be traced too) with one message, its serving wrapper left out of
+    the run (traced into the compiled graphs it would cost every call its frames and guards and change nothing), and
+    the latents are plain's with the same compile. What the node meets is dynamo's tracing, whatever the backend: on
+    the CPU the node's backends (inductor, cudagraphs) take minutes to compile, so torch.compile gets dynamo's eager
+    backend here."""
     cls = host_node("nodes_torch_compile", "TorchCompileModel")
     import torch._dynamo
 
@@ -203,6 +205,10 @@ def test_torch_compile_model_runs_its_compiled_forward_once_said(pack, family, o
     def compiled(m):
         return run_node(cls, m, backend="inductor")
 
+    served = []
+    serve = accelerated_unet.Session._serve_wrapped
+    monkeypatch.setattr(accelerated_unet.Session, "_serve_wrapped",
+                        lambda *a, **kw: served.append(1) or serve(*a, **kw))
     torch._dynamo.reset()
     plain = sample(compiled(model), pos, neg, channels, steps=1)
     acc = stacked(pack, model, order, compiled)
@@ -212,6 +218,7 @@ def test_torch_compile_model_runs_its_compiled_forward_once_said(pack, family, o
     torch._dynamo.reset()
     assert H.same(out, plain) and H.same(again, plain)
     assert len(said(caplog, "TorchCompileModel compiles this model")) == 1
+    assert not served, "the compiled forward ran the node's wrapper"
     assert status(acc).engine_calls == 0
     assert not any("forward" in vars(m) for m in model.model.diffusion_model.modules())
 

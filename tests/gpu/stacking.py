@@ -1,6 +1,6 @@
 """The Accelerated UNet node stacked with ComfyUI's own tools on the GPU (issue 55): `tests/gpu/run stack-sd15`,
-`stack-sd15-tools`, `stack-flux-dev`, `stack-flux-dev-compile`, `stack-flux-dev-flags`, `stack-flux-dev-controlnet`,
-`stack-sd35-medium`, `stack-sdxl-multigpu` (MODES; `stack`: the first three; tests/gpu/README.md has their GPU times).
+`stack-sd15-tools`, `stack-sd15-compile`, `stack-flux-dev`, `stack-flux-dev-compile`, `stack-flux-dev-flags`,
+`stack-flux-dev-controlnet`, `stack-sd35-medium`, `stack-sdxl-multigpu` (MODES; `stack`: the first three; tests/gpu/README.md has their GPU times).
 tests/test_comfyui_stacking.py pins the same stacks down on the CPU; here they run full size, each in the host's own
 sampler with the model loaded from its file by ComfyUI's loader (tests/gpu/sequences.py's Harness, its yardstick and
 limits).
@@ -16,8 +16,9 @@ applied before and after the Accelerated UNet node:
 - ControlNet (SD1.5 and Flux): a seeded ControlNet of the model's layout (Flux's: XLabs', an image hint and 2 double
   blocks) written to a file, loaded by comfy.controlnet and applied by ControlNetApplyAdvanced, as a workflow does;
   the residuals reach the engine;
-- TorchCompileModel (inductor): the node steps aside (its compiled forward traces the node's wrapper), says so once,
-  and the image is plain's with the same compile (one order: both nest the same way, and each compile takes minutes);
+- TorchCompileModel (inductor): the node steps aside (its serving wrapper left out of the run, so that the compiled
+  forward is plain's own), says so once, and the image is plain's with the same compile (one order: both nest the same
+  way, and each compile takes minutes);
 - `--fast fp16_accumulation` and `--use-sage-attention`: ComfyUI reads them when its modules are imported, so each runs
   in a process of its own with the flag set in ComfyUI's cli_args before those imports (under DynamicVRAM with
   comfy-aimdo loaded first, as tests/gpu/run does), loading the same model file. Its limit takes plain's own move
@@ -111,6 +112,7 @@ INPUTS: dict[str, Callable[[sequences.Harness], dict]] = {
 MODES = {
     "stack-sd15": ("sd15", ("EasyCache", "LazyCache", "ControlNet")),
     "stack-sd15-tools": ("sd15", ("TorchCompileModel", *FLAGS)),
+    "stack-sd15-compile": ("sd15", ("TorchCompileModel",)),  # the -tools mode's first stack alone
     "stack-flux-dev": ("flux-dev", ("EasyCache", "LazyCache", "ModelSamplingFlux")),
     "stack-flux-dev-compile": ("flux-dev", ("TorchCompileModel",)),
     "stack-flux-dev-flags": ("flux-dev", tuple(FLAGS)),

@@ -321,9 +321,7 @@ def _without_serving_wrappers(run_options: dict | None, patcher) -> None:
     of its own for each run; where they are the patcher's own, nothing is taken."""
     from comfy.patcher_extension import WrappersMP
 
-    wrappers = (run_options or {}).get("transformer_options", {}).get("wrappers")
-    if not isinstance(wrappers, dict) or wrappers is getattr(patcher, "wrappers", None):
-        return
+    wrappers = (run_options or {}).get("transformer_options", {}).get("wrappers") or {}
     for kind in (WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
         keyed = wrappers.get(kind)
         if isinstance(keyed, dict) and keyed is not getattr(patcher, "wrappers", {}).get(kind):
@@ -462,6 +460,7 @@ class Session:
     def outer_sample(self, executor, *args, **kwargs):
         outer = self.patcher  # set when a sampler runs inside another sampler's run of this model
         self.patcher = getattr(executor.class_obj, "model_patcher", None)
+        compiled = self.patcher is not None and self.patcher.model_options.get("torch_compile_kwargs") is not None
         if outer is None:
             self._begin_run()
             # Kept CUDA graphs replay the modules as they were captured; object patches (other nodes' replaced
@@ -470,13 +469,13 @@ class Session:
             if self._objects is not None and objects != self._objects:
                 self.slot.end_run()
             self._objects = objects
-            if self.patcher is not None and self.patcher.model_options.get("torch_compile_kwargs") is not None:
+            if compiled:
                 self.slot.tell("torch.compile", "TorchCompileModel compiles this model: its compiled forward runs, "
                                "not sd-accel's engine. Leave TorchCompileModel out to accelerate (the node's "
                                "torch_compile option compiles the engine's blocks).")
             if self.slot.spread is not None:
                 self.slot.spread.hold(_replaced_here(objects))
-        if self.patcher is not None and self.patcher.model_options.get("torch_compile_kwargs") is not None:
+        if compiled:
             _without_serving_wrappers(getattr(executor.class_obj, "model_options", None), self.patcher)
         device, started = getattr(self.patcher, "load_device", None), time.perf_counter()
         try:

@@ -1,6 +1,7 @@
 """The Accelerated UNet node stacked with ComfyUI's own tools on the GPU (issue 55): `tests/gpu/run stack-sd15`,
-`stack-sd15-tools`, `stack-sd15-compile`, `stack-flux-dev`, `stack-flux-dev-compile`, `stack-flux-dev-flags`,
-`stack-flux-dev-controlnet`, `stack-sd35-medium`, `stack-sdxl-multigpu` (MODES; `stack`: the first three; tests/gpu/README.md has their GPU times).
+`stack-sd15-tools`, `stack-flux-dev`, `stack-sd15-compile`, `stack-flux-dev-compile`, `stack-flux-dev-flags`,
+`stack-flux-dev-controlnet`, `stack-sd35-medium`, `stack-sdxl-multigpu` (MODES; `stack`: the first three;
+tests/gpu/README.md has their GPU times).
 tests/test_comfyui_stacking.py pins the same stacks down on the CPU; here they run full size, each in the host's own
 sampler with the model loaded from its file by ComfyUI's loader (tests/gpu/sequences.py's Harness, its yardstick and
 limits).

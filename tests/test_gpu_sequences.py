@@ -345,6 +345,35 @@ def test_a_stack_that_raises_fails_naming_the_exception(stacking_on_the_cpu, mon
         assert not r.rows and "FAIL: raised ModuleNotFoundError" in r.table()
 
 
+def test_modes_of_one_model_in_one_call_load_the_file_the_first_wrote(stacking_on_the_cpu, monkeypatch, tmp_path):
+    """Two modes of one model in one call (`tests/gpu/run stack-flux-dev,stack-flux-dev-controlnet`): the second loads
+    the 16-bit file the first wrote rather than seeding and writing the full-size model again (a Flux file is 24 GB, the
+    GPU machine's disk 64 GB); another model, or a file gone, is written anew. Tiny models
+    write no file: the first mode's file stands in here, and the stacks themselves are left out."""
+    stacking = stacking_on_the_cpu
+    monkeypatch.setattr(stacking, "_WRITTEN", {}, raising=False)
+    written = tmp_path / "diffusion_model.safetensors"
+    written.write_bytes(b"weights")
+    monkeypatch.setattr(sequences.Harness, "model_file", lambda self: self._file16 or written)
+    given = []
+    reuse = sequences.Harness.reuse_file
+    monkeypatch.setattr(sequences.Harness, "reuse_file", lambda self, path: (given.append((self.name, path)),
+                                                                               reuse(self, path)))
+    monkeypatch.setattr(stacking.Stacker, "stack",
+                        lambda self, name: stacking.StackReport(self.h.name, name, self.precision, 0.0))
+    for mode, model in (("stack-a", "sd15"), ("stack-b", "sd15"), ("stack-c", "flux-dev")):
+        monkeypatch.setitem(stacking.MODES, mode, (model, ("EasyCache",)))
+    stacking.run_mode("stack-a", size="tiny", device="cpu")
+    assert given == []
+    stacking.run_mode("stack-b", size="tiny", device="cpu")
+    assert given == [("sd15", written)]
+    stacking.run_mode("stack-c", size="tiny", device="cpu")
+    assert given == [("sd15", written)]
+    written.unlink()
+    stacking.run_mode("stack-b", size="tiny", device="cpu")
+    assert given == [("sd15", written)]
+
+
 @pytest.mark.parametrize("name", ["two-models-plain", "two-models"])
 def test_a_second_model_in_one_process_leaves_both_as_plain(name):
     """tests/gpu/two_models.py on tiny models: SD1.5, SDXL, SD1.5 again in one process, each visit's latents equal

@@ -636,12 +636,20 @@ def flagged(args: dict) -> None:
 # ------------------------------------------------------------------------------------------------ a mode
 
 
+_WRITTEN: dict[tuple[str, str], Path] = {}  # (model, size): the 16-bit file an earlier mode of this process wrote
+
+
 def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackReport]:
     """The stacks of `mode` (MODES) on its model: the model and yardstick as the suite's sequences make them, then
-    each stack against plain with the same stack."""
+    each stack against plain with the same stack. Modes of one model in one call (`tests/gpu/run
+    stack-flux-dev,stack-flux-dev-controlnet`) load the file the first one wrote (the same seed, the same weights):
+    a full-size model is seeded and written once, and the disk holds one copy."""
     name, stacks = MODES[mode]
     note = sequences.set_up(device)
     h = sequences.Harness(name, size, device)
+    written = _WRITTEN.get((name, size))
+    if written is not None and written.is_file():
+        h.reuse_file(written)
     s = Stacker(h)
     skipped = []
     for stack in stacks:
@@ -652,6 +660,8 @@ def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackR
     stacks = [n for n in stacks if n not in {r.stack for r in skipped}]
     if not stacks or not h.prepare(s.fp8):
         return skipped
+    if h.model_file() is not None:
+        _WRITTEN[(name, size)] = h.model_file()
     reports = skipped
     # the flags last: their processes load the model again beside this one, which is unloaded for them
     for stack in sorted(stacks, key=lambda n: STACKS[n].kind == "flag"):

@@ -348,8 +348,8 @@ def test_a_stack_that_raises_fails_naming_the_exception(stacking_on_the_cpu, mon
 def test_modes_of_one_model_in_one_call_load_the_file_the_first_wrote(stacking_on_the_cpu, monkeypatch, tmp_path):
     """Two modes of one model in one call (`tests/gpu/run stack-flux-dev,stack-flux-dev-controlnet`): the second loads
     the 16-bit file the first wrote rather than seeding and writing the full-size model again (a Flux file is 24 GB, the
-    GPU machine's disk 64 GB); another model, or a file gone, is written anew. Tiny models
-    write no file: the first mode's file stands in here, and the stacks themselves are left out."""
+    GPU machine's disk 64 GB); another model, or a file gone, is written anew. Tiny models write no file: the first
+    mode's file stands in here, and the stacks themselves are left out."""
     stacking = stacking_on_the_cpu
     monkeypatch.setattr(stacking, "_WRITTEN", {}, raising=False)
     written = tmp_path / "diffusion_model.safetensors"

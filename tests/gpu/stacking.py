@@ -660,8 +660,8 @@ def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackR
     stacks = [n for n in stacks if n not in {r.stack for r in skipped}]
     if not stacks or not h.prepare(s.fp8):
         return skipped
-    if h.model_file() is not None:
-        _WRITTEN[(name, size)] = h.model_file()
+    if (path := h.model_file()) is not None:
+        _WRITTEN[(name, size)] = path
     reports = skipped
     # the flags last: their processes load the model again beside this one, which is unloaded for them
     for stack in sorted(stacks, key=lambda n: STACKS[n].kind == "flag"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -348,13 +349,25 @@ def test_a_stack_that_raises_fails_naming_the_exception(stacking_on_the_cpu, mon
 def test_modes_of_one_model_in_one_call_load_the_file_the_first_wrote(stacking_on_the_cpu, monkeypatch, tmp_path):
     """Two modes of one model in one call (`tests/gpu/run stack-flux-dev,stack-flux-dev-controlnet`): the second loads
     the 16-bit file the first wrote rather than seeding and writing the full-size model again (a Flux file is 24 GB, the
-    GPU machine's disk 64 GB); another model, or a file gone, is written anew. Tiny models write no file: the first
-    mode's file stands in here, and the stacks themselves are left out."""
+    GPU machine's disk 64 GB), through the call's SD_ACCEL_GPU_SHARED folder, as under DynamicVRAM, where each mode
+    runs in a process of its own and the first one's folder is gone when the next starts; another model, or a file
+    gone, is written anew; without the folder nothing is shared. Tiny models write no file: one stands in here for
+    each mode's own, and the stacks themselves are left out."""
     stacking = stacking_on_the_cpu
-    monkeypatch.setattr(stacking, "_WRITTEN", {}, raising=False)
-    written = tmp_path / "diffusion_model.safetensors"
-    written.write_bytes(b"weights")
-    monkeypatch.setattr(sequences.Harness, "model_file", lambda self: self._file16 or written)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    monkeypatch.setenv("SD_ACCEL_GPU_SHARED", str(shared))
+    own = []
+
+    def model_file(self):
+        if self._file16 is not None:
+            return self._file16
+        own.append(tmp_path / f"own-{len(own)}" / "diffusion_model.safetensors")
+        own[-1].parent.mkdir()
+        own[-1].write_bytes(f"{self.name} weights".encode())
+        return own[-1]
+
+    monkeypatch.setattr(sequences.Harness, "model_file", model_file)
     given = []
     reuse = sequences.Harness.reuse_file
     monkeypatch.setattr(sequences.Harness, "reuse_file", lambda self, path: (given.append((self.name, path)),
@@ -365,13 +378,18 @@ def test_modes_of_one_model_in_one_call_load_the_file_the_first_wrote(stacking_o
         monkeypatch.setitem(stacking.MODES, mode, (model, ("EasyCache",)))
     stacking.run_mode("stack-a", size="tiny", device="cpu")
     assert given == []
+    shutil.rmtree(own[0].parent)  # the first mode's process ended, and its folder with it
     stacking.run_mode("stack-b", size="tiny", device="cpu")
-    assert given == [("sd15", written)]
+    sd15 = shared / "sd15-tiny.safetensors"
+    assert given == [("sd15", sd15)] and sd15.read_bytes() == b"sd15 weights"
     stacking.run_mode("stack-c", size="tiny", device="cpu")
-    assert given == [("sd15", written)]
-    written.unlink()
+    assert given == [("sd15", sd15)] and (shared / "flux-dev-tiny.safetensors").read_bytes() == b"flux-dev weights"
+    sd15.unlink()
     stacking.run_mode("stack-b", size="tiny", device="cpu")
-    assert given == [("sd15", written)]
+    assert given == [("sd15", sd15)] and sd15.is_file()
+    monkeypatch.delenv("SD_ACCEL_GPU_SHARED")
+    stacking.run_mode("stack-b", size="tiny", device="cpu")
+    assert given == [("sd15", sd15)]
 
 
 @pytest.mark.parametrize("name", ["two-models-plain", "two-models"])

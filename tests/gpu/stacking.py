@@ -636,20 +636,25 @@ def flagged(args: dict) -> None:
 # ------------------------------------------------------------------------------------------------ a mode
 
 
-_WRITTEN: dict[tuple[str, str], Path] = {}  # (model, size): the 16-bit file an earlier mode of this process wrote
+def shared_file(name: str, size: str) -> Path | None:
+    """Where the modes of one `tests/gpu/run` call keep `name`'s 16-bit file for the next one: its
+    SD_ACCEL_GPU_SHARED folder, removed when the call ends (under DynamicVRAM each mode runs in a process of its own,
+    so a folder, not the process, has to hold it); None where no such folder is given."""
+    folder = os.environ.get("SD_ACCEL_GPU_SHARED", "")
+    return Path(folder) / f"{name}-{size}.safetensors" if folder else None
 
 
 def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackReport]:
     """The stacks of `mode` (MODES) on its model: the model and yardstick as the suite's sequences make them, then
     each stack against plain with the same stack. Modes of one model in one call (`tests/gpu/run
-    stack-flux-dev,stack-flux-dev-controlnet`) load the file the first one wrote (the same seed, the same weights):
-    a full-size model is seeded and written once, and the disk holds one copy."""
+    stack-flux-dev,stack-flux-dev-controlnet`) load the file the first one wrote (the same seed, the same weights;
+    shared_file): a full-size model is seeded and written once, and the disk holds one copy."""
     name, stacks = MODES[mode]
     note = sequences.set_up(device)
     h = sequences.Harness(name, size, device)
-    written = _WRITTEN.get((name, size))
-    if written is not None and written.is_file():
-        h.reuse_file(written)
+    shared = shared_file(name, size)
+    if shared is not None and shared.is_file():
+        h.reuse_file(shared)
     s = Stacker(h)
     skipped = []
     for stack in stacks:
@@ -660,8 +665,11 @@ def run_mode(mode: str, size: str = "full", device: str = "cuda") -> list[StackR
     stacks = [n for n in stacks if n not in {r.stack for r in skipped}]
     if not stacks or not h.prepare(s.fp8):
         return skipped
-    if (path := h.model_file()) is not None:
-        _WRITTEN[(name, size)] = path
+    if shared is not None and not shared.exists() and (path := h.model_file()) is not None:
+        try:  # a second name for the file, which outlives this process's folder and takes no more disk
+            os.link(path, shared)
+        except OSError as e:
+            print(f"{name}: a later mode writes its file again: cannot link it into {shared.parent} ({e})", flush=True)
     reports = skipped
     # the flags last: their processes load the model again beside this one, which is unloaded for them
     for stack in sorted(stacks, key=lambda n: STACKS[n].kind == "flag"):

@@ -78,8 +78,9 @@ def test_seconds_a_step_and_gpu_busy(monkeypatch):
     gemms = {f"nvjet_tst_{i}": 0.5 + i for i in range(5)}  # 0.5 ... 4.5
     monkeypatch.setattr(timing, "gpu_busy", lambda run: {
         "node": (9.0, {"gemm": 6.0, "copy": 3.0}, {**gemms, "Memcpy DtoD (Device -> Device)": 3.0}),
-        "plain": (6.0, {"attention": 2.0, "gemm": 4.0, "elementwise/other": 1.0, "norm": 0.5},
-                  {"nvjet_tst_0": 4.0, "flash_fwd_kernel": 2.0, gelu: 1.0, "rms_norm_kernel": 0.5})}[run.__name__])
+        "plain": (6.0, {"attention": 2.0, "gemm": 4.0, "elementwise/other": 1.0, "norm": 0.5, "copy": 0.25},
+                  {"nvjet_tst_0": 4.0, "flash_fwd_kernel": 2.0, gelu: 1.0, "rms_norm_kernel": 0.5,
+                   "Memcpy HtoD (Pageable -> Device)": 0.25})}[run.__name__])
     node, plain = fake("node", [10.0] * 5, calls), fake("plain", [30.0] * 5, calls)
     node.__name__, plain.__name__ = "node", "plain"
     t = timing.measure(node, plain, gpu=True, per=5, unit="s/step")
@@ -89,14 +90,14 @@ def test_seconds_a_step_and_gpu_busy(monkeypatch):
                             "node: GPU busy 1.80 s/step of 2.00 s/step wall (90%)")
     # where each side's GPU time went, the longest class first, per step as the rest
     assert t.lines()[2] == ("GPU time by kernel class (summed, streams overlapping counted apart), plain: gemm 0.800, "
-                            "attention 0.400, elementwise/other 0.200, norm 0.100 s/step; node: gemm 1.20, copy 0.600 "
+                            "attention 0.400, elementwise/other 0.200, norm 0.100, copy 0.0500 s/step; node: gemm 1.20, copy 0.600 "
                             "s/step")
     # and in each of the CLASSES longest classes its KERNELS longest kernels by name, boilerplate dropped, long names
-    # cut (the functor that says which elementwise kernel it is kept)
+    # cut (the functor that says which elementwise kernel it is kept); copies by name too, though not among them
     assert (timing.CLASSES, timing.KERNELS) == (3, 3)
     assert t.lines()[3] == ("plain's longest kernels (s/step): gemm: nvjet_tst_0 0.800; attention: flash_fwd_kernel "
                             "0.400; elementwise/other: vectorized_elementwise_kernel<4, gelu_kernel_impl(TensorI... "
-                            "0.200")
+                            "0.200; copy: Memcpy HtoD (Pageable -> Device) 0.0500")
     assert t.lines()[4] == ("node's longest kernels (s/step): gemm: nvjet_tst_4 0.900, nvjet_tst_3 0.700, "
                             "nvjet_tst_2 0.500; copy: Memcpy DtoD (Device -> Device) 0.600")
 

@@ -29,7 +29,7 @@ from sd_accel.accel.cli.timing import (MIN_RUNS, Spread, cpu_model, figure, host
 
 RUNS = MIN_RUNS  # timed runs of each side on a GPU
 CPU_RUNS = 1  # without one (tiny models, tests/test_gpu_*.py) the timed runs check the harness, and no figure is meant
-KERNELS = 3  # the longest kernels by name each side's profiled run lists in each of its longest classes
+KERNELS = 3  # the longest kernels by name each side's profiled run lists in each of its longest classes and copies
 CLASSES = 3  # those classes
 NAME = 60  # characters of a kernel's name in a line, its boilerplate dropped (templated names run to thousands)
 # Words of PyTorch's and CUDA's kernel names that say nothing of which kernel it is: dropped before a name is cut
@@ -44,7 +44,7 @@ class Busy:
     seconds: float | None = None  # None: not measured, `why` says why
     why: str = ""
     classes: tuple[tuple[str, float], ...] = ()  # the GPU's time by class of kernel, the longest first
-    # per class of the CLASSES longest: its KERNELS longest kernels by name, summed over their calls
+    # per class of the CLASSES longest, and copies: its KERNELS longest kernels by name, summed over their calls
     kernels: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] = ()
 
     def text(self, side: str, unit: str) -> str:
@@ -176,7 +176,10 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
         by_class, in_class = longest(classes), {}
         for name, t in kernels.items():
             in_class.setdefault(kernel_class(name), {})[name] = t
-        named = tuple((kind, longest(in_class[kind], KERNELS)) for kind, _ in by_class[:CLASSES])
+        # copies by name wherever they ran, longest or not: their names say which way (weights that DynamicVRAM or
+        # a host moves each run show as host-to-device copies)
+        shown = [kind for kind, _ in by_class[:CLASSES]] + [kind for kind, _ in by_class[CLASSES:] if kind == "copy"]
+        named = tuple((kind, longest(in_class[kind], KERNELS)) for kind in shown)
         return Busy(wall, seconds / per, classes=by_class, kernels=named)
     except Exception as e:  # noqa: BLE001 (CUPTI missing, a profiler error of this torch: the timing stands)
         text = str(e).strip().splitlines()

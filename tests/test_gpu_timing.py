@@ -90,8 +90,8 @@ def test_seconds_a_step_and_gpu_busy(monkeypatch):
                             "node: GPU busy 1.80 s/step of 2.00 s/step wall (90%)")
     # where each side's GPU time went, the longest class first, per step as the rest
     assert t.lines()[2] == ("GPU time by kernel class (summed, streams overlapping counted apart), plain: gemm 0.800, "
-                            "attention 0.400, elementwise/other 0.200, norm 0.100, copy 0.0500 s/step; node: gemm 1.20, copy 0.600 "
-                            "s/step")
+                            "attention 0.400, elementwise/other 0.200, norm 0.100, copy 0.0500 s/step; node: gemm "
+                            "1.20, copy 0.600 s/step")
     # and in each of the CLASSES longest classes its KERNELS longest kernels by name, boilerplate dropped, long names
     # cut (the functor that says which elementwise kernel it is kept); copies by name too, though not among them
     assert (timing.CLASSES, timing.KERNELS) == (3, 3)

@@ -178,8 +178,8 @@ def busy(run: Callable[[], object], wall: float, per: int = 1) -> Busy:
             in_class.setdefault(kernel_class(name), {})[name] = t
         # copies by name wherever they ran, longest or not: their names say which way (weights that DynamicVRAM or
         # a host moves each run show as host-to-device copies)
-        shown = [kind for kind, _ in by_class[:CLASSES]] + [kind for kind, _ in by_class[CLASSES:] if kind == "copy"]
-        named = tuple((kind, longest(in_class[kind], KERNELS)) for kind in shown)
+        named = tuple((kind, longest(in_class[kind], KERNELS)) for i, (kind, _) in enumerate(by_class)
+                      if i < CLASSES or kind == "copy")
         return Busy(wall, seconds / per, classes=by_class, kernels=named)
     except Exception as e:  # noqa: BLE001 (CUPTI missing, a profiler error of this torch: the timing stands)
         text = str(e).strip().splitlines()

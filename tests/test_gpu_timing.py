@@ -170,3 +170,11 @@ def test_gpu_busy_reads_the_busiest_gpus_events_by_class():
     assert timing.kernel_class("ncclDevKernel_AllToAll") == "collective"
     with pytest.raises(RuntimeError, match="no GPU activity"):
         timing.device_busy(events[:1])
+
+
+def test_more_timed_runs_only_when_asked_and_never_fewer_than_a_figure_needs():
+    assert timing.timed_runs({}) == timing.MIN_RUNS
+    assert timing.timed_runs({"SD_ACCEL_GPU_TIMED_RUNS": "11"}) == 11
+    for bad in ("3", "eleven", "-7"):
+        with pytest.raises(ValueError, match="SD_ACCEL_GPU_TIMED_RUNS"):
+            timing.timed_runs({"SD_ACCEL_GPU_TIMED_RUNS": bad})

@@ -27,7 +27,20 @@ from sd_accel.accel.cli.profile import classify
 from sd_accel.accel.cli.timing import (MIN_RUNS, Spread, cpu_model, figure, host_cpu, interleaved,  # noqa: F401
                                        load, load_text)
 
-RUNS = MIN_RUNS  # timed runs of each side on a GPU
+
+
+def timed_runs(environ: dict) -> int:
+    """Timed runs of each side on a GPU: MIN_RUNS, or more where SD_ACCEL_GPU_TIMED_RUNS asks (a closer median where
+    two figures that differ by less than their samples' spread are compared, as one model's ratio in two ComfyUIs)."""
+    text = environ.get("SD_ACCEL_GPU_TIMED_RUNS", "")
+    if not text:
+        return MIN_RUNS
+    if not text.isdigit() or int(text) < MIN_RUNS:
+        raise ValueError(f"SD_ACCEL_GPU_TIMED_RUNS={text!r}: give a whole number of at least {MIN_RUNS}")
+    return int(text)
+
+
+RUNS = timed_runs(os.environ)
 CPU_RUNS = 1  # without one (tiny models, tests/test_gpu_*.py) the timed runs check the harness, and no figure is meant
 KERNELS = 3  # the longest kernels by name each side's profiled run lists in each of its longest classes and copies
 CLASSES = 3  # those classes

@@ -10,6 +10,9 @@ one read. A longer one (Flux.2's SwiGLU input, 2 x 18,432) would spill them, and
 MLP hidden in a block of 16,384) computes its activation on the masked lanes too, so its program walks it in steps of
 LOOP_BLOCK twice: the largest magnitude, then the activation again, scaled and stored (the second read mostly from L2).
 
+The same rows in int8 (`dtype=INT8`: each row's largest magnitude to 127, rounded half away from zero) for int8
+products (kernels/int8_gemm.py), which keep 7 bits of a row's values where e4m3 keeps 3.
+
 Also per-tensor quantization by a largest magnitude already on the device (`quantize_tensor`: an attention's v, whose
 partial maxima the pass that wrote it gathered), with no host sync, so that a CUDA graph replays it.
 
@@ -33,6 +36,8 @@ from .errors import BadInput
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INT8 = torch.int8
+INT8_MAX = 127.0
 # the most elements of a row (twice the output's with SwiGLU) one program holds in registers at once
 MAX_K = 16384
 # the least share of its power-of-two block a row held in registers fills
@@ -58,6 +63,15 @@ def _to_e4m3(x, q_ptr, NATIVE: tl.constexpr):
 
 
 @jit
+def _stored(x, q_ptr, INT8: tl.constexpr, NATIVE: tl.constexpr):
+    """x (already divided by its row's scale) as the quantized type: int8 rounded half away from zero (a shift by a
+    half and a conversion, which truncates, in every Triton backend and the interpreter alike), or e4m3."""
+    if INT8:
+        return tl.minimum(tl.maximum(tl.where(x < 0, x - 0.5, x + 0.5), -127.0), 127.0).to(tl.int8)
+    return _to_e4m3(x, q_ptr, NATIVE)
+
+
+@jit
 def _activated(x_row, cols, K, GELU: tl.constexpr, SWIGLU: tl.constexpr):
     """A row's values at cols (masked past K) in float32, through the activation. With SWIGLU the row holds 2K values:
     the gate's, then the up projection's."""
@@ -72,7 +86,8 @@ def _activated(x_row, cols, K, GELU: tl.constexpr, SWIGLU: tl.constexpr):
 
 @jit(do_not_specialize=("M",))
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.constexpr, SWIGLU: tl.constexpr,
-                          BLOCK_K: tl.constexpr, LOOP: tl.constexpr, NATIVE: tl.constexpr):
+                          BLOCK_K: tl.constexpr, LOOP: tl.constexpr, NATIVE: tl.constexpr, INT8: tl.constexpr):
+    full = 127.0 if INT8 else 448.0  # INT8_MAX, FP8_MAX
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * row_stride, q_ptr + row * K
     cols = tl.arange(0, BLOCK_K)
@@ -80,16 +95,16 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, row_stride, GELU: tl.conste
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k in range(0, K, BLOCK_K):
             amax = tl.maximum(amax, tl.abs(_activated(x_row, k + cols, K, GELU, SWIGLU)))
-        scale = tl.maximum(tl.max(amax, 0) * (1.0 / 448.0), 1e-12)
+        scale = tl.maximum(tl.max(amax, 0) * (1.0 / full), 1e-12)
         inv = tl.math.div_rn(1.0, scale)
         for k in range(0, K, BLOCK_K):
             x = _activated(x_row, k + cols, K, GELU, SWIGLU)
-            tl.store(q_row + k + cols, _to_e4m3(x * inv, q_ptr, NATIVE), mask=k + cols < K)
+            tl.store(q_row + k + cols, _stored(x * inv, q_ptr, INT8, NATIVE), mask=k + cols < K)
     else:
         x = _activated(x_row, cols, K, GELU, SWIGLU)
-        scale = tl.maximum(tl.max(tl.abs(x), 0) * (1.0 / 448.0), 1e-12)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) * (1.0 / full), 1e-12)
         inv = tl.math.div_rn(1.0, scale)
-        tl.store(q_row + cols, _to_e4m3(x * inv, q_ptr, NATIVE), mask=cols < K)
+        tl.store(q_row + cols, _stored(x * inv, q_ptr, INT8, NATIVE), mask=cols < K)
     tl.store(s_ptr + row, scale)
 
 
@@ -126,11 +141,15 @@ def supported(x: torch.Tensor) -> bool:
             and x.shape[1] > 0)
 
 
-def quantize_rows(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_fp8 (M, K) contiguous, scale (M, 1) float32) for a 2-D x whose rows are contiguous (any row stride); of
+def quantize_rows(x: torch.Tensor, gelu: bool = False, swiglu: bool = False, dtype: torch.dtype = FP8
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q (M, K) contiguous, scale (M, 1) float32) for a 2-D x whose rows are contiguous (any row stride); of
     gelu(x) (tanh approximation) with gelu; with swiglu, of SiLU(gate) * up for rows [gate | up] of 2K values (K the
-    output's width). The activation is computed in float32."""
+    output's width). The activation is computed in float32. dtype: e4m3 (each row's largest magnitude to 448), or
+    int8 (to 127, rounded half away from zero: int8 products, kernels/int8_gemm.py)."""
     require(x, _quantize_rows_kernel, "quantize_rows")
+    if dtype not in (FP8, INT8):
+        raise BadInput(f"quantize_rows: dtype {dtype}; it quantizes to e4m3 or int8.", "Pass FP8 or INT8.")
     if gelu and swiglu:
         raise BadInput("quantize_rows: gelu and swiglu are two activations; it applies one.", "Pass one of them.")
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0 or (swiglu and x.shape[1] % 2):
@@ -139,19 +158,21 @@ def quantize_rows(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> 
                        "Use quantize_rows_ref (torch) for this tensor.")
     M, width = x.shape
     K = width // 2 if swiglu else width
-    q = torch.empty(M, K, device=x.device, dtype=FP8)
+    q = torch.empty(M, K, device=x.device, dtype=dtype)
     s = torch.empty(M, 1, device=x.device, dtype=torch.float32)
     if M:
         loop = width > MAX_K or K < FILL * pow2(K)
         block_k = LOOP_BLOCK if loop else pow2(K)
         with on_device(x):
             _quantize_rows_kernel[(M,)](x, q, s, M, K, x.stride(0), GELU=gelu, SWIGLU=swiglu, BLOCK_K=block_k,
-                                        LOOP=loop, NATIVE=_native_fp8(x, _quantize_rows_kernel), num_warps=LOOP_WARPS if loop else
+                                        LOOP=loop, NATIVE=_native_fp8(x, _quantize_rows_kernel),
+                                        INT8=dtype == INT8, num_warps=LOOP_WARPS if loop else
                                         min(HELD_MAX_WARPS, warps(block_k, HELD_PER_THREAD)))
     return q, s
 
 
-def quantize_rows_ref(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_ref(x: torch.Tensor, gelu: bool = False, swiglu: bool = False, dtype: torch.dtype = FP8
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of `quantize_rows`."""
     xf = x.float()
     if gelu:
@@ -159,6 +180,10 @@ def quantize_rows_ref(x: torch.Tensor, gelu: bool = False, swiglu: bool = False)
     if swiglu:
         gate, up = xf.chunk(2, dim=1)
         xf = F.silu(gate) * up
+    if dtype == INT8:
+        s = (xf.abs().amax(dim=1, keepdim=True) * (1.0 / INT8_MAX)).clamp_min(MIN_SCALE)
+        v = xf * (1.0 / s)
+        return torch.where(v < 0, v - 0.5, v + 0.5).clamp(-INT8_MAX, INT8_MAX).to(INT8), s
     s = (xf.abs().amax(dim=1, keepdim=True) * (1.0 / FP8_MAX)).clamp_min(MIN_SCALE)
     return (xf * (1.0 / s)).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
@@ -193,4 +218,4 @@ def quantize_tensor_ref(x: torch.Tensor, amax: torch.Tensor | None = None
 
 
 __all__ = ["quantize_rows", "quantize_rows_ref", "quantize_tensor", "quantize_tensor_ref", "supported", "FP8",
-           "FP8_MAX"]
+           "FP8_MAX", "INT8", "INT8_MAX"]

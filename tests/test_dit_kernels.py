@@ -368,6 +368,65 @@ def test_quantize_rows_with_swiglu_quantizes_silu_of_the_gate_times_up(M, H, dty
         quant.quantize_rows(x, gelu=True, swiglu=True)
 
 
+@pytest.mark.parametrize("M,K,dtype,act", [(7, 300, torch.bfloat16, ""), (3, 18432, torch.bfloat16, ""),
+                                         (5, 1000, torch.float16, "gelu"), (4, 2 * 1536, torch.bfloat16, "swiglu"),
+                                         (2, 2 * 9000, torch.bfloat16, "swiglu")])
+def test_quantize_rows_to_int8_rounds_each_row_onto_127_steps(M, K, dtype, act):
+    """int8 rows (int8 products): each row's largest magnitude to 127, every value within half a step of the row's
+    scale (7 bits where e4m3 keeps 3), rounded half away from zero as the reference does; held and walked rows."""
+    from sd_accel.kernels import quant
+
+    x = _randn(M, K, dtype=dtype, scale=3.0)
+    x[1] = 0
+    kw = {act: True} if act else {}
+    want = x.float()
+    if act == "gelu":
+        want = F.gelu(want, approximate="tanh")
+    if act == "swiglu":
+        gate, up = want.chunk(2, dim=1)
+        want = F.silu(gate) * up
+    q, s = quant.quantize_rows(x, dtype=quant.INT8, **kw)
+    q_ref, s_ref = quant.quantize_rows_ref(x, dtype=quant.INT8, **kw)
+    assert q.dtype == q_ref.dtype == torch.int8 and q.shape == want.shape and s.shape == (M, 1)
+    torch.testing.assert_close(s, (want.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12), rtol=1e-5, atol=0)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    # an activation's float32 last bits may move a value to the neighbouring step, and rarely do
+    assert (q.int() - q_ref.int()).abs().max() <= (1 if act else 0)
+    assert (q != q_ref).sum() <= q.numel() // 1000
+    assert q.int().abs().amax(dim=1)[0] == 127 and (q.int().abs() <= 127).all()
+    assert ((q.float() * s - want).abs() <= s * 0.5001 + want.abs() * 1e-6).all()
+    with pytest.raises(BadInput, match="e4m3 or int8"):
+        quant.quantize_rows(x, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("M,K,N,bias,out_dtype", [(70, 96, 48, True, torch.bfloat16), (5, 64, 80, False, torch.float16),
+                                               (33, 200, 36, True, torch.float16), (0, 32, 16, True, torch.bfloat16)])
+def test_int8_matmul_is_the_scaled_int32_product(M, K, N, bias, out_dtype):
+    """The int8 product against its reference (torch's exact int32 product, scaled and biased in float32): the same to
+    a 16-bit rounding; at odd shapes (edge tiles masked); and as a product it is close to the 16-bit one of the
+    values the operands were quantized from."""
+    from sd_accel.kernels import int8_gemm, quant
+
+    x = _randn(M, K, scale=2.0)
+    w = _randn(N, K, seed=1, scale=K ** -0.5)
+    b = _randn(N, seed=2, dtype=out_dtype) if bias else None
+    a, sa = quant.quantize_rows_ref(x, dtype=quant.INT8)
+    wq, sw = quant.quantize_rows_ref(w, dtype=quant.INT8)
+    y = int8_gemm.int8_matmul(a, sa, wq, sw.reshape(1, -1).contiguous(), b, out_dtype)
+    ref = int8_gemm.int8_matmul_ref(a, sa, wq, sw, b, out_dtype)
+    assert y.shape == (M, N) and y.dtype == out_dtype
+    _close(y, ref, torch.bfloat16)
+    if M:
+        exact = x @ w.t() + (b.float() if bias else 0)
+        assert (y.float() - exact).norm() / exact.norm() < 2e-2
+        out = torch.empty(M, N, dtype=out_dtype, device=DEVICE)
+        assert int8_gemm.int8_matmul(a, sa, wq, sw, b, out_dtype, out=out) is out and torch.equal(out, y)
+    with pytest.raises(BadInput, match="int8 \\(M, K\\)"):
+        int8_gemm.int8_matmul(x, sa, wq, sw)
+    with pytest.raises(BadInput, match="w_scale"):
+        int8_gemm.int8_matmul(a, sa, wq, sw[:1])
+
+
 def _ulps(dtype: torch.dtype) -> float:
     """The relative size of one step of dtype's mantissa."""
     return 2.0 ** -{torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]

@@ -44,6 +44,9 @@ def test_every_run_of_the_sequence_equals_plain_comfyui(name):
     else:  # plain ComfyUI's own fp8 weight dtype rounds the weights to e4m3: its latents move, and bound fp8's
         assert report.fp8_yardstick > 1e-3 and fp8_rows, report.table()
         assert all(r.limit == 1.5 * report.fp8_yardstick for r in fp8_rows)
+    int8_rows = [r for r in report.rows if r.setting.startswith("int8")]
+    assert bool(int8_rows) == (name in sequences.INT8)  # the int8 products' runs, within fp8's limit
+    assert all(r.limit == 1.5 * report.fp8_yardstick for r in int8_rows)
     print(report.table())
 
 

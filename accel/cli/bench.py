@@ -303,14 +303,15 @@ def _profile(row: Row, fn: Callable[[], object], log: Callable[[str], None]) -> 
         log(f"[{row.model}]     {profile.top_line(name, ms, n)}")
 
 
-# --paths that only a diffusion transformer's bench takes: fp8 products (precision fp8), and its weights stored in fp8
-# as ComfyUI loads them (dit_bench).
-DIT_PATHS = ("torch-fp8", "torch-fp8weights")
+# --paths that only a diffusion transformer's bench takes: fp8 or int8 products (precision fp8, int8), and its weights
+# stored in fp8 as ComfyUI loads them (dit_bench).
+DIT_PATHS = ("torch-fp8", "torch-int8", "torch-fp8weights")
 # Path variants of --paths ("<backend>-<variant>"): the options they build with, and their label.
 VARIANTS = {"compile": ({"compile": True}, " + regional compile"),
             "graph": ({"cuda_graph": True}, " + CUDA graph"),
             "cudnn-search": ({"cudnn_benchmark": True}, " + cuDNN search"),
             "fp8": ({"precision": "fp8"}, " fp8 products"),
+            "int8": ({"precision": "int8"}, " int8 products"),
             # after the path's own row, another checkpoint of the model built from its cached graph
             "refit": (None, "")}
 

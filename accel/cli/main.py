@@ -16,7 +16,7 @@ from . import checks
 # torch.compile's modes (its `mode` argument; "default" is None)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # --paths: a backend, or a backend and one of bench.py's VARIANTS; the fp8 ones for diffusion transformers (DIT_PATHS)
-PATHS = ("torch", "torch-compile", "torch-cudnn-search", "torch-fp8", "torch-fp8weights", "onnxruntime",
+PATHS = ("torch", "torch-compile", "torch-cudnn-search", "torch-fp8", "torch-int8", "torch-fp8weights", "onnxruntime",
          "onnxruntime-graph", "onnxruntime-refit")
 
 
@@ -316,7 +316,8 @@ def _main(argv: list[str] | None) -> int:
                         "torch-cudnn-search: with cuDNN's exhaustive algorithm search; onnxruntime-graph: ONNX "
                         "Runtime with its CUDA graph; onnxruntime-refit: ONNX Runtime, then another checkpoint of the model "
                         "built from its cached graph (a second row); for Flux and SD3.5 (with --gpus every model): torch-fp8: fp8 matrix products "
-                        "(precision fp8), torch-fp8weights: the weights stored in fp8 as ComfyUI loads them, its own "
+                        "(precision fp8), torch-int8: int8 ones (precision int8), torch-fp8weights: the weights "
+                        "stored in fp8 as ComfyUI loads them, its own "
                         "forward and the torch path on them, with --comfyui)")
     b.add_argument("--iters", type=checks.whole(1),
                    help="timed runs per variant (default 20, with --gpus 5): each row's median and min-max are "

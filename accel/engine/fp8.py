@@ -7,7 +7,12 @@ Which projections take them follows the torch path's `precision` option:
   layers, which would otherwise widen every weight to 16 bits at every call; the e4m3 layers of its quantized
   checkpoints, below); 16-bit weights stay 16-bit;
 - "fp8": every block projection; 16-bit weights are quantized into a copy kept beside them (+50% of their memory);
-- "16bit": none (fp8-loaded weights run through the host's own layers: widened per call, or its own fp8 kernels).
+- "16bit": none (fp8-loaded weights run through the host's own layers: widened per call, or its own fp8 kernels);
+- "int8": every block projection as "fp8" does, but 16-bit weights quantized to int8 (per output channel) and their
+  inputs to int8 rows (kernels/quant.py, kernels/int8_gemm.py): 7 bits of each row where e4m3 keeps 3, at e4m3's
+  tensor-core rate on Hopper; for models whose fp8 error is too large (Z-Image, BENCHMARKS.md). Weights stored in e4m3
+  stay e4m3 products. Producers that write e4m3 rows for the next product (the adaLN pass, fp8 attention) hand int8
+  layers 16 bits instead (`takes_rows`), which the product quantizes.
 The adaLN modulation projections (one row per sample) take fp8 products only where their weights are stored in fp8
 (widening billions of them per call costs more than the product); 16-bit ones stay 16-bit. Layers with weight or
 bias functions (lowvram, a LoRA applied per call) are never taken: their forward applies them. A marked layer's own
@@ -43,9 +48,11 @@ from .fusions.base import Undo, kernel_module, linear_layer, own_weights, patch_
 
 log = logging.getLogger("sd-accel")
 
-PRECISIONS = ("auto", "16bit", "fp8")
+PRECISIONS = ("auto", "16bit", "fp8", "int8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
+INT8 = torch.int8
+INT8_MAX = 127.0
 # The blocks whose projections may run in fp8, and the projections that stay 16-bit (per-sample modulation).
 # ComfyUI's Flux/Chroma, MMDiT, Wan and Qwen-Image blocks, then diffusers' Flux and SD3 blocks; the last name is also
 # ComfyUI's Z-Image (Lumina) block's; then ComfyUI's LTX-2 block. (Wan's and LTX-2's modulations are parameters added
@@ -59,14 +66,15 @@ MODULATION = ("img_mod", "txt_mod", "modulation", "adaLN_modulation", "norm1", "
 class _Weight(NamedTuple):
     source: weakref.ref  # the weight tensor it was made from
     key: tuple  # and that tensor's address, version, dtype and shape then, and its scale_weight's
-    fp8: torch.Tensor  # (N, K) e4m3: the weight itself when it is stored in fp8, else a copy owned here
-    scale: torch.Tensor  # (1, N) float32: weight = fp8 * scale per output channel
-    owned: bool  # fp8 is a copy of ours (may be written to), not the host's weight
+    q: torch.Tensor  # (N, K) e4m3 or int8: the weight itself when it is stored in fp8, else a copy owned here
+    scale: torch.Tensor  # (1, N) float32: weight = q * scale per output channel
+    owned: bool  # q is a copy of ours (may be written to), not the host's weight
 
 
 class Rows(NamedTuple):
-    """Activations quantized for fp8 products: what a fused kernel hands the next projection instead of a tensor."""
-    q: torch.Tensor  # (M, K) e4m3
+    """Activations quantized for fp8 (or int8) products: what a fused kernel hands the next projection instead of a
+    tensor."""
+    q: torch.Tensor  # (M, K) e4m3 or int8
     scale: torch.Tensor  # (M, 1) float32: row = q * scale
     shape: tuple  # the leading dims of the activation (M = their product)
     dtype: torch.dtype  # the 16-bit dtype the products return
@@ -111,15 +119,18 @@ def _key(layer: nn.Module) -> tuple:
             None if s is None else (s.data_ptr(), version(s), tuple(s.shape)))
 
 
-def _quantize(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _quantize(layer: nn.Module, int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The layer's weight as (e4m3 (N, K), float32 scale (1, N), whether the e4m3 tensor is a copy made here); a weight
-    stored in e4m3 as it is, with its per-tensor scale if it has one."""
+    stored in e4m3 as it is, with its per-tensor scale if it has one; a 16-bit weight in int8 with `int8`."""
     w = layer.weight
     kitchen = kitchen_e4m3(w)
     if kitchen is not None or w.dtype == FP8:
         q, scale = kitchen if kitchen is not None else (w, getattr(layer, "scale_weight", None))
         scale = scale.float().reshape(1, -1) if scale is not None else torch.ones(1, 1, device=q.device)
         return q, scale.expand(1, q.shape[0]).contiguous(), False
+    if int8:
+        q, scale = kernel_module("quant").quantize_rows_ref(w, dtype=INT8)
+        return q, scale.reshape(1, -1), True
     amax = w.float().abs().amax(dim=1).clamp_min(1e-12)
     scale = (amax / FP8_MAX).reshape(1, -1)
     return (w.float() / scale.t()).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale, True
@@ -133,6 +144,7 @@ class Copies:
 
     def __init__(self) -> None:
         self.layers: list[nn.Linear] = []
+        self.int8 = False  # 16-bit weights quantized to int8 (precision "int8"), else to e4m3
         self._entries: weakref.WeakKeyDictionary[nn.Module, _Weight] = weakref.WeakKeyDictionary()
         self._stale = False
 
@@ -144,15 +156,16 @@ class Copies:
         # inference_mode: the copies may be inference tensors (made inside a host's inference_mode), which only an
         # inference-mode op may write to.
         with torch.inference_mode():
-            fp8, scale, owned = _quantize(layer)
+            q, scale, owned = _quantize(layer, self.int8)
             if entry is not None and entry.scale.shape == scale.shape and entry.scale.device == scale.device:
                 entry.scale.copy_(scale)
                 scale = entry.scale
                 # only into a copy of ours: the host's e4m3 tensors (its weights, its backups) are never written
-                if owned and entry.owned and entry.fp8.shape == fp8.shape and entry.fp8.device == fp8.device:
-                    entry.fp8.copy_(fp8)
-                    fp8 = entry.fp8
-        entry = _Weight(weakref.ref(w), key, fp8, scale, owned)
+                if owned and entry.owned and entry.q.shape == q.shape and entry.q.device == q.device \
+                        and entry.q.dtype == q.dtype:
+                    entry.q.copy_(q)
+                    q = entry.q
+        entry = _Weight(weakref.ref(w), key, q, scale, owned)
         self._entries[layer] = entry
         return entry
 
@@ -199,9 +212,18 @@ def _cpu_row_wise() -> bool:
         return False
 
 
-def supported(device: torch.device) -> tuple[bool, str]:
+def supported(device: torch.device, int8: bool = False) -> tuple[bool, str]:
     """Whether fp8 products run on `device`: NVIDIA Hopper or later (Ada's row-wise scaled products are not verified
-    here), or the CPU (tests)."""
+    here), or the CPU (tests). int8: whether int8 products do: NVIDIA GPUs with Triton (kernels/int8_gemm.py), or
+    the CPU (torch's int32 product)."""
+    if int8:
+        if device.type == "cpu":
+            return True, ""
+        if device.type != "cuda" or torch.version.hip is not None:
+            return False, "int8 products are supported on NVIDIA GPUs only here"
+        if not kernel_module("int8_gemm").supported(torch.empty(0, device=device)):
+            return False, "Triton is not importable, and the int8 products are its kernel"
+        return True, ""
     if not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no fp8 matrix product (torch._scaled_mm)"
     if device.type == "cpu":
@@ -253,17 +275,30 @@ def apply(model: nn.Module, precision: str, undo: Undo, copies: Copies | None = 
     if precision == "16bit":
         return 0
     chosen = [layer for layer, modulation in projections(model) if _plain(layer)
-              and (stored_in_fp8(layer) or (precision == "fp8" and not modulation))]
+              and (stored_in_fp8(layer) or (precision in ("fp8", "int8") and not modulation))]
     if not chosen:
         return 0
-    ok, why = supported(chosen[0].weight.device)
-    if not ok:
-        if precision == "fp8" or any(stored_in_fp8(layer) for layer in chosen):
-            log.warning("sd-accel: fp8 matrix products cannot run: %s; the fp8 weights run through the host's own "
-                        "layers (widened to 16 bits per call, or its own fp8 kernels).", why)
+    device = chosen[0].weight.device
+    if precision == "int8":
+        ok, why = supported(device, int8=True)
+        if not ok:
+            log.warning("sd-accel: int8 matrix products cannot run: %s; the projections run as the host's own layers.",
+                        why)
+            return 0
+        if not supported(device)[0]:  # weights stored in e4m3 stay the host's where no fp8 product runs
+            chosen = [layer for layer in chosen if not stored_in_fp8(layer)]
+    else:
+        ok, why = supported(device)
+        if not ok:
+            if precision == "fp8" or any(stored_in_fp8(layer) for layer in chosen):
+                log.warning("sd-accel: fp8 matrix products cannot run: %s; the fp8 weights run through the host's own "
+                            "layers (widened to 16 bits per call, or its own fp8 kernels).", why)
+            return 0
+    if not chosen:
         return 0
     copies = copies if copies is not None else Copies()
     copies.layers = chosen
+    copies.int8 = precision == "int8"
     for layer in chosen:
         _MARKED[layer] = copies
         undo.add(lambda layer=layer: _MARKED.pop(layer, None))
@@ -285,18 +320,34 @@ def marked(layer: nn.Module) -> bool:
     return layer in _MARKED
 
 
-def takes_rows(x: torch.Tensor, *layers: nn.Module) -> bool:
-    """Whether the 16-bit activation x feeds only marked layers, so that a kernel may hand them fp8 Rows."""
-    return x.dtype in (torch.bfloat16, torch.float16) and bool(layers) and all(layer in _MARKED for layer in layers)
+def rows_dtype(layer: nn.Module) -> torch.dtype | None:
+    """What a marked layer's products take their input rows in (e4m3, or int8 for a 16-bit weight under precision
+    "int8"); None for a layer not marked."""
+    copies = _MARKED.get(layer)
+    if copies is None:
+        return None
+    return INT8 if copies.int8 and not stored_in_fp8(layer) else FP8
 
 
-def quantized(x: torch.Tensor, gelu: bool = False, swiglu: bool = False) -> Rows:
-    """x (..., K) in 16 bits as fp8 Rows; tanh-GELU'd first with gelu; with swiglu x is (..., 2K), the halves gate and
-    up, and the Rows are SiLU(gate) * up's (kernels/quant.py)."""
+def takes_e4m3(layer: nn.Module) -> bool:
+    """Whether a marked layer's products take e4m3 rows (what fp8 attention may write as its output)."""
+    return rows_dtype(layer) == FP8
+
+
+def takes_rows(x: torch.Tensor, *layers: nn.Module, dtype: torch.dtype = FP8) -> bool:
+    """Whether the 16-bit activation x feeds only marked layers that take rows of `dtype`, so that a kernel may hand
+    them such Rows (the fused kernels write e4m3 ones)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and bool(layers) and all(rows_dtype(layer) == dtype
+                                                                               for layer in layers)
+
+
+def quantized(x: torch.Tensor, gelu: bool = False, swiglu: bool = False, dtype: torch.dtype = FP8) -> Rows:
+    """x (..., K) in 16 bits as Rows of `dtype` (e4m3 or int8); tanh-GELU'd first with gelu; with swiglu x is
+    (..., 2K), the halves gate and up, and the Rows are SiLU(gate) * up's (kernels/quant.py)."""
     quant = kernel_module("quant")
     x2d = x.reshape(-1, x.shape[-1])
     fn = quant.quantize_rows if quant.supported(x2d) else quant.quantize_rows_ref
-    q, s = fn(x2d, gelu, swiglu)
+    q, s = fn(x2d, gelu, swiglu, dtype)
     return Rows(q, s, tuple(x.shape[:-1]), x.dtype)
 
 
@@ -306,7 +357,9 @@ def matmul(x: torch.Tensor | Rows, layer: nn.Linear, rows: slice = slice(None), 
     already quantized; the result in x's dtype (written into `out`, (M, N) contiguous, where given). rows and cols
     select output channels and input features (a split projection)."""
     entry = _weight(layer)
-    w, scale = entry.fp8[rows, cols], entry.scale[:, rows]
+    w, scale = entry.q[rows, cols], entry.scale[:, rows]
+    if w.dtype == INT8:
+        return _int8_product(x, w, scale, layer.bias[rows] if bias and layer.bias is not None else None, out)
     x = x if isinstance(x, Rows) else quantized(x)
     b = layer.bias[rows].to(x.dtype) if bias and layer.bias is not None else None
     extra = {} if out is None else {"out": out}
@@ -326,6 +379,24 @@ def matmul(x: torch.Tensor | Rows, layer: nn.Linear, rows: slice = slice(None), 
     y = _widened_product(x, w, scale, b)
     if out is not None:
         y = out.copy_(y)
+    return y.view(*x.shape, y.shape[-1])
+
+
+def _int8_product(x: torch.Tensor | Rows, w: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None,
+                  out: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ b) for int8 w (N, K) with its per-channel scale: x quantized to int8 rows, the product by
+    kernels/int8_gemm.py on a GPU, torch's int32 product elsewhere."""
+    if isinstance(x, Rows) and x.q.dtype != INT8:  # e4m3 rows made for another consumer: back to 16 bits first
+        x = (x.q.float() * x.scale).to(x.dtype).view(*x.shape, -1)
+    x = x if isinstance(x, Rows) else quantized(x, dtype=INT8)
+    gemm = kernel_module("int8_gemm")
+    w = w if w.is_contiguous() else w.contiguous()
+    b = None if b is None else b.to(x.dtype).contiguous()
+    if x.q.device.type == "cuda" and gemm.supported(x.q):
+        y = gemm.int8_matmul(x.q, x.scale, w, scale, b, x.dtype, out=out)
+    else:
+        y = gemm.int8_matmul_ref(x.q, x.scale, w, scale, b, x.dtype)
+        y = y if out is None else out.copy_(y)
     return y.view(*x.shape, y.shape[-1])
 
 
@@ -349,8 +420,9 @@ def split_linear(layer: nn.Module, x: torch.Tensor | Rows, parts: tuple[int, ...
     for p in parts:
         edges.append(edges[-1] + p)
     spans = [slice(a, b) for a, b in zip(edges, edges[1:])]
-    if isinstance(x, Rows) or takes_rows(x, layer):
-        x = x if isinstance(x, Rows) else quantized(x)
+    dtype = rows_dtype(layer)
+    if isinstance(x, Rows) or (dtype is not None and takes_rows(x, layer, dtype=dtype)):
+        x = x if isinstance(x, Rows) else quantized(x, dtype=dtype)
         return [matmul(x, layer, rows=s) for s in spans]
     if plain_linear(layer):
         b = layer.bias

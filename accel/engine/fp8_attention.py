@@ -328,7 +328,7 @@ class Output:
         o = self.o[:, start:stop] if sample is None else self.o[sample:sample + 1, start:stop]
         if self.o.dtype != fp8.FP8:
             return o
-        if consumer is not None and fp8.marked(consumer):
+        if consumer is not None and fp8.takes_e4m3(consumer):
             rows = o.reshape(-1, o.shape[-1])  # a view, but for a part of a batch of several
             return fp8.Rows(rows, self._row_descales[:rows.shape[0]], tuple(o.shape[:2]), self.dtype)
         return (o.float() * self.descale).to(self.dtype)
@@ -402,7 +402,7 @@ def sequence(module_name: str, name: str, batch: int, tokens: int, heads: int, h
         _say(f"at head size {head_dim} the attention stays 16-bit under fp8: FlashAttention-4 is installed, and its "
              "16-bit kernel was measured faster there than cuDNN's fp8 one", logging.INFO)
         return None
-    eight_bit_consumers = all(fp8.marked(c) for c in consumers)
+    eight_bit_consumers = all(fp8.takes_e4m3(c) for c in consumers)
     sixteen_bit = not eight_bit_consumers and sixteen_bit_output(like.device)
     shape, exchange = (batch, tokens, heads, head_dim), _exchange(comfy_function(module_name, name)[0])
     whole = exchange.whole(tokens) if exchange is not None else None

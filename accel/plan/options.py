@@ -19,7 +19,7 @@ DTYPES = {"float16": "float16", "fp16": "float16", "half": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float32": "float32", "fp32": "float32", "float": "float32"}
 CONV_ALGO_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
-PRECISION = ("auto", "16bit", "fp8")  # see accel/engine/fp8.py
+PRECISION = ("auto", "16bit", "fp8", "int8")  # see accel/engine/fp8.py
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class TorchOptions:
     # than one after another as the step reaches them.
     parallel_compile: bool = True
     # Diffusion transformers' block projections: "auto" runs fp8 products for weights loaded in fp8 and 16-bit ones
-    # for 16-bit weights; "fp8" quantizes 16-bit weights too; "16bit" widens fp8 weights as the host does.
+    # for 16-bit weights; "fp8" quantizes 16-bit weights too; "16bit" widens fp8 weights as the host does; "int8"
+    # quantizes 16-bit weights to int8 (closer than e4m3, for Z-Image).
     precision: str = field(default="auto", metadata={"choices": PRECISION})
 
 

@@ -96,6 +96,8 @@ QUICK = ("sd15", "flux-dev")
 # then the sequences), and Z-Image, HunyuanVideo 1.5, LTX-2 and Flux.2 need ComfyUI 0.33
 NOT_IN_FULL = ("wan21-1.3b", "qwen-image", "wan21-14b", "z-image", "hunyuan-video15", "ltx2-8l", "flux2-dev-10l")
 UNETS = ("sd15", "sdxl", "sdxl-fp8weights")
+# Models whose sequences run precision int8 too (not in quick): those whose fp8 error int8 is for (accel/engine/fp8.py)
+INT8 = ("z-image",)
 # Models whose weights are stored in another dtype than they compute in: ComfyUI's cast-on-the-fly layers widen each
 # weight per call to the dtype the model runs in (the 16-bit one, or float32 for the yardstick's reference, which so
 # keeps the same fp8 weights and measures the 16-bit computation's noise alone).
@@ -442,9 +444,12 @@ class Harness:
 
     def settings(self, quick: bool = False) -> list[tuple[str, str, bool]]:
         """(label, precision, cuda_graphs) of each node setting that applies to this model. quick: graphs on, and a
-        transformer's fp8 only (its 16-bit path runs in the widget changes and as the second of two nodes)."""
+        transformer's fp8 only (its 16-bit path runs in the widget changes and as the second of two nodes); int8 too
+        for the models of INT8."""
         graphs = ((True,) if quick else (True, False)) if self.device.type == "cuda" else (False,)
         precisions = ("auto",) if self.unet else (("fp8",) if quick else ("auto", "fp8"))
+        if not quick and self.name in INT8:
+            precisions += ("int8",)
         return [(f"{p}, graphs {'on' if g else 'off'}", p, g) for p in precisions for g in graphs]
 
     def measure_yardstick(self) -> None:
@@ -534,8 +539,8 @@ class Harness:
         return True
 
     def limit(self, fp8: bool) -> float:
-        """How far the node's latents may lie from plain's: 1.5 times the yardstick in 16 bits; with fp8 products 3
-        times it, or 1.5 times the fp8 yardstick where that is the larger."""
+        """How far the node's latents may lie from plain's: 1.5 times the yardstick in 16 bits; with fp8 (or int8)
+        products 3 times it, or 1.5 times the fp8 yardstick where that is the larger."""
         if fp8:
             return max(self.report.yardstick * 3.0, (self.report.fp8_yardstick or 0.0) * 1.5)
         return self.report.yardstick * 1.5
@@ -560,7 +565,7 @@ class Harness:
                 for run in runs_of:
                     if run.label == "after unload":
                         mm.unload_all_models()
-                    self.check(label, acc, run, precision == "fp8")
+                    self.check(label, acc, run, precision in ("fp8", "int8"))
                 del acc
                 gc.collect()
             if runs == "all":

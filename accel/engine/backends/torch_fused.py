@@ -128,10 +128,10 @@ class TorchEngine:
         self.said: set = set()  # what the patched forwards said once (attention.said_by), said once for this engine
         self._stack_applied = False  # the block stack's method replays graphs (stack_graphs.py)
         progress.stage("prepare torch path", total=3)
-        if options.precision == "fp8" and isinstance(unet, CanonicalUNet):
-            log.warning("sd-accel: precision fp8 is for the diffusion transformers; this UNet computes in %s as "
+        if options.precision in ("fp8", "int8") and isinstance(unet, CanonicalUNet):
+            log.warning("sd-accel: precision %s is for the diffusion transformers; this UNet computes in %s as "
                         "before (fp8 could not make SD1.x or SDXL much faster: BENCHMARKS.md, \"fp8 for the UNets\").",
-                        str(unet.dtype).removeprefix("torch."))
+                        options.precision, str(unet.dtype).removeprefix("torch."))
         self._weights = WeightsWatch(module)
         graphs = options.cuda_graphs and self.on_gpu
         # A model whose whole forward cannot be captured may have a block stack that can (stack_graphs.py): its graphs

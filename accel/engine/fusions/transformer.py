@@ -139,7 +139,7 @@ def project_part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int
     o = out.o if isinstance(out, fp8_attention.Output) else out
     B = o.shape[0]
     # fp8 products where a part comes as fp8 Rows or as 16 bits for a marked layer (what fp8.project would make)
-    eight = fp8.marked(layer) and (o.dtype == fp8.FP8 or fp8.takes_rows(o, layer))
+    eight = fp8.marked(layer) and o.dtype in (fp8.FP8, torch.bfloat16, torch.float16)
     # products into a given output do not record autograd: with gradients on, the layer's own call
     if B == 1 or stop - start == o.shape[1] or torch.is_grad_enabled() or not (eight or plain_linear(layer)):
         return fp8.project(layer, part(out, start, stop, layer))
@@ -186,8 +186,9 @@ def mlp(h: torch.Tensor | fp8.Rows, fc1: nn.Module, fc2: nn.Module, act: str = G
             and not fp8.marked(fc1):
         return fp8.project(fc2, linear_gelu(h, fc1.weight, fc1.bias))
     a = fp8.project(fc1, h)
-    if fp8.takes_rows(a, fc2):
-        return fp8.matmul(fp8.quantized(a, gelu=act == GELU_TANH, swiglu=act == SWIGLU), fc2)
+    dtype = fp8.rows_dtype(fc2)
+    if dtype is not None and fp8.takes_rows(a, fc2, dtype=dtype):
+        return fp8.matmul(fp8.quantized(a, gelu=act == GELU_TANH, swiglu=act == SWIGLU, dtype=dtype), fc2)
     return fc2(activated(a, act))
 
 
@@ -343,6 +344,9 @@ def project_packed(layers: tuple[nn.Module, ...], h: torch.Tensor | fp8.Rows) ->
     pack = packing.packed(*layers)
     if pack is not None and pack.intact() and not any(fp8.marked(layer) for layer in layers):
         return pack.linear(h, 0, len(layers))
+    dtype = fp8.rows_dtype(layers[0])
+    if isinstance(h, torch.Tensor) and dtype is not None and fp8.takes_rows(h, *layers, dtype=dtype):
+        h = fp8.quantized(h, dtype=dtype)
     return tuple(fp8.project(layer, h) for layer in layers)
 
 
@@ -434,8 +438,9 @@ def single_output_(x: torch.Tensor, gate: torch.Tensor, attn: torch.Tensor | fp8
     accumulates on the first) or two outputs the gated residual adds together (fp8, the activation in the pass that
     quantizes its part)."""
     B, L, C = x.shape
-    if fp8.takes_rows(x, linear2):
-        mlp = fp8.quantized(mlp_in, gelu=act == GELU_TANH, swiglu=act == SWIGLU)
+    dtype = fp8.rows_dtype(linear2)
+    if dtype is not None and fp8.takes_rows(x, linear2, dtype=dtype):
+        mlp = fp8.quantized(mlp_in, gelu=act == GELU_TANH, swiglu=act == SWIGLU, dtype=dtype)
         gated_residual_(x, gate, fp8.matmul(part(attn, 0, None, linear2), linear2, cols=slice(0, C)),
                         fp8.matmul(mlp, linear2, cols=slice(C, None), bias=False))
         return

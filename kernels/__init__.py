@@ -8,8 +8,9 @@ upsample:  nearest-neighbour 2x upsampling of channels_last activations.
 attention: attention over short key sets (a cross-attention's text tokens).
 adaln:     a DiT's LayerNorm with the adaLN modulation (and the gated residual before it).
 qk_rope:   a DiT's q/k RMSNorm with the rotary embedding, written for SDPA (q and k in e4m3 for fp8 attention).
-quant:     per-row fp8 quantization of activations (optionally after the tanh GELU or SwiGLU); per-tensor by a device
-           amax.
+quant:     per-row fp8 (or int8) quantization of activations (optionally after the tanh GELU or SwiGLU); per-tensor
+           by a device amax.
+int8_gemm: int8 matrix products with per-row and per-channel scales, bias and 16-bit output in the epilogue.
 ahead:     compiling the kernels a call will launch on a thread pool, before it runs.
 
 Importing this package imports nothing heavy; each module imports Triton if it can and says through `supported(x)`

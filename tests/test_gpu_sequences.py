@@ -129,6 +129,19 @@ def test_a_transformers_fp8_yardstick_measured_alone_serves_a_later_run(tmp_path
     assert report.rows and {r.limit for r in report.rows} == {5e-2 * 1.5} and not report.failures(), report.table()
 
 
+def test_int8_settings_alone_measure_the_fp8_yardstick_their_widget_changes_are_held_to(monkeypatch):
+    """int8 settings chosen alone (SD_ACCEL_GPU_SETTINGS="int8, ..."): the fp8 yardstick is measured as for fp8, which
+    bounds the int8 rows and the widget changes' fp8 node alike."""
+    H.import_comfy()
+    import comfy.supported_models
+
+    if not hasattr(comfy.supported_models, "ZImage"):
+        pytest.skip(f"ComfyUI {H.comfy_version()} has no supported_models.ZImage")
+    monkeypatch.setenv("SD_ACCEL_GPU_YARDSTICK", "only")
+    alone = sequences.run_model("z-image", size="tiny", device="cpu", only="int8")
+    assert not alone.rows and alone.fp8_yardstick > 1e-3, alone.table()
+
+
 def test_the_several_gpu_check_on_cpu_processes():
     """tests/gpu/gpus.py's check on the tiny Wan, its spread run over 2 CPU processes, twice: every call spread, the
     latents within the measured limit of the 1-GPU run's; the second run's seconds with no start of the workers in

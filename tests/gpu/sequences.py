@@ -551,7 +551,7 @@ class Harness:
         import comfy.model_management as mm
 
         runs_of = sequence(self.unet, runs)
-        fp8 = any(p == "fp8" and only in label for label, p, _ in self.settings(quick))
+        fp8 = any(p in ("fp8", "int8") and only in label for label, p, _ in self.settings(quick))
         if not self.prepare(fp8):
             return self.report
         if runs == "all":

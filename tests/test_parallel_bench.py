@@ -164,6 +164,7 @@ def test_precision_fp8_rows_name_the_fp8_attention_that_served_them(tmp_path):
     assert precisions(["torch", "torch-compile", "onnxruntime"]) == ("auto",)
     assert precisions(["torch-fp8"]) == ("fp8",) and precisions(["torch", "torch-fp8"]) == ("auto", "fp8")
     assert precisions(["onnxruntime"]) == ("auto",)
+    assert precisions(["torch-fp8", "torch-int8"]) == ("fp8", "int8")
     ref = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     job = Job(1, 0, ("wan21-1.3b",), {}, 1, False, "", str(tmp_path))
     _compare(Result("wan21-1.3b", "832x480", 1, "1 GPU", ms=8.0), ref, job)

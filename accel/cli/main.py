@@ -350,7 +350,8 @@ def _main(argv: list[str] | None) -> int:
                         "layout that divides N: CFG (the CFG batch over 2 GPUs), sequence (Ulysses), CFG x sequence; "
                         "ms per step, speed-up over the 1-GPU call timed alternately with the layout in the same processes, peak memory, distance from the 1-GPU output (and the "
                         "1-GPU output's bf16 noise, the yardstick); with --paths torch-fp8 (or torch,torch-fp8) under "
-                        "precision fp8 (too), each row naming the fp8 attention kernel that served it. With --tiny: "
+                        "precision fp8 (too), each row naming the fp8 attention kernel that served it; with "
+                        "torch-int8 under precision int8. With --tiny: "
                         "tiny models in processes on the CPU (gloo)")
     b.add_argument("--video-sizes", metavar="WxH,...", type=checks.video_sizes,
                    help="with --gpus, or --vae --models wan21/wan22: Wan's video sizes in pixels (default 832x480; "

@@ -161,9 +161,9 @@ def check(models: list[str], gpus: str, video_sizes: str | None, tiny: bool, com
 
 
 def precisions(paths: list[str]) -> tuple[str, ...]:
-    """The engine precisions --paths asks of the multi-GPU bench: "auto" for torch, "fp8" for torch-fp8 (the others
-    it does not time); auto where it names neither."""
-    found = tuple(p for path, p in (("torch", "auto"), ("torch-fp8", "fp8")) if path in paths)
+    """The engine precisions --paths asks of the multi-GPU bench: "auto" for torch, "fp8" for torch-fp8, "int8" for
+    torch-int8 (the others it does not time); auto where it names none of them."""
+    found = tuple(p for path, p in (("torch", "auto"), ("torch-fp8", "fp8"), ("torch-int8", "int8")) if path in paths)
     return found or ("auto",)
 
 

@@ -701,6 +701,14 @@ def _fused_output(model, inp, precision):
         undo()
 
 
+def _bf16_model_and_inputs(request, form, name):
+    """A tiny DiT in bfloat16 and its inputs, ComfyUI's PyTorch attention chosen for ComfyUI's classes."""
+    pytest.importorskip("triton")
+    if form == "comfy":
+        request.getfixturevalue("comfy_pytorch_attention")
+    return _dit_bf16(name, form=form), _bf16_inputs(name)
+
+
 def _bf16_inputs(name):
     inp = configs.dit_example_inputs(name, batch=2, device=DEVICE)
     return {k: v.to(torch.bfloat16) if k in ("x", "context", "y") else v for k, v in inp.items()}
@@ -714,11 +722,7 @@ def _bf16_inputs(name):
 def test_fp8_products_only_where_precision_says(request, form, name, projections):
     """precision auto leaves 16-bit weights 16-bit; fp8 takes every block projection (not the modulation) and stays
     close to the 16-bit fused forward; a weight changed in place is quantized again."""
-    pytest.importorskip("triton")
-    if form == "comfy":
-        request.getfixturevalue("comfy_pytorch_attention")
-    model = _dit_bf16(name, form=form)
-    inp = _bf16_inputs(name)
+    model, inp = _bf16_model_and_inputs(request, form, name)
     ref, counts = _fused_output(model, inp, "auto")
     assert counts["fp8"] == 0
     out, counts = _fused_output(model, inp, "fp8")
@@ -748,28 +752,19 @@ def test_int8_products_take_what_fp8_takes_and_stay_closer_to_16_bit(request, fo
     closer to the 16-bit fused forward than fp8's, through every way a block hands a projection its input (the adaLN
     pass, the packed q/k/v, a single-stream block's split output projection, the MLP's activation); a weight changed in
     place is quantized again."""
-    pytest.importorskip("triton")
-    if form == "comfy":
-        request.getfixturevalue("comfy_pytorch_attention")
-    model = _dit_bf16(name, form=form)
-    inp = _bf16_inputs(name)
+    from sd_accel.accel.engine import fp8
+
+    model, inp = _bf16_model_and_inputs(request, form, name)
     ref, _ = _fused_output(model, inp, "16bit")
     eight, _ = _fused_output(model, inp, "fp8")
     out, counts = _fused_output(model, inp, "int8")
     assert counts["fp8"] == projections
     assert 1e-4 < rel(out, ref) < rel(eight, ref)
-    layer = next(m for m in model.modules() if type(m).__name__ in ("Linear", "Linear8bit") and m.weight.dim() == 2
-                 and m.weight.shape[0] >= 16 and any(m is l for l, _ in fp8_projections(model)))
+    layer = next(layer for layer, modulation in fp8.projections(model) if not modulation)
     with torch.no_grad():
         layer.weight.mul_(1.5)
     changed, _ = _fused_output(model, inp, "int8")
     assert rel(changed, out) > 1e-4
-
-
-def fp8_projections(model):
-    from sd_accel.accel.engine import fp8
-
-    return [(layer, mod) for layer, mod in fp8.projections(model) if not mod]
 
 
 def test_where_the_cpu_has_no_fp8_product_precision_fp8_says_why_and_runs_16_bit(monkeypatch, caplog):

@@ -421,6 +421,9 @@ def test_int8_matmul_is_the_scaled_int32_product(M, K, N, bias, out_dtype):
         assert (y.float() - exact).norm() / exact.norm() < 2e-2
         out = torch.empty(M, N, dtype=out_dtype, device=DEVICE)
         assert int8_gemm.int8_matmul(a, sa, wq, sw, b, out_dtype, out=out) is out and torch.equal(out, y)
+        wide = torch.zeros(N, K + 32, dtype=torch.int8, device=DEVICE)  # a split projection's columns of a weight
+        wide[:, 32:] = wq
+        assert torch.equal(int8_gemm.int8_matmul(a, sa, wide[:, 32:], sw, b, out_dtype), y)
     with pytest.raises(BadInput, match="int8 \\(M, K\\)"):
         int8_gemm.int8_matmul(x, sa, wq, sw)
     with pytest.raises(BadInput, match="w_scale"):

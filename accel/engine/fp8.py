@@ -52,7 +52,6 @@ PRECISIONS = ("auto", "16bit", "fp8", "int8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 INT8 = torch.int8
-INT8_MAX = 127.0
 # The blocks whose projections may run in fp8, and the projections that stay 16-bit (per-sample modulation).
 # ComfyUI's Flux/Chroma, MMDiT, Wan and Qwen-Image blocks, then diffusers' Flux and SD3 blocks; the last name is also
 # ComfyUI's Z-Image (Lumina) block's; then ComfyUI's LTX-2 block. (Wan's and LTX-2's modulations are parameters added
@@ -221,7 +220,7 @@ def supported(device: torch.device, int8: bool = False) -> tuple[bool, str]:
             return True, ""
         if device.type != "cuda" or torch.version.hip is not None:
             return False, "int8 products are supported on NVIDIA GPUs only here"
-        if not kernel_module("int8_gemm").supported(torch.empty(0, device=device)):
+        if kernel_module("int8_gemm").triton is None:
             return False, "Triton is not importable, and the int8 products are its kernel"
         return True, ""
     if not hasattr(torch, "_scaled_mm"):
@@ -389,8 +388,7 @@ def _int8_product(x: torch.Tensor | Rows, w: torch.Tensor, scale: torch.Tensor, 
     if isinstance(x, Rows) and x.q.dtype != INT8:  # e4m3 rows made for another consumer: back to 16 bits first
         x = (x.q.float() * x.scale).to(x.dtype).view(*x.shape, -1)
     x = x if isinstance(x, Rows) else quantized(x, dtype=INT8)
-    gemm = kernel_module("int8_gemm")
-    w = w if w.is_contiguous() else w.contiguous()
+    gemm = kernel_module("int8_gemm")  # both take a column slice of a weight (a split projection) as it is
     b = None if b is None else b.to(x.dtype).contiguous()
     if x.q.device.type == "cuda" and gemm.supported(x.q):
         y = gemm.int8_matmul(x.q, x.scale, w, scale, b, x.dtype, out=out)

@@ -1,7 +1,8 @@
 """adaLN: LayerNorm without affine, then the diffusion transformer's modulation `LN(x) * (1 + scale) + shift`, in one
-pass (or an RMS norm without weight, LTX-2's, with or without the modulation); optionally after the gated residual
-that precedes it, `s = x + gate * update`, returning (y, s), s written over x where asked. And the gated residual
-alone, in place (`gated_add_`), where no norm follows in the same block.
+pass (or an RMS norm, LTX-2's without weight, Z-Image's with its weight, with or without the modulation); optionally
+after the gated residual that precedes it, `s = x + gate * update` (Z-Image's: `x + gate * RMSNorm(update)`),
+returning (y, s), s written over x where asked; y optionally quantized per row for the next product (e4m3 or int8).
+And the gated residual alone, in place (`gated_add_`), where no norm follows in the same block.
 
 In a DiT block (Flux, SD3/MMDiT) the attention output's gated residual feeds the MLP's modulated LayerNorm: one read
 of x and the update gives both the new residual stream and the MLP's input. scale, shift and gate are per sample and
@@ -25,9 +26,10 @@ FP8 = torch.float8_e4m3fn
 
 
 @jit(do_not_specialize=("M", "L"))
-def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, L, C, R, g_stride, g_tstride,
-                  sc_stride, sc_tstride, sh_stride, sh_tstride, eps, HAS_UPDATE: tl.constexpr, HAS_GATE: tl.constexpr,
-                  HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, RMS: tl.constexpr, OUT_FP8: tl.constexpr,
+def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, w_ptr, uw_ptr, M, L, C, R, g_stride,
+                  g_tstride, sc_stride, sc_tstride, sh_stride, sh_tstride, eps, u_eps, HAS_UPDATE: tl.constexpr,
+                  HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, RMS: tl.constexpr,
+                  OUT_FP8: tl.constexpr, OUT_INT8: tl.constexpr, HAS_WEIGHT: tl.constexpr, UPDATE_RMS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.arange(0, BLOCK_C)[None, :]
@@ -37,6 +39,9 @@ def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, 
     x = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
     if HAS_UPDATE:
         u = tl.load(u_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        if UPDATE_RMS:  # the update's own RMSNorm with its weight (Z-Image's post-norm), before the gate
+            u *= tl.rsqrt(tl.sum(u * u, 1) / C + u_eps)[:, None]
+            u *= tl.load(uw_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
         if HAS_GATE:
             u *= tl.load(g_ptr + batch * g_stride + run * g_tstride + cols, mask=mask, other=0.0).to(tl.float32)
         s = (x + u).to(s_ptr.dtype.element_ty)
@@ -47,6 +52,8 @@ def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, 
     else:
         d = tl.where(mask, x - (tl.sum(x, 1) / C)[:, None], 0.0)
     y = d * tl.rsqrt(tl.sum(d * d, 1) / C + eps)[:, None]
+    if HAS_WEIGHT:
+        y *= tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
     if HAS_SCALE:
         y *= 1.0 + tl.load(sc_ptr + batch * sc_stride + run * sc_tstride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SHIFT:
@@ -54,6 +61,11 @@ def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, M, 
     if OUT_FP8:  # each row scaled to e4m3's range, as kernels/quant.py's quantize_rows does
         row_scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 1) / 448.0, 1e-12)
         y = tl.clamp(y / row_scale[:, None], -448.0, 448.0)
+        tl.store(ys_ptr + rows, row_scale[:, None], mask=rows < M)
+    if OUT_INT8:  # each row on 127 steps, rounded half away from zero, as kernels/quant.py's int8 rows
+        row_scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 1) * (1.0 / 127.0), 1e-12)
+        y = y * tl.math.div_rn(1.0, row_scale)[:, None]
+        y = tl.minimum(tl.maximum(tl.where(y < 0, y - 0.5, y + 0.5), -127.0), 127.0)
         tl.store(ys_ptr + rows, row_scale[:, None], mask=rows < M)
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -110,16 +122,30 @@ def _run_length(L: int, *runs: int) -> int:
 
 def modulated_layer_norm(x: torch.Tensor, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
                          eps: float = 1e-6, update: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
-                         out_fp8: bool = False, rms: bool = False, in_place: bool = False) -> Union[torch.Tensor, tuple]:
+                         out_fp8: bool = False, rms: bool = False, in_place: bool = False,
+                         weight: Optional[torch.Tensor] = None, update_weight: Optional[torch.Tensor] = None,
+                         update_eps: float = 1e-6, out_int8: bool = False) -> Union[torch.Tensor, tuple]:
     """LN(x) * (1 + scale) + shift over the last dim of x (B, L, C) (no scale or shift when None; with rms, the
-    norm divides by the RMS alone, as RMSNorm); with `update` (and `gate`), s = x + (gate *) update first and returns
-    (LN(s) * (1 + scale) + shift, s), s written into x with in_place (x contiguous). With out_fp8 (CUDA only: the
-    Triton interpreter converts to fp8 wrongly) the normalized output comes quantized for an fp8 matrix product, as
-    (e4m3 rows (B * L, C), float32 row scales (B * L, 1)) in place of the tensor."""
+    norm divides by the RMS alone, as RMSNorm; times `weight` (C,) before the modulation where given: RMSNorm's own
+    weight); with `update` (and `gate`), s = x + (gate *) update first and returns (LN(s) * (1 + scale) + shift, s), s
+    written into x with in_place (x contiguous); with update_weight (C,), the update is RMS-normalized with that weight
+    and update_eps first (Z-Image's post-norm: s = x + gate * RMSNorm(update)). With out_fp8 (CUDA only: the Triton
+    interpreter converts to fp8 wrongly) the normalized output comes quantized for an fp8 matrix product, as (e4m3 rows
+    (B * L, C), float32 row scales (B * L, 1)) in place of the tensor; with out_int8 likewise as int8 rows (each row's
+    largest magnitude to 127, rounded half away from zero: kernels/quant.py's int8 rows)."""
     require(x, _adaln_kernel, "modulated_layer_norm")
     if out_fp8 and x.device.type != "cuda":
         raise BadInput("modulated_layer_norm: out_fp8 runs on CUDA only (the Triton interpreter converts to fp8 "
                        "wrongly).", "Quantize modulated_layer_norm_ref's output on the CPU.")
+    if out_fp8 and out_int8:
+        raise BadInput("modulated_layer_norm: out_fp8 and out_int8 are two formats; it writes one.", "Pass one.")
+    C = x.shape[-1]
+    for name, w in (("weight", weight), ("update_weight", update_weight)):
+        if w is not None and (w.shape != (C,) or w.device != x.device or not w.is_contiguous()):
+            raise BadInput(f"modulated_layer_norm: {name} has shape {tuple(w.shape)} on {w.device}; it takes ({C},) "
+                           f"contiguous on {x.device}.", f"Pass the norm's weight of {C} channels.")
+    if update_weight is not None and update is None:
+        raise BadInput("modulated_layer_norm: update_weight normalizes an update.", "Pass the update, or no weight.")
     if x.dim() != 3 or not 0 < x.shape[-1] <= MAX_C:
         raise BadInput(f"modulated_layer_norm: x has shape {tuple(x.shape)}; it takes (batch, tokens, channels) with "
                        f"up to {MAX_C} channels.", "Use modulated_layer_norm_ref (torch) for this tensor.")
@@ -139,20 +165,23 @@ def modulated_layer_norm(x: torch.Tensor, scale: Optional[torch.Tensor], shift: 
     x = x.contiguous()
     u = update.contiguous() if update is not None else x
     M = B * L
-    y = torch.empty(M, C, device=x.device, dtype=FP8) if out_fp8 else torch.empty_like(x)
-    ys = torch.empty(M, 1, device=x.device, dtype=torch.float32) if out_fp8 else y
+    rows = out_fp8 or out_int8
+    y = torch.empty(M, C, device=x.device, dtype=FP8 if out_fp8 else torch.int8) if rows else torch.empty_like(x)
+    ys = torch.empty(M, 1, device=x.device, dtype=torch.float32) if rows else y
     s = torch.empty_like(x) if update is not None and not in_place else x
     if M:
         block_c = pow2(C)
         block_m = min(pow2(M), max(1, tile_for(x) // block_c))
         with on_device(x):
             _adaln_kernel[(cdiv(M, block_m),)](
-                x, u, g, sc, sh, y, s, ys, M, L, C, R, g_stride, g_tstride, sc_stride, sc_tstride, sh_stride,
-                sh_tstride, eps, HAS_UPDATE=update is not None, HAS_GATE=gate is not None,
-                HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, RMS=rms, OUT_FP8=out_fp8, BLOCK_M=block_m,
-                BLOCK_C=block_c,
+                x, u, g, sc, sh, y, s, ys, x if weight is None else weight,
+                x if update_weight is None else update_weight, M, L, C, R, g_stride, g_tstride, sc_stride,
+                sc_tstride, sh_stride, sh_tstride, eps, update_eps, HAS_UPDATE=update is not None,
+                HAS_GATE=gate is not None, HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, RMS=rms,
+                OUT_FP8=out_fp8, OUT_INT8=out_int8, HAS_WEIGHT=weight is not None,
+                UPDATE_RMS=update_weight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
                 num_warps=warps(block_m * block_c, 32))
-    out = (y, ys) if out_fp8 else y
+    out = (y, ys) if rows else y
     return (out, s) if update is not None else out
 
 
@@ -185,9 +214,11 @@ def gated_add_(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
 
 def modulated_layer_norm_ref(x: torch.Tensor, scale: Optional[torch.Tensor], shift: Optional[torch.Tensor],
                              eps: float = 1e-6, update: Optional[torch.Tensor] = None,
-                             gate: Optional[torch.Tensor] = None, rms: bool = False
-                             ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """The torch reference of `modulated_layer_norm` (computed in float32, rounded once)."""
+                             gate: Optional[torch.Tensor] = None, rms: bool = False,
+                             weight: Optional[torch.Tensor] = None, update_weight: Optional[torch.Tensor] = None,
+                             update_eps: float = 1e-6) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The torch reference of `modulated_layer_norm` (computed in float32, rounded once; its 16-bit output, which
+    kernels/quant.py's references quantize)."""
     L = x.shape[1]
 
     def view(t: torch.Tensor) -> torch.Tensor:  # (B|1, L|1, C): per-token rows spread as the kernel spreads them
@@ -196,9 +227,16 @@ def modulated_layer_norm_ref(x: torch.Tensor, scale: Optional[torch.Tensor], shi
             t = t[:, torch.arange(L, device=t.device) // _run_length(L, t.shape[1])]
         return t.float()
 
-    s = x if update is None else (x.float() + (update.float() if gate is None else view(gate) * update.float())
-                                  ).to(x.dtype)
+    if update is not None:
+        u = update.float()
+        if update_weight is not None:
+            u = F.rms_norm(u, (x.shape[-1],), update_weight.float(), eps=update_eps)
+        s = (x.float() + (u if gate is None else view(gate) * u)).to(x.dtype)
+    else:
+        s = x
     y = (F.rms_norm if rms else F.layer_norm)(s.float(), (x.shape[-1],), eps=eps)
+    if weight is not None:
+        y = y * weight.float()
     if scale is not None:
         y = y * (1 + view(scale))
     if shift is not None:

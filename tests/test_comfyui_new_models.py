@@ -447,6 +447,38 @@ def test_z_image_int8_products_stay_closer_to_its_16bit_fused_forward_than_fp8(c
     assert 1e-4 < H.rel(out, ref) < H.rel(eight, ref) / 2
 
 
+def test_z_images_modulated_blocks_hand_their_products_int8_rows_from_the_norm_pass(comfy_pytorch_attention,
+                                                                                     monkeypatch):
+    """Under precision int8 a modulated block's pre-norms come quantized from the adaLN pass (the attention's, and the
+    post-norm + gated residual + MLP pre-norm one): only the attention's output and the SwiGLU's are quantized apart
+    (2 a block, where an unmodulated context refiner block quantizes all 4 of its inputs)."""
+    pytest.importorskip("triton")
+    _config_class("ZImage")
+    from sd_accel.accel.models import configs
+    from sd_accel.kernels import quant
+    from test_dit import _fused_output
+
+    model = configs.build_dit("tiny-z-image", "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16,
+                              device=DEVICE)
+    inp = configs.dit_example_inputs("tiny-z-image", batch=2, device=DEVICE)
+    inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
+    blocks = [m for m in model.modules() if type(m).__name__ == "JointTransformerBlock"]
+    modulated = sum(1 for m in blocks if m.modulation not in (False, None))
+    ref, _ = _fused_output(model, inp, "16bit")
+    calls = []  # the activations quantized apart (not the weights' int8 copies, made once)
+
+    def counted(x, *a, f, **k):
+        calls.extend([] if isinstance(x, torch.nn.Parameter) else [1])
+        return f(x, *a, **k)
+
+    for name in ("quantize_rows", "quantize_rows_ref"):
+        monkeypatch.setattr(quant, name, functools.partial(counted, f=getattr(quant, name)))
+    out, counts = _fused_output(model, inp, "int8")
+    assert 0 < modulated < len(blocks) and counts["fp8"] == 5 * len(blocks)
+    assert len(calls) == 2 * modulated + 4 * (len(blocks) - modulated)
+    assert 1e-4 < H.rel(out, ref) < 2e-2
+
+
 # -------------------------------------------------------------------------------------------- HunyuanVideo 1.5
 # ComfyUI 0.33's supported_models.HunyuanVideo15: its HunyuanVideo class with a vision input, whose blocks are Flux's
 # classes (comfy.ldm.flux.layers' DoubleStreamBlock and LastLayer), served by the flux fusion as they are.

@@ -504,6 +504,37 @@ def test_modulated_layer_norm_hands_fp8_rows_to_the_next_product(B, L, C, dtype,
     _within_one_e4m3_step(q, s, want)
 
 
+@pytest.mark.parametrize("B,L,C,dtype", [(2, 13, 40, torch.float32), (1, 9, 300, torch.bfloat16)])
+def test_z_images_sandwich_is_the_post_norm_the_gated_residual_and_the_next_pre_norm_in_one_pass(B, L, C, dtype):
+    """Z-Image's block between its attention and its MLP: s = x + tanh(gate) * RMSNorm2(update), then the MLP's input
+    RMSNorm1(s) * (1 + scale), each norm with its weight, as ComfyUI's modules compute it; and that input as int8 rows
+    (kernels/quant.py's int8 rows of the 16-bit output, within one step: the pass rounds from float32)."""
+    x = _randn(B, L, C, dtype=dtype, offset=1.0)
+    u = _randn(B, L, C, dtype=dtype, seed=3, scale=4.0)
+    scale, gate = _randn(B, C, dtype=dtype, seed=4, scale=0.5), _randn(B, C, dtype=dtype, seed=5).tanh()
+    w1, w2 = (_randn(C, dtype=dtype, seed=s, scale=0.2, offset=1.0) for s in (6, 7))
+    kw = dict(update=u, gate=gate, rms=True, weight=w1, update_weight=w2, update_eps=1e-5)
+    y, stream = adaln.modulated_layer_norm(x, scale, None, 1e-5, **kw)
+    y_ref, stream_ref = adaln.modulated_layer_norm_ref(x, scale, None, 1e-5, **kw)
+    _close(stream, stream_ref, dtype)
+    _close(y, y_ref, dtype)
+    host_s = x.float() + gate.float()[:, None] * F.rms_norm(u.float(), (C,), w2.float(), 1e-5)
+    host_y = F.rms_norm(host_s, (C,), w1.float(), 1e-5) * (1 + scale.float()[:, None])
+    _close(stream, host_s.to(dtype), dtype)
+    _close(y, host_y.to(dtype), dtype)
+    from sd_accel.kernels import quant
+
+    (q, rs), _ = adaln.modulated_layer_norm(x, scale, None, 1e-5, out_int8=True, **kw)
+    q_ref, rs_ref = quant.quantize_rows_ref(y_ref.reshape(B * L, C).float(), dtype=quant.INT8)
+    assert q.dtype == torch.int8 and q.shape == (B * L, C) and rs.shape == (B * L, 1)
+    torch.testing.assert_close(rs, rs_ref, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=0)
+    assert (q.int() - q_ref.int()).abs().max() <= 1
+    with pytest.raises(BadInput, match="update_weight normalizes an update"):
+        adaln.modulated_layer_norm(x, scale, None, update_weight=w2)
+    with pytest.raises(BadInput, match="weight has shape"):
+        adaln.modulated_layer_norm(x, scale, None, weight=w1[:-1])
+
+
 def _e4m3_close(got: torch.Tensor, want: torch.Tensor, descale: torch.Tensor) -> None:
     """Two e4m3 tensors of one scale agree within one e4m3 step (3 mantissa bits) of each other's values, most of
     them exactly (a value rounded to bfloat16 first, 8 bits, lands on an e4m3 tie about once in 32)."""

@@ -158,17 +158,29 @@ def project_part(out: torch.Tensor | fp8_attention.Output, start: int, stop: int
 
 def modulated_norm(x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, *consumers: nn.Module,
                    update: torch.Tensor | None = None, gate: torch.Tensor | None = None, rms: bool = False,
-                   in_place: bool = False):
-    """The adaLN pass (kernels/adaln.py; an RMS norm with rms, the stream updated in x with in_place) for the
-    projections `consumers` read its output with: when fp8 products serve all of them on CUDA, the output comes as
-    fp8.Rows, quantized in the same pass."""
-    rows = x.device.type == "cuda" and fp8.takes_rows(x, *consumers)
-    out = kernel_module("adaln").modulated_layer_norm(x, scale, shift, EPS, update=update, gate=gate, out_fp8=rows,
-                                                      rms=rms, in_place=in_place)
+                   in_place: bool = False, eps: float = EPS, weight: torch.Tensor | None = None,
+                   update_norm: nn.Module | None = None):
+    """The adaLN pass (kernels/adaln.py; an RMS norm with rms, times `weight` where given, the stream updated in x with
+    in_place; the update RMS-normalized by the RMSNorm module update_norm first where given) for the projections
+    `consumers` read its output with: when fp8 products serve all of them on CUDA (or int8 ones anywhere), the output
+    comes as fp8.Rows, quantized in the same pass."""
+    dtype = fp8.rows_dtype(consumers[0]) if consumers else None
+    int8 = dtype == fp8.INT8 and fp8.takes_rows(x, *consumers, dtype=dtype)
+    e4m3 = x.device.type == "cuda" and fp8.takes_rows(x, *consumers)
+    extra = {} if update_norm is None else dict(update_weight=norm_weight(update_norm.weight, x),
+                                                update_eps=rms_eps(update_norm, x))
+    out = kernel_module("adaln").modulated_layer_norm(x, scale, shift, eps, update=update, gate=gate, out_fp8=e4m3,
+                                                      rms=rms, in_place=in_place, weight=weight, out_int8=int8,
+                                                      **extra)
     h, s = out if update is not None else (out, None)
-    if rows:
+    if e4m3 or int8:
         h = fp8.Rows(h[0], h[1], tuple(x.shape[:-1]), x.dtype)
     return h if update is None else (h, s)
+
+
+def rms_eps(norm: nn.Module, x: torch.Tensor) -> float:
+    """The eps torch's RMSNorm module `norm` computes with on x: its own, else x's dtype's machine epsilon."""
+    return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
 
 
 def gated_mlp(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, scale: torch.Tensor,

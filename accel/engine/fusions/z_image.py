@@ -10,11 +10,13 @@ that RMS-normalizes q and k per head with the norms' weights, rotates them and w
 layout, where ComfyUI splits, normalizes, rotates and copies k and v once more for grouped heads; then SDPA, the
 fastest kernel timed at the shape, ComfyUI's own attention where it was timed faster, or fp8 attention); w1 and w3
 are packed into one GEMM (packing.py), SiLU-gated between it and w2 in one pass (kernels/swiglu.py: rounded and
-kept finite in float16 as ComfyUI computes it); the second gated residual is added in place (kernels/adaln.py's
-gated_add_); the output layer's LayerNorm and scale are one adaLN pass. The RMSNorms run as the host's own modules
-(a kernel that takes the post-norm, the gated residual and the next pre-norm in one pass is what a GPU run should
-show is worth it). The projections run as fp8 products where accel/engine/fp8.py marked them (the `precision`
-option), a product per layer.
+kept finite in float16 as ComfyUI computes it); in a modulated block the attention's pre-norm times (1 + scale) is one
+adaLN pass (kernels/adaln.py, RMS with the norm's weight), and so are the attention's post-norm, its gated residual
+and the MLP's pre-norm times (1 + scale), each handing its projections 8-bit rows quantized in the same pass where
+they make 8-bit products; the MLP's post-norm runs as the host's module, its gated residual added in place (the next
+block's pre-norm needs that block's modulation); the output layer's LayerNorm and scale are one adaLN pass. The
+context refiner's blocks (no modulation) run their norms as the host's modules. The projections run as fp8 (or int8)
+products where accel/engine/fp8.py marked them (the `precision` option), a product per layer.
 
 A call it does not cover runs the block's own forward: an attention mask, Z-Image Omni's reference images
 (timestep_zero_index), an attention override or another node's attention function in ComfyUI, a rotary table of
@@ -33,8 +35,8 @@ from . import packing
 from .base import (Undo, comfy_attention, host_block, kernel_module, own_weights, patch_forward,
                    reads_comfy_attention)
 from .registry import fusion
-from .transformer import (EPS, Joint, gated_residual_, kernels_run_on, linears, norm_weight, part, plain_layer_norms,
-                          project_packed, swiglu)
+from .transformer import (EPS, Joint, gated_residual_, kernels_run_on, linears, modulated_norm, norm_weight, part,
+                          plain_layer_norms, project_packed, rms_eps, swiglu)
 
 LUMINA = "comfy.ldm.lumina.model"
 ATTENTION = "optimized_attention_masked"  # the function of LUMINA that its JointAttention calls
@@ -71,19 +73,20 @@ def _fused(self: nn.Module, x: torch.Tensor, x_mask, freqs_cis, adaln_input, tim
             and comfy_attention(LUMINA, transformer_options, ATTENTION) is not None)
 
 
-def _attention(a: nn.Module, h: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
-    """JointAttention's output for its input h; pe in Flux's layout (B|1, 1, L, head_dim / 2, 2, 2)."""
-    B, L, _ = h.shape
+def _attention(a: nn.Module, h: torch.Tensor | fp8.Rows, pe: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """JointAttention's output for its input h (a tensor, or Rows quantized for qkv) of the stream x; pe in Flux's
+    layout (B|1, 1, L, head_dim / 2, 2, 2)."""
+    B, L, _ = x.shape
     qkv = fp8.project(a.qkv, h)
     norm = ((norm_weight(a.q_norm.weight, qkv), norm_weight(a.k_norm.weight, qkv)) if a.qk_norm else (None, None))
     # ComfyUI's inference path takes q_norm's eps for both, float32's machine epsilon where it has none
     eps = a.q_norm.eps if a.qk_norm and a.q_norm.eps is not None else torch.finfo(torch.float32).eps
-    joint = Joint(LUMINA, B, L, a.n_local_heads, h, (a.qkv,), [norm], (a.out,), ATTENTION)
+    joint = Joint(LUMINA, B, L, a.n_local_heads, x, (a.qkv,), [norm], (a.out,), ATTENTION)
     joint.write(qkv, 0, norm, eps, pe)
     return fp8.project(a.out, part(joint.attend(), 0, None, a.out))
 
 
-def _mlp(ff: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _mlp(ff: nn.Module, h: torch.Tensor | fp8.Rows) -> torch.Tensor:
     """FeedForward's w2(clamp_fp16(SiLU(w1 h) * w3 h)), w1 and w3 as one GEMM where they are packed."""
     return fp8.project(ff.w2, swiglu(project_packed((ff.w1, ff.w3), h), finite=True))
 
@@ -93,14 +96,25 @@ def _block_forward(self, x, x_mask, freqs_cis, adaln_input=None, timestep_zero_i
     if not _fused(self, x, x_mask, freqs_cis, adaln_input, timestep_zero_index, transformer_options):
         return type(self).forward(self, x, x_mask, freqs_cis, adaln_input, timestep_zero_index, transformer_options)
     pe = freqs_cis.transpose(1, 2)
+    a, ff = self.attention, self.feed_forward
     if adaln_input is None:  # the context refiner's blocks: no modulation, no gates
-        x = x + self.attention_norm2(_clamp16(_attention(self.attention, self.attention_norm1(x), pe)))
-        return x.add_(self.ffn_norm2(_mlp(self.feed_forward, self.ffn_norm1(x))))
+        x = x + self.attention_norm2(_clamp16(_attention(a, self.attention_norm1(x), pe, x)))
+        return x.add_(self.ffn_norm2(_mlp(ff, self.ffn_norm1(x))))
     scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).chunk(4, dim=1)
-    h = self.attention_norm1(x) * (1 + scale_msa.unsqueeze(1))
-    x = x + gate_msa.unsqueeze(1).tanh() * self.attention_norm2(_clamp16(_attention(self.attention, h, pe)))
-    h = self.ffn_norm1(x) * (1 + scale_mlp.unsqueeze(1))
-    return gated_residual_(x, gate_mlp.tanh(), self.ffn_norm2(_clamp16(_mlp(self.feed_forward, h))))
+    # the pre-norm times (1 + scale), quantized for qkv where it makes 8-bit products: one pass
+    h = _pre_norm(x, self.attention_norm1, scale_msa, a.qkv)
+    attention = _clamp16(_attention(a, h, pe, x))
+    # the post-norm, the gated residual and the MLP's pre-norm: one pass, the stream a new tensor (x is the caller's)
+    h, x = _pre_norm(x, self.ffn_norm1, scale_mlp, ff.w1, ff.w3, update=attention, gate=gate_msa.tanh(),
+                     update_norm=self.attention_norm2)
+    return gated_residual_(x, gate_mlp.tanh(), self.ffn_norm2(_clamp16(_mlp(ff, h))))
+
+
+def _pre_norm(x: torch.Tensor, norm: nn.Module, scale: torch.Tensor, *consumers: nn.Module, **update):
+    """norm(x) * (1 + scale) for `consumers` (kernels/adaln.py: Rows where they make 8-bit products), after
+    x + gate * update_norm(update) where given (then with that stream)."""
+    return modulated_norm(x, scale, None, *consumers, rms=True, eps=rms_eps(norm, x),
+                          weight=norm_weight(norm.weight, x), **update)
 
 
 def _final_forward(self, x, c, timestep_zero_index=None):

@@ -3,8 +3,10 @@ each side is its median with its range, the ratio is of the medians, and a profi
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,49 @@ def test_more_timed_runs_only_when_asked_and_never_fewer_than_a_figure_needs():
     for bad in ("3", "eleven", "-7"):
         with pytest.raises(ValueError, match="SD_ACCEL_GPU_TIMED_RUNS"):
             timing.timed_runs({"SD_ACCEL_GPU_TIMED_RUNS": bad})
+
+
+def _cond_copy():
+    warnings.warn(timing.SYNC_WARNING)  # where torch would warn: a copy from the CPU that waits for the GPU
+
+
+def _item():
+    warnings.warn(timing.SYNC_WARNING)
+
+
+def test_where_the_cpu_waited_for_the_gpu_by_place_the_most_first():
+    """One more run under torch's sync debug mode: each wait's place (its innermost frames outside torch), counted;
+    other warnings are no waits; the mode is set to warn for the run alone."""
+    modes: list[str] = []
+
+    def run():
+        for _ in range(3):
+            _cond_copy()
+        _item()
+        warnings.warn("some other warning")
+
+    waits = timing.host_waits(run, set_mode=modes.append)
+    assert modes == ["warn", "default"]
+    assert waits.count == 4
+    (first, n1), (second, n2) = waits.sites
+    assert (n1, n2) == (3, 1)
+    assert first.startswith("tests/test_gpu_timing.py:") and " _cond_copy < tests/test_gpu_timing.py:" in first
+    assert first.endswith(" run") and " _item < " in second
+    assert _timed_with(waits).lines()[-1] == ("the CPU waited for the GPU, in one more run: plain 0; node 4 ("
+                                              f"{first} x3; {second} x1)")
+
+
+def _timed_with(node_waits):
+    t = timing.measure(fake("node", [1.0], []), fake("plain", [2.0], []), gpu=False, runs=1)
+    return dataclasses.replace(t, plain_waits=timing.Waits(0), node_waits=node_waits)
+
+
+def test_a_sync_debug_mode_that_cannot_be_set_is_said_and_the_run_not_made():
+    calls: list[str] = []
+
+    def cannot(mode):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    waits = timing.host_waits(fake("node", [1.0], calls), set_mode=cannot)
+    assert calls == [] and waits.count is None
+    assert waits.text("node") == "node not measured (AssertionError: Torch not compiled with CUDA enabled)"

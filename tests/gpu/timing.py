@@ -8,7 +8,9 @@ is its median with its range, beside the host's CPU and load. One more run of ea
 long the GPU was busy within it: how much of a speed-up is GPU work and how much is the launch overhead that CUDA
 graphs remove; and that busy time by class of kernel (the bench's classes: GEMM, attention, norm, collective, ...,
 with memory copies and sets apart) and its longest kernels by name, so that two runs whose GPU work differs (one model
-in two ComfyUI versions) say where.
+in two ComfyUI versions) say where. One more run of each under torch's sync debug mode says where the CPU waited for
+the GPU (each wait leaves the GPU idle while the CPU prepares what follows it): the idle time that two runs of the same
+GPU work differ by.
 
 The statistics and the lines are plain functions of the timers' samples, which tests/test_gpu_timing.py checks on
 the CPU; the statistics and the host's CPU and load are the bench's own (accel/cli/timing.py).
@@ -18,8 +20,11 @@ from __future__ import annotations
 
 import math
 import os
+import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # One implementation of the statistics and the host's CPU and load, the bench's too; the suite reads them from here.
@@ -82,6 +87,63 @@ def short(name: str) -> str:
     return name if len(name) <= NAME else name[:NAME - 3] + "..."
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's warning at each wait in sync debug mode "warn"
+SITES = 3  # the places that waited most, each side
+SITE_FRAMES = 2  # frames of each place, the innermost first
+
+
+@dataclass(frozen=True)
+class Waits:
+    """Where one run made the CPU wait for the GPU: each place (its innermost frames outside torch) and its count."""
+
+    count: int | None  # None: not measured, `why` says why
+    sites: tuple[tuple[str, int], ...] = ()  # the most first
+    why: str = ""
+
+    def text(self, side: str) -> str:
+        if self.count is None:
+            return f"{side} not measured ({self.why})"
+        return f"{side} {self.count}" + (" (" + "; ".join(f"{where} x{n}" for where, n in self.sites[:SITES]) + ")"
+                                         if self.sites else "")
+
+
+def site(stack: traceback.StackSummary) -> str:
+    """The place a wait came from: its innermost frames outside torch, the warnings machinery and this module."""
+    torch_dir = str(Path(__import__("torch").__file__).parent)
+    frames = [f for f in stack if not f.filename.startswith(torch_dir)
+              and Path(f.filename).name not in ("warnings.py", Path(__file__).name)]
+    return " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+                      for f in reversed(frames[-SITE_FRAMES:])) or "?"
+
+
+def host_waits(run: Callable[[], object], set_mode: Callable[[str], None] | None = None) -> Waits:
+    """Where one call of `run` made the CPU wait for the GPU, by torch's sync debug mode (set_mode: its setter,
+    torch.cuda.set_sync_debug_mode); a mode that cannot be set is said in the table, never a failed suite."""
+    import torch
+
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    sites: dict[str, int] = {}
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING in str(message):
+            where = site(traceback.extract_stack()[:-1])
+            sites[where] = sites.get(where, 0) + 1
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            set_mode("warn")
+            try:
+                run()
+            finally:
+                set_mode("default")
+    except Exception as e:  # noqa: BLE001 (a torch without CUDA, or without the mode: the timing stands)
+        text = str(e).strip().splitlines()
+        return Waits(None, why=f"{type(e).__name__}{': ' + text[0] if text else ''}")
+    return Waits(sum(sites.values()), tuple(sorted(sites.items(), key=lambda kv: -kv[1])))
+
+
 @dataclass(frozen=True)
 class Timed:
     """The timed pair: the node's runs and plain ComfyUI's, interleaved, and where each one's time went."""
@@ -96,6 +158,8 @@ class Timed:
     unit: str = "s"
     beside: Spread | None = None  # a third side run after the two in each round, for context (not profiled)
     beside_label: str = ""
+    plain_waits: Waits | None = None  # where one more run of each made the CPU wait for the GPU
+    node_waits: Waits | None = None
 
     def lines(self) -> list[str]:
         timed = (f"timed: node median {self.node.text(self.unit)}, plain {self.plain.text(self.unit)} over "
@@ -112,6 +176,9 @@ class Timed:
             lines.append(f"{self.beside_label}, run third in the same rounds: median {self.beside.text(self.unit)}, "
                          f"{self.beside.median / self.node.median:.2f}x the node's, "
                          f"{self.beside.median / self.plain.median:.2f}x plain's")
+        if self.plain_waits and self.node_waits:
+            lines.append("the CPU waited for the GPU, in one more run: " + self.plain_waits.text("plain") + "; "
+                         + self.node_waits.text("node"))
         return lines
 
 
@@ -217,9 +284,11 @@ def measure(node: Callable[[], float], plain: Callable[[], float], gpu: bool, ru
     node_s, plain_s = interleaved(node, plain_then_beside if beside else plain, runs)
     host_load = load()  # before the profiled runs, which are no part of the timed ones
     node_t, plain_t = Spread.of(s / per for s in node_s), Spread.of(s / per for s in plain_s)
+    waits: tuple[Waits | None, Waits | None] = (None, None)
     if gpu:
         node_busy, plain_busy = busy(node, node_t.median, per), busy(plain, plain_t.median, per)
+        waits = host_waits(plain), host_waits(node)
     else:
         node_busy, plain_busy = (Busy(side.median, None, "no CUDA device") for side in (node_t, plain_t))
     return Timed(node_t, plain_t, plain_t.median / node_t.median, host_cpu(), host_load, node_busy, plain_busy, unit,
-                 Spread.of(s / per for s in beside_s) if beside else None, beside[0] if beside else "")
+                 Spread.of(s / per for s in beside_s) if beside else None, beside[0] if beside else "", *waits)

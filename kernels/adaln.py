@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .common import cdiv, jit, on_device, pow2, require, supported_tensor, tile_for, tl, warps
 from .errors import BadInput
+from .quant import to_int8
 
 MAX_C = 16384
 FP8 = torch.float8_e4m3fn
@@ -64,8 +65,7 @@ def _adaln_kernel(x_ptr, u_ptr, g_ptr, sc_ptr, sh_ptr, y_ptr, s_ptr, ys_ptr, w_p
         tl.store(ys_ptr + rows, row_scale[:, None], mask=rows < M)
     if OUT_INT8:  # each row on 127 steps, rounded half away from zero, as kernels/quant.py's int8 rows
         row_scale = tl.maximum(tl.max(tl.where(mask, tl.abs(y), 0.0), 1) * (1.0 / 127.0), 1e-12)
-        y = y * tl.math.div_rn(1.0, row_scale)[:, None]
-        y = tl.minimum(tl.maximum(tl.where(y < 0, y - 0.5, y + 0.5), -127.0), 127.0)
+        y = to_int8(y * tl.math.div_rn(1.0, row_scale)[:, None])
         tl.store(ys_ptr + rows, row_scale[:, None], mask=rows < M)
     tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -63,11 +63,17 @@ def _to_e4m3(x, q_ptr, NATIVE: tl.constexpr):
 
 
 @jit
+def to_int8(x):
+    """x (already divided by its row's scale) as int8, rounded half away from zero: a shift by a half and a conversion,
+    which truncates, in every Triton backend and the interpreter alike (kernels/adaln.py's int8 rows too)."""
+    return tl.minimum(tl.maximum(tl.where(x < 0, x - 0.5, x + 0.5), -127.0), 127.0).to(tl.int8)
+
+
+@jit
 def _stored(x, q_ptr, INT8: tl.constexpr, NATIVE: tl.constexpr):
-    """x (already divided by its row's scale) as the quantized type: int8 rounded half away from zero (a shift by a
-    half and a conversion, which truncates, in every Triton backend and the interpreter alike), or e4m3."""
+    """x (already divided by its row's scale) as the quantized type: int8 or e4m3."""
     if INT8:
-        return tl.minimum(tl.maximum(tl.where(x < 0, x - 0.5, x + 0.5), -127.0), 127.0).to(tl.int8)
+        return to_int8(x)
     return _to_e4m3(x, q_ptr, NATIVE)
 
 
@@ -180,12 +186,12 @@ def quantize_rows_ref(x: torch.Tensor, gelu: bool = False, swiglu: bool = False,
     if swiglu:
         gate, up = xf.chunk(2, dim=1)
         xf = F.silu(gate) * up
-    if dtype == INT8:
-        s = (xf.abs().amax(dim=1, keepdim=True) * (1.0 / INT8_MAX)).clamp_min(MIN_SCALE)
-        v = xf * (1.0 / s)
-        return torch.where(v < 0, v - 0.5, v + 0.5).clamp(-INT8_MAX, INT8_MAX).to(INT8), s
-    s = (xf.abs().amax(dim=1, keepdim=True) * (1.0 / FP8_MAX)).clamp_min(MIN_SCALE)
-    return (xf * (1.0 / s)).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+    full = INT8_MAX if dtype == INT8 else FP8_MAX
+    s = (xf.abs().amax(dim=1, keepdim=True) * (1.0 / full)).clamp_min(MIN_SCALE)
+    v = xf * (1.0 / s)
+    if dtype == INT8:  # rounded half away from zero (the conversion truncates)
+        v = torch.where(v < 0, v - 0.5, v + 0.5)
+    return v.clamp(-full, full).to(dtype), s
 
 
 def quantize_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -103,9 +103,9 @@ class AcceleratedUNetNode:
                     "runs weights loaded in fp8 as fp8 "
                     "matrix products (Hopper and later) and 16-bit weights in 16 bits; fp8 also quantizes 16-bit "
                     "weights (faster, +50% weight memory, slightly different images); int8 quantizes them to int8 "
-                    "instead (as fast on Hopper, closer to the 16-bit image: for Z-Image, whose fp8 image drifts "
-                    "most); 16bit widens fp8 weights per call, as ComfyUI does. UNets (SD1.x, SDXL) compute in 16 "
-                    "bits whatever this says.")}),
+                    "instead (a little slower than fp8, closer to the 16-bit image: for Z-Image, whose fp8 image "
+                    "drifts most); 16bit widens fp8 weights per call, as ComfyUI does. UNets (SD1.x, SDXL) compute "
+                    "in 16 bits whatever this says.")}),
                 "gpus": (list(GPUS), {"default": "1", "tooltip": (
                     "How many GPUs one sampling run uses: all = every visible GPU; fewer are used where fewer are "
                     "visible. With more than 1, a worker process on each other GPU holds a copy of the model (started "

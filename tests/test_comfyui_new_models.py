@@ -186,14 +186,20 @@ def _fused_and_own(name: str) -> tuple:
         return ref, out, counts, canon(**inp), model
 
 
-def _fp8_and_16bit(name: str) -> tuple:
-    """((output, counts) with precision auto, the same with precision fp8) of the tiny DiT `name` in bfloat16, fused."""
+def _tiny_bf16(name: str) -> tuple:
+    """(model, inputs) of the tiny DiT `name` as ComfyUI's class in bfloat16, its example inputs in bfloat16."""
     from sd_accel.accel.models import configs
-    from test_dit import _fused_output
 
     model = configs.build_dit(name, "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16, device=DEVICE)
     inp = configs.dit_example_inputs(name, batch=2, device=DEVICE)
-    inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
+    return model, {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
+
+
+def _fp8_and_16bit(name: str) -> tuple:
+    """((output, counts) with precision auto, the same with precision fp8) of the tiny DiT `name` in bfloat16, fused."""
+    from test_dit import _fused_output
+
+    model, inp = _tiny_bf16(name)
     return _fused_output(model, inp, "auto"), _fused_output(model, inp, "fp8")
 
 
@@ -433,13 +439,9 @@ def test_z_image_int8_products_stay_closer_to_its_16bit_fused_forward_than_fp8(c
     projections as int8 products, closer to the 16-bit fused forward than fp8's."""
     pytest.importorskip("triton")
     _config_class("ZImage")
-    from sd_accel.accel.models import configs
     from test_dit import _fused_output
 
-    model = configs.build_dit("tiny-z-image", "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16,
-                              device=DEVICE)
-    inp = configs.dit_example_inputs("tiny-z-image", batch=2, device=DEVICE)
-    inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
+    model, inp = _tiny_bf16("tiny-z-image")
     ref, _ = _fused_output(model, inp, "16bit")
     eight, _ = _fused_output(model, inp, "fp8")
     out, counts = _fused_output(model, inp, "int8")
@@ -454,14 +456,10 @@ def test_z_images_modulated_blocks_hand_their_products_int8_rows_from_the_norm_p
     (2 a block, where an unmodulated context refiner block quantizes all 4 of its inputs)."""
     pytest.importorskip("triton")
     _config_class("ZImage")
-    from sd_accel.accel.models import configs
     from sd_accel.kernels import quant
     from test_dit import _fused_output
 
-    model = configs.build_dit("tiny-z-image", "comfy", comfyui_root=H.comfy_root(), dtype=torch.bfloat16,
-                              device=DEVICE)
-    inp = configs.dit_example_inputs("tiny-z-image", batch=2, device=DEVICE)
-    inp = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inp.items()}
+    model, inp = _tiny_bf16("tiny-z-image")
     blocks = [m for m in model.modules() if type(m).__name__ == "JointTransformerBlock"]
     modulated = sum(1 for m in blocks if m.modulation not in (False, None))
     ref, _ = _fused_output(model, inp, "16bit")

@@ -10,9 +10,10 @@ Which projections take them follows the torch path's `precision` option:
 - "16bit": none (fp8-loaded weights run through the host's own layers: widened per call, or its own fp8 kernels);
 - "int8": every block projection as "fp8" does, but 16-bit weights quantized to int8 (per output channel) and their
   inputs to int8 rows (kernels/quant.py, kernels/int8_gemm.py): 7 bits of each row where e4m3 keeps 3, at e4m3's
-  tensor-core rate on Hopper; for models whose fp8 error is too large (Z-Image, BENCHMARKS.md). Weights stored in e4m3
-  stay e4m3 products. Producers that write e4m3 rows for the next product (the adaLN pass, fp8 attention) hand int8
-  layers 16 bits instead (`takes_rows`), which the product quantizes.
+  tensor-core rate on Hopper (sd-accel's Triton product takes about 1.2x cuBLAS's e4m3 time); for models whose fp8
+  error is too large (Z-Image, BENCHMARKS.md). Weights stored in e4m3 stay e4m3 products. Producers that write e4m3
+  rows for the next product (the adaLN pass, fp8 attention) hand int8 layers 16 bits instead (`takes_rows`), which
+  the product quantizes.
 The adaLN modulation projections (one row per sample) take fp8 products only where their weights are stored in fp8
 (widening billions of them per call costs more than the product); 16-bit ones stay 16-bit. Layers with weight or
 bias functions (lowvram, a LoRA applied per call) are never taken: their forward applies them. A marked layer's own

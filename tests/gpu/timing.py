@@ -109,7 +109,9 @@ class Waits:
 
 def site(stack: traceback.StackSummary) -> str:
     """The place a wait came from: its innermost frames outside torch, the warnings machinery and this module."""
-    torch_dir = str(Path(__import__("torch").__file__).parent)
+    import torch
+
+    torch_dir = str(Path(torch.__file__).parent)
     frames = [f for f in stack if not f.filename.startswith(torch_dir)
               and Path(f.filename).name not in ("warnings.py", Path(__file__).name)]
     return " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"

@@ -34,6 +34,7 @@ from ..accel.parallel.spread import GPUS, SPREAD_OPTIONS, Spread, devices_here
 from ..accel.plan.options import PRECISION
 from . import gpus as gpu_side
 from .comfy_ui import CATEGORY, cache_root, current_prompt, node_progress, publish, say
+from .conds import sample_with_conds_on_device
 
 KEY = "sd-accel"
 # transformer_options entries by which ComfyUI 0.33's LTX-2 nodes change what its blocks run for a call
@@ -308,9 +309,11 @@ def attach(model, session: "Session") -> None:
              "hunyuan-video": (WrappersMP.DIFFUSION_MODEL, session.hunyuan_video_diffusion_model),
              "ltx2": (WrappersMP.DIFFUSION_MODEL, session.ltx2_diffusion_model),
              "sd3": (WrappersMP.APPLY_MODEL, session.apply_model)}[_kind(model)]
-    for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.DIFFUSION_MODEL, WrappersMP.APPLY_MODEL):
+    for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.SAMPLER_SAMPLE, WrappersMP.DIFFUSION_MODEL,
+                 WrappersMP.APPLY_MODEL):
         model.remove_wrappers_with_key(kind, KEY)
-    for kind, fn in ((WrappersMP.OUTER_SAMPLE, session.outer_sample), serve):
+    for kind, fn in ((WrappersMP.OUTER_SAMPLE, session.outer_sample),
+                     (WrappersMP.SAMPLER_SAMPLE, sample_with_conds_on_device), serve):
         model.add_wrapper_with_key(kind, KEY, fn)
     model.remove_callbacks_with_key(CallbacksMP.ON_DETACH, KEY)
     model.add_callback_with_key(CallbacksMP.ON_DETACH, KEY, session.on_detach)

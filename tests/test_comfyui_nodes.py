@@ -75,6 +75,54 @@ def test_accelerated_equals_plain_and_input_model_is_untouched(pack, tiny):
     assert accelerated_unet.session_of(tiny) is None
 
 
+def test_a_run_takes_its_conds_to_the_model_device_once_and_gives_comfyui_its_own_back(pack, tiny):
+    """ComfyUI copies each cond from the CPU in every step, a copy that waits for the GPU. The node's sampler wrapper
+    hands the sampler the run's conds on the load device (meta here: no CPU test has a second device), the same
+    classes and values, and the guider gets its own conds back."""
+    from comfy.patcher_extension import WrappersMP
+    from sd_accel.nodes import conds as conds_on
+
+    pos, neg = H.tiny_conditioning(2)
+    seen = []
+
+    def spy(executor, guider, *args, **kwargs):
+        conds = guider.conds
+        try:
+            return executor(guider, *args, **kwargs)
+        finally:
+            seen.append((conds, guider.conds is conds))
+
+    spied = tiny.clone()
+    spied.add_wrapper_with_key(WrappersMP.SAMPLER_SAMPLE, "test spy", spy)  # added first, it runs outside the node's
+    acc, _ = accelerate(pack, spied)
+    assert H.same(sample(acc, pos, neg), sample(tiny, pos, neg))
+    (processed, given_back), = seen
+    assert given_back
+    assert acc.wrappers[WrappersMP.SAMPLER_SAMPLE][accelerated_unet.KEY] == [conds_on.sample_with_conds_on_device]
+
+    class Guider:
+        model_patcher = type("Patcher", (), {"load_device": torch.device("meta")})()
+        conds = processed
+
+    given = []
+    assert conds_on.sample_with_conds_on_device(lambda g, *a: given.append(g.conds) or "samples", Guider) == "samples"
+    assert Guider.conds is processed
+    (moved,) = given
+    assert moved.keys() == processed.keys() == {"positive", "negative"}
+    crossattn = 0
+    for key in processed:
+        for before, after in zip(processed[key], moved[key], strict=True):
+            assert before.keys() == after.keys() and before["model_conds"].keys() == after["model_conds"].keys()
+            for name, cond in before["model_conds"].items():
+                now = after["model_conds"][name]
+                assert type(now) is type(cond)
+                if torch.is_tensor(cond.cond):
+                    assert cond.cond.device.type == "cpu" and now.cond.device.type == "meta"
+                    assert (now.cond.shape, now.cond.dtype) == (cond.cond.shape, cond.cond.dtype)
+                    crossattn += name == "c_crossattn"
+    assert crossattn == 2
+
+
 def test_torch_path_is_kept_between_runs_and_freed_when_comfyui_unloads_the_model(pack, tiny):
     import comfy.model_management
 

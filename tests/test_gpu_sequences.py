@@ -129,6 +129,29 @@ def test_a_transformers_fp8_yardstick_measured_alone_serves_a_later_run(tmp_path
     assert report.rows and {r.limit for r in report.rows} == {5e-2 * 1.5} and not report.failures(), report.table()
 
 
+def test_a_call_cut_off_in_its_sequences_leaves_its_yardsticks_for_the_next(tmp_path, monkeypatch):
+    """With SD_ACCEL_GPU_REPORT, the yardsticks are written as soon as they are measured: a call its time limit ends
+    before any report leaves NAME.yardstick.json, which SD_ACCEL_GPU_YARDSTICK gives the next call (no float32 runs)."""
+    monkeypatch.setenv("SD_ACCEL_GPU_REPORT", str(tmp_path))
+    monkeypatch.delenv("SD_ACCEL_GPU_YARDSTICK", raising=False)
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt("the call's time limit")
+
+    with monkeypatch.context() as m:
+        m.setattr(sequences.Harness, "check", cut)
+        with pytest.raises(KeyboardInterrupt):
+            sequences.run_model("flux-dev", size="tiny", device="cpu", only="fp8", runs="timed")
+    path = tmp_path / "flux-dev.yardstick.json"
+    left = json.loads(path.read_text())
+    assert left["model"] == "flux-dev" and left["fp8_yardstick"] > 1e-3 and not (tmp_path / "flux-dev.json").exists()
+    monkeypatch.setenv("SD_ACCEL_GPU_YARDSTICK", str(path))
+    monkeypatch.setattr(sequences.Harness, "measure_yardstick", lambda self: pytest.fail("measured, not taken"))
+    monkeypatch.setattr(sequences.Harness, "measure_fp8_yardstick", lambda self: pytest.fail("measured, not taken"))
+    report = sequences.run_model("flux-dev", size="tiny", device="cpu", only="fp8", runs="timed")
+    assert report.fp8_yardstick == left["fp8_yardstick"] and report.rows and not report.failures(), report.table()
+
+
 def test_int8_settings_alone_measure_the_fp8_yardstick_their_widget_changes_are_held_to(monkeypatch):
     """int8 settings chosen alone (SD_ACCEL_GPU_SETTINGS="int8, ..."): the fp8 yardstick is measured as for fp8, which
     bounds the int8 rows and the widget changes' fp8 node alike."""

@@ -16,5 +16,19 @@ def report(name: str, table: str, record: dict) -> None:
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         Path(folder, f"{name}.txt").write_text(table + "\n")
-        Path(folder, f"{name}.json").write_text(json.dumps({"model": name, "gpu": torch.cuda.get_device_name(),
-                                                            **record}, indent=1))
+        Path(folder, f"{name}.json").write_text(json.dumps({"model": name, "gpu": _gpu(), **record}, indent=1))
+
+
+def yardsticks(name: str, yardstick: float, fp8_yardstick: float | None, notes: list[str]) -> None:
+    """With SD_ACCEL_GPU_REPORT, write a model's yardsticks there as soon as they are measured (NAME.yardstick.json),
+    so that a call its time limit ends in the sequences leaves them for SD_ACCEL_GPU_YARDSTICK to give the next."""
+    folder = os.environ.get("SD_ACCEL_GPU_REPORT")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"{name}.yardstick.json").write_text(json.dumps(
+            {"model": name, "gpu": _gpu(), "yardstick": yardstick, "fp8_yardstick": fp8_yardstick,
+             "notes": notes}, indent=1))
+
+
+def _gpu() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"

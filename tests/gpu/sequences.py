@@ -25,7 +25,9 @@ projections do not damp it. (ComfyUI's weight dtype fp8_e4m3fn casts without a s
 e4m3's smallest normal, lose far more there, so it is no yardstick.) SD_ACCEL_GPU_YARDSTICK splits it from the sequences where both do not fit
 one call (Qwen-Image's 20 float32 steps take most of ten minutes): "only" measures it alone (and the fp8 one where fp8
 settings are chosen), and the path of the JSON report that run wrote (tests/gpu/reporting.py) gives their values to a
-later run, which then builds the 16-bit model alone and says where its yardsticks came from.
+later run, which then builds the 16-bit model alone and says where its yardsticks came from. Any run that measures
+them with SD_ACCEL_GPU_REPORT set writes them there at once (NAME.yardstick.json, which serves the same way): a call
+cut off by its time limit in the sequences still leaves them.
 
 Full size (the published architectures, seeded well-conditioned weights) on a GPU; `size="tiny"` runs the same
 sequences on tiny models, which is how the CPU tests keep this file honest.
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 import comfy_helpers as H
+import reporting
 import timing
 
 # name: (ComfyUI's supported_models class, config name in accel/models/configs.py, 16-bit dtype, cfg, base size W x H,
@@ -533,6 +536,8 @@ class Harness:
             self.measure_yardstick()
         if fp8 and not self.unet and self.name not in WEIGHTS and self.report.fp8_yardstick is None:
             self.measure_fp8_yardstick()
+        if not given or given == "only":
+            reporting.yardsticks(self.name, self.report.yardstick, self.report.fp8_yardstick, self.report.notes)
         if given == "only":
             self.report.sequences = False
             return False

@@ -48,7 +48,7 @@ def timed_runs(environ: dict) -> int:
 RUNS = timed_runs(os.environ)
 CPU_RUNS = 1  # without one (tiny models, tests/test_gpu_*.py) the timed runs check the harness, and no figure is meant
 KERNELS = 3  # the longest kernels by name each side's profiled run lists in each of its longest classes and copies
-CLASSES = 3  # those classes
+CLASSES = 4  # those classes (a fourth: norm, where the DiTs' fused q/k row-norm passes fall by their names)
 NAME = 60  # characters of a kernel's name in a line, its boilerplate dropped (templated names run to thousands)
 # Words of PyTorch's and CUDA's kernel names that say nothing of which kernel it is: dropped before a name is cut
 BOILERPLATE = ("void ", "at::native::", "(anonymous namespace)::", "c10::", "std::", "at::")

@@ -1,11 +1,11 @@
 """A sampling run's conditioning, moved to the GPU once.
 
-ComfyUI keeps the text conditioning on the CPU and copies it to the GPU in every step (samplers.cond_cat's
-`.to(device)`). A copy from the CPU waits for the GPU to finish the step before, so each step the GPU idles while
-Python prepares the next call: a few percent of a run whose steps are CUDA graph replays. Moved once, before the
-sampler's first step, the steps queue back to back. The tensors and their values are ComfyUI's; only where they live
-changes, for this run's processed copy of the conds (ComfyUI builds it anew each run), and the guider gets its own
-copy back when the sampler returns.
+ComfyUI keeps the processed conditioning on the CPU: in every step samplers.cond_cat concatenates the batch's conds
+there, and the model copies the result to the GPU from pageable memory (model_base's cast_to_device), a copy in the
+stream between the steps' work. In a run whose steps are CUDA graph replays that is a few percent (Wan 2.1 1.3B: 45-52
+ms of copies a run). Moved once, before the sampler's first step, the concatenation runs on the GPU and nothing is
+copied. The tensors and their values are ComfyUI's; only where they live changes, for this run's processed copy of
+the conds (ComfyUI builds it anew each run), and the guider gets its own copy back when the sampler returns.
 """
 
 from __future__ import annotations

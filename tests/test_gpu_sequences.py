@@ -152,6 +152,17 @@ def test_a_call_cut_off_in_its_sequences_leaves_its_yardsticks_for_the_next(tmp_
     assert report.fp8_yardstick == left["fp8_yardstick"] and report.rows and not report.failures(), report.table()
 
 
+def test_the_changes_alone_run_the_lora_unload_and_widget_runs_each_equal_to_plain(monkeypatch):
+    """SD_ACCEL_GPU_RUNS=changes: a first run, then a LoRA added, changed and removed, an unload, and the widget
+    changes; each run equal to plain's, the LoRA's effect on plain measured (a LoRA that changed nothing would fail)."""
+    monkeypatch.delenv("SD_ACCEL_GPU_YARDSTICK", raising=False)
+    report = sequences.run_model("sd15", size="tiny", device="cpu", only="auto", runs="changes")
+    assert [r.run for r in report.rows if r.setting == "auto, graphs off"] == [
+        "7 steps", "LoRA 1.0", "LoRA 0.4", "LoRA removed", "after unload"]
+    assert any(r.setting.startswith("widget") for r in report.rows) and report.lora_effect > 1e-3, report.table()
+    assert not report.failures(), report.table()
+
+
 def test_int8_settings_alone_measure_the_fp8_yardstick_their_widget_changes_are_held_to(monkeypatch):
     """int8 settings chosen alone (SD_ACCEL_GPU_SETTINGS="int8, ..."): the fp8 yardstick is measured as for fp8, which
     bounds the int8 rows and the widget changes' fp8 node alike."""

@@ -10,7 +10,8 @@ graphs remove; and that busy time by class of kernel (the bench's classes: GEMM,
 with memory copies and sets apart) and its longest kernels by name, so that two runs whose GPU work differs (one model
 in two ComfyUI versions) say where. One more run of each under torch's sync debug mode says where the CPU waited for
 the GPU (each wait leaves the GPU idle while the CPU prepares what follows it): the idle time that two runs of the same
-GPU work differ by.
+GPU work differ by. A non-blocking copy from pageable memory is not among them (the mode flags torch's own syncs);
+its time shows among the copies.
 
 The statistics and the lines are plain functions of the timers' samples, which tests/test_gpu_timing.py checks on
 the CPU; the statistics and the host's CPU and load are the bench's own (accel/cli/timing.py).
